@@ -1,0 +1,410 @@
+"""Autograd for the vLLM kernels that the simple_rl trainer calls.
+
+vLLM ships forward-only kernels. To train with *exactly* the numbers vLLM
+computes at inference, the trainer calls those same kernels in its forward and
+supplies the backward here. Every op below has
+
+  * a reference forward in plain PyTorch (`ref_*`), used on CPU, in tests, and
+    as the source of reference gradients;
+  * a hand-written backward (`*_backward`), with its derivative in the
+    docstring. Backwards are pure PyTorch in fp32 with fixed reduction order
+    (no atomics), so two backward passes over the same batch are bitwise equal;
+  * an autograd Function that runs a *given* forward and the hand-written
+    backward. With vLLM's forwards it is the GPU training path; with the
+    reference forwards it lets CPU tests check every backward against autograd.
+
+Two kernel sets are built from these, chosen once at start-up:
+`reference_kernels()` (plain PyTorch, autograd everywhere) and `vllm_kernels()`
+(vLLM's batch-invariant kernels + the backwards here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode."""
+
+    name: str
+    rms_norm: Callable  # (x (..., D), w (D,), eps) -> y
+    add_rms_norm: Callable  # (x, residual, w, eps) -> (y, x + residual)
+    rotary: Callable  # (q (T, Hq, D), k (T, Hk, D), positions (T,), cos_sin (P, D)) -> (q, k)
+    silu_and_mul: Callable  # (x (T, 2I)) -> (T, I)
+    linear: Callable  # (x (T, K), w (N, K)) -> (T, N)
+    attention: Callable  # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> (o (T, Hq, D), lse (Hq, T))
+    log_softmax: Callable  # (x (N, V) fp32) -> (N, V) fp32
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm (vLLM: Triton `rms_norm_batch_invariant`; with residual, `fused_add_rms_norm`)
+# ---------------------------------------------------------------------------
+
+
+def ref_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 and rounded once (as the Triton kernel)."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * r * w.float()).to(x.dtype)
+
+
+def ref_add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """s = x + residual (rounded to x.dtype); y = round(s / rms(s)) * w, as vLLM's CUDA kernel."""
+    s = x + residual
+    sf = s.float()
+    r = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    return (sf * r).to(x.dtype) * w, s
+
+
+def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Gradients of y = x_hat * w with x_hat = x * r, r = (mean(x^2) + eps)^-1/2.
+
+    dx = r * (gy*w - x_hat * mean(gy*w*x_hat))     (per row, over the last dim D)
+    dw = sum_rows(gy * x_hat)
+    """
+    d = x.shape[-1]
+    xf, gf, wf = x.float(), gy.float(), w.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = xf * r
+    gw = gf * wf
+    dx = r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
+    dw = (gf * x_hat).reshape(-1, d).sum(0)
+    return dx.to(x.dtype), dw.to(w.dtype)
+
+
+class RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps, fwd):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return fwd(x, w, eps)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        dx, dw = rms_norm_backward(x, w, gy, ctx.eps)
+        return dx, dw, None, None
+
+
+class AddRMSNormFn(torch.autograd.Function):
+    """(y, s) = (rms_norm(x + residual) * w, x + residual); ds collects both paths: dy->s and ds_out."""
+
+    @staticmethod
+    def forward(ctx, x, residual, w, eps, fwd):
+        y, s = fwd(x, residual, w, eps)
+        ctx.save_for_backward(s, w)
+        ctx.eps = eps
+        return y, s
+
+    @staticmethod
+    def backward(ctx, gy, gs):
+        s, w = ctx.saved_tensors
+        ds, dw = rms_norm_backward(s, w, gy, ctx.eps)
+        if gs is not None:
+            ds = ds + gs
+        return ds, ds, dw, None, None
+
+
+# ---------------------------------------------------------------------------
+# Rotary embedding (vLLM: CUDA `rotary_embedding`, NeoX layout, bf16 cos/sin cache)
+# ---------------------------------------------------------------------------
+
+
+def rope_cos_sin_cache(head_dim: int, theta: float, max_positions: int, device, dtype) -> Tensor:
+    """cache[p] = [cos(p * f), sin(p * f)], f_i = theta^(-2i/D): built in fp32 on `device`, then cast.
+
+    vLLM builds its cache the same way on the GPU at model load; building ours on the
+    same device with the same fp32 ops gives the same bits.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    t = torch.arange(max_positions, dtype=torch.float, device=device)
+    freqs = torch.outer(t, inv_freq)  # (P, D/2)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)  # (P, D)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """NeoX rotation of x = [x1, x2]: [x1*cos - x2*sin, x2*cos + x1*sin] (each op rounds, as the kernel)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def ref_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2) each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def rotary_backward(g: Tensor, positions: Tensor, cos_sin: Tensor) -> Tensor:
+    """The rotation R(p) is orthogonal, so dx = R(p)^T g = R(-p) g: rotate by -sin, in fp32."""
+    cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(g.float(), cos, -sin).to(g.dtype)
+
+
+class RotaryFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, positions, cos_sin, fwd):
+        ctx.save_for_backward(positions, cos_sin)
+        return fwd(q, k, positions, cos_sin)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        positions, cos_sin = ctx.saved_tensors
+        return rotary_backward(gq, positions, cos_sin), rotary_backward(gk, positions, cos_sin), None, None, None
+
+
+# ---------------------------------------------------------------------------
+# SiluAndMul (vLLM: CUDA `silu_and_mul`)
+# ---------------------------------------------------------------------------
+
+
+def ref_silu_and_mul(x: Tensor) -> Tensor:
+    """y = silu(a) * b for x = [a, b] (each op rounds to x.dtype, as the kernel)."""
+    a, b = x.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def silu_and_mul_backward(x: Tensor, gy: Tensor) -> Tensor:
+    """With s = sigmoid(a): da = gy * b * s * (1 + a * (1 - s)),  db = gy * a * s."""
+    a, b = x.float().chunk(2, dim=-1)
+    g = gy.float()
+    s = torch.sigmoid(a)
+    da = g * b * s * (1 + a * (1 - s))
+    db = g * a * s
+    return torch.cat((da, db), dim=-1).to(x.dtype)
+
+
+class SiluAndMulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd):
+        ctx.save_for_backward(x)
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x,) = ctx.saved_tensors
+        return silu_and_mul_backward(x, gy), None
+
+
+# ---------------------------------------------------------------------------
+# Linear (vLLM: Triton persistent matmul `linear_batch_invariant`)
+# ---------------------------------------------------------------------------
+
+
+def linear_backward(x: Tensor, w: Tensor, gy: Tensor) -> tuple[Tensor, Tensor]:
+    """y = x w^T  =>  dx = gy w,  dw = gy^T x. Plain GEMMs: deterministic for fixed shapes."""
+    return gy @ w, gy.t() @ x
+
+
+class LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, fwd):
+        ctx.save_for_backward(x, w)
+        return fwd(x, w)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        dx, dw = linear_backward(x, w, gy)
+        return dx, dw, None
+
+
+# ---------------------------------------------------------------------------
+# Attention (vLLM: FlashAttention 3 varlen, causal, num_splits=1)
+# ---------------------------------------------------------------------------
+
+
+def _pad(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
+    """(T, H, D) packed -> (B, H, L, D) zero-padded fp32, plus the valid mask (B, L)."""
+    starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    pos = torch.arange(max_seqlen, device=packed.device)
+    valid = pos[None, :] < lens[:, None]  # (B, L)
+    index = torch.where(valid, starts[:, None] + pos[None, :], 0)  # (B, L)
+    return packed.float()[index].masked_fill(~valid[..., None, None], 0).transpose(1, 2), valid
+
+
+def _unpad(padded: Tensor, valid: Tensor) -> Tensor:
+    """(B, H, L, D) -> (T, H, D): valid rows in row-major order are exactly the packed order."""
+    return padded.transpose(1, 2)[valid]
+
+
+def _masked_scores(q: Tensor, k: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """S = q k^T * scale with causal + length mask; q (B, Hq, L, D), k (B, Hk, L, D) -> (B, Hq, L, L)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: (B, Hq, L, D)
+    s = q @ k.transpose(-1, -2) * scale
+    L = q.shape[2]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    return s.masked_fill(~(causal & valid[:, None, None, :]), float("-inf"))
+
+
+def ref_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal varlen attention o = softmax(q k^T * scale) v per sequence, in fp32 (padded, one batched call)."""
+    qp, valid = _pad(q, cu_seqlens, max_seqlen)
+    kp, _ = _pad(k, cu_seqlens, max_seqlen)
+    vp, _ = _pad(v, cu_seqlens, max_seqlen)
+    s = _masked_scores(qp, kp, valid, scale)  # (B, Hq, L, L)
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, L)
+    vp = vp.repeat_interleave(qp.shape[1] // vp.shape[1], dim=1)
+    o = torch.exp(s - lse[..., None]) @ vp  # (B, Hq, L, D)
+    return _unpad(o, valid).to(q.dtype), _unpad(lse[..., None], valid)[..., 0].t()
+
+
+def attention_backward(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, scale: float):
+    """Flash-attention backward, recomputing P from the saved log-sum-exp:
+
+    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),
+    dQ = dS K * scale,  dK = dS^T Q * scale;  GQA heads sum their group's dK, dV.
+    """
+    qp, valid = _pad(q, cu_seqlens, max_seqlen)
+    kp, _ = _pad(k, cu_seqlens, max_seqlen)
+    vp, _ = _pad(v, cu_seqlens, max_seqlen)
+    op, _ = _pad(o, cu_seqlens, max_seqlen)
+    gop, _ = _pad(go, cu_seqlens, max_seqlen)
+    lsep = _pad(lse.t()[..., None], cu_seqlens, max_seqlen)[0][..., 0]  # (B, Hq, L)
+    group = qp.shape[1] // kp.shape[1]
+    p = torch.exp(_masked_scores(qp, kp, valid, scale) - lsep[..., None])  # (B, Hq, L, L)
+    p = p.masked_fill(~valid[:, None, :, None], 0)  # padded query rows carry no gradient
+    dv = p.transpose(-1, -2) @ gop  # (B, Hq, L, D)
+    dp = gop @ vp.repeat_interleave(group, dim=1).transpose(-1, -2)
+    ds = p * (dp - (gop * op).sum(-1, keepdim=True))
+    dq = ds @ kp.repeat_interleave(group, dim=1) * scale
+    dk = ds.transpose(-1, -2) @ qp * scale
+
+    def fold(t):  # (B, Hq, L, D) -> (B, Hk, L, D): sum each GQA group, in a fixed order
+        return t.unflatten(1, (kp.shape[1], group)).sum(2)
+
+    return (
+        _unpad(dq, valid).to(q.dtype),
+        _unpad(fold(dk), valid).to(k.dtype),
+        _unpad(fold(dv), valid).to(v.dtype),
+    )
+
+
+class AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, fwd):
+        o, lse = fwd(q, k, v, cu_seqlens, max_seqlen, scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, o, lse, cu = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, go, cu, ctx.max_seqlen, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+# ---------------------------------------------------------------------------
+# log_softmax (vLLM: Triton `log_softmax` of batch_invariant.py)
+# ---------------------------------------------------------------------------
+
+
+def ref_log_softmax(x: Tensor) -> Tensor:
+    """y = x - max(x) - log(sum(exp(x - max(x)))) over the last dim."""
+    return torch.log_softmax(x, dim=-1)
+
+
+def log_softmax_backward(y: Tensor, gy: Tensor) -> Tensor:
+    """dx = gy - softmax(x) * sum(gy) = gy - exp(y) * sum(gy), per row."""
+    return gy - torch.exp(y) * gy.sum(-1, keepdim=True)
+
+
+class LogSoftmaxFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd):
+        y = fwd(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        (y,) = ctx.saved_tensors
+        return log_softmax_backward(y, gy), None
+
+
+# ---------------------------------------------------------------------------
+# Kernel sets
+# ---------------------------------------------------------------------------
+
+
+def reference_kernels() -> Kernels:
+    """Plain PyTorch ops with autograd's own backward: the CPU path and the tests' ground truth."""
+    return Kernels(
+        name="reference",
+        rms_norm=ref_rms_norm,
+        add_rms_norm=ref_add_rms_norm,
+        rotary=ref_rotary,
+        silu_and_mul=ref_silu_and_mul,
+        linear=F.linear,
+        attention=lambda *a: ref_attention(*a)[0],
+        log_softmax=ref_log_softmax,
+    )
+
+
+def custom_backward_kernels(fwd: Kernels) -> Kernels:
+    """Wrap the forwards of `fwd` in the autograd Functions above (hand-written backward)."""
+    return Kernels(
+        name=fwd.name,
+        rms_norm=lambda x, w, eps: RMSNormFn.apply(x, w, eps, fwd.rms_norm),
+        add_rms_norm=lambda x, r, w, eps: AddRMSNormFn.apply(x, r, w, eps, fwd.add_rms_norm),
+        rotary=lambda q, k, pos, cs: RotaryFn.apply(q, k, pos, cs, fwd.rotary),
+        silu_and_mul=lambda x: SiluAndMulFn.apply(x, fwd.silu_and_mul),
+        linear=lambda x, w: LinearFn.apply(x, w, fwd.linear),
+        attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention),
+        log_softmax=lambda x: LogSoftmaxFn.apply(x, fwd.log_softmax),
+    )
+
+
+def reference_forwards() -> Kernels:
+    """The reference forwards with the fwd contract of `Kernels` (attention also returns lse)."""
+    ref = reference_kernels()
+    return Kernels(**{**ref.__dict__, "name": "reference+custom-backward", "attention": ref_attention})
+
+
+def vllm_forwards() -> Kernels:
+    """Exactly the kernels vLLM 0.26's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import batch_invariant as bi
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    def add_rms_norm(x, residual, w, eps):
+        x, residual = x.clone(), residual.clone()  # the kernel works in place
+        ops.fused_add_rms_norm(x, residual, w, eps)
+        return x, residual
+
+    def rotary(q, k, positions, cos_sin):
+        q, k = q.contiguous().clone(), k.contiguous().clone()  # in place; heads flattened as vLLM passes them
+        ops.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), q.shape[-1], cos_sin, True)
+        return q, k
+
+    def silu_and_mul(x):
+        out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
+        torch.ops._C.silu_and_mul(out, x)
+        return out
+
+    def attention(q, k, v, cu_seqlens, max_seqlen, scale):
+        return flash_attn_varlen_func(
+            q, k, v, max_seqlen, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens,
+            softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=3, num_splits=1,
+        )
+
+    return Kernels(
+        name="vllm",
+        rms_norm=bi.rms_norm_batch_invariant,
+        add_rms_norm=add_rms_norm,
+        rotary=rotary,
+        silu_and_mul=silu_and_mul,
+        linear=bi.linear_batch_invariant,
+        attention=attention,
+        log_softmax=bi.log_softmax,
+    )
+
+
+def vllm_kernels() -> Kernels:
+    return custom_backward_kernels(vllm_forwards())

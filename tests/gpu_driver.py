@@ -1,0 +1,167 @@
+"""GPU parity experiments, one engine per process (vLLM keeps process-wide state).
+
+    VLLM_BATCH_INVARIANT=1 python tests/gpu_driver.py parity --tied --temperature 1.0 --out r.json
+
+`tests/test_gpu.py` runs these and asserts on the JSON they write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import batch_invariant_backward as bib  # noqa: E402
+import simple_rl as rl  # noqa: E402
+from helpers import make_checkpoint  # noqa: E402
+
+# trainer name fragment -> vLLM name fragment, for comparing the two models' weights
+TO_VLLM = [("tok_embeddings", "model.embed_tokens"), ("layers.", "model.layers."), ("attention.wqkv", "self_attn.qkv_proj"),
+           ("attention.wo", "self_attn.o_proj"), ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"),
+           ("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+           ("feed_forward.w13", "mlp.gate_up_proj"), ("feed_forward.w2", "mlp.down_proj"), ("output.", "lm_head.")]
+
+
+def vllm_name(name: str) -> str:
+    if name == "norm.weight":
+        return "model.norm.weight"
+    for a, b in TO_VLLM:
+        name = name.replace(a, b, 1) if a in name else name
+    return name
+
+
+def weights_equal(engine, model) -> tuple[bool, int]:
+    """Every trainer weight (compute dtype) equals vLLM's tensor of the same role, bitwise."""
+    ours = {vllm_name(n): model.w(p.detach()) for n, p in model.named_parameters()}
+
+    def check(m):
+        theirs = dict(m.named_parameters())
+        return [n for n, t in ours.items() if n not in theirs or not torch.equal(theirs[n], t)]
+
+    bad = engine.llm.apply_model(check)[0]
+    return not bad, len(ours)
+
+
+def setup(args):
+    work = Path(tempfile.mkdtemp())
+    path = make_checkpoint(work / "ckpt", tied=args.tied, layers=args.layers, vocab=args.vocab, hidden=args.hidden,
+                           heads=args.heads, kv_heads=args.kv_heads, inter=args.inter, dtype=torch.bfloat16, seed=args.seed)
+    cfg = rl.Config(model=str(path), num_prompts=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, max_model_len=1024, lr=args.lr, seed=args.seed,
+                    micro_batch_tokens=args.micro_batch_tokens)
+    rl.validate(cfg)
+    _, margs, tokenizer, eos_id = rl.load_checkpoint(cfg)
+    t0 = time.perf_counter()
+    engine = rl.VLLMEngine(cfg, path, eos_id)
+    engine_s = time.perf_counter() - t0
+    model = rl.build_model(margs, rl.hf_to_trainer(rl.load_hf_state_dict(path), margs), bib.vllm_kernels(), torch.bfloat16, torch.device("cuda"))
+    return cfg, engine, model, eos_id, engine_s
+
+
+def prompts_for(args) -> list[list[int]]:
+    """Prompt lengths spread from 1 to max_prompt tokens; ids avoid eos (0)."""
+    g = torch.Generator().manual_seed(args.seed)
+    lens = torch.linspace(1, args.max_prompt, args.prompts).round().long().tolist()
+    return [torch.randint(1, args.vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def parity(args) -> dict:
+    cfg, engine, model, eos_id, engine_s = setup(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    prompts = prompts_for(args)
+    out = dict(engine_start_s=engine_s, steps=[])
+    eq, n_w = weights_equal(engine, model)
+    out["weights_equal_at_start"] = eq
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        ro = engine.rollout(prompts, step)
+        t1 = time.perf_counter()
+        packed = rl.pack(ro.prompts, ro.completions)
+        # a synthetic verifiable reward: share of even token ids (gives nonzero advantages)
+        rewards = torch.tensor([sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions])
+        adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).cuda()
+        metrics, logp = rl.train_step(model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg)
+        par = rl.parity_report(ro.logprobs, logp, packed.targets, 6)
+        t2 = time.perf_counter()
+        engine.push(model)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        eq, n_w = weights_equal(engine, model)
+        lens = [len(c) for c in ro.completions]
+        rec = dict(step=step, tokens=par.n_tokens, mismatched=par.n_mismatch, max_abs_diff=par.max_abs_diff,
+                   samples=len(lens), stopped_at_eos=sum(ro.stopped), hit_max_tokens=sum(not s for s in ro.stopped),
+                   max_completion=max(lens), prompt_lens=[min(map(len, prompts)), max(map(len, prompts))],
+                   weights_equal_after_push=eq, n_weights=n_w, rollout_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2,
+                   loss=metrics["loss"], ratio_mean=metrics["ratio_mean"])
+        print(par.table)
+        print(json.dumps(rec))
+        out["steps"].append(rec)
+        if par.n_mismatch and "debug" not in out:
+            bad = int(packed.sample[(ro.logprobs.view(torch.int32) != logp.cpu().view(torch.int32))][0])
+            rows = rl.debug_parity(engine.llm, model, ro.prompts[bad] + ro.completions[bad])
+            print(rl.format_debug(rows))
+            out["debug"] = dict(first=rl.first_divergence(rows), rows=rows)
+    if args.debug:
+        rows = rl.debug_parity(engine.llm, model, ro.prompts[0] + ro.completions[0])
+        print(rl.format_debug(rows))
+        out["debug_clean"] = dict(first=rl.first_divergence(rows))
+        # inject a one-ulp error into SiluAndMul of layer 0 and check the debugger names it
+        k = model.kernels
+        calls = {"n": 0}
+
+        def bumped(x):
+            y = k.silu_and_mul(x)
+            calls["n"] += 1
+            if calls["n"] == 1:
+                y = y.clone()
+                y.view(-1)[0] = torch.nextafter(y.view(-1)[0:1].float(), torch.tensor([1e30], device=y.device)).to(y.dtype)[0]
+            return y
+
+        model.kernels = bib.Kernels(**{**k.__dict__, "silu_and_mul": bumped})
+        rows = rl.debug_parity(engine.llm, model, ro.prompts[0] + ro.completions[0])
+        model.kernels = k
+        print(rl.format_debug(rows))
+        out["debug_injected"] = dict(first=rl.first_divergence(rows))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["parity"])
+    p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt", type=int, default=220)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=384)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--inter", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--debug", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    result = parity(args)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
