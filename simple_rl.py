@@ -663,22 +663,17 @@ def trace_names(n_layers: int) -> list[tuple[str, str]]:
 
 
 def compare_traces(ours: dict[str, list[torch.Tensor]], theirs: dict[str, list[torch.Tensor]], order: list[str]) -> list[dict]:
-    """Per op: how many elements differ bitwise, and the max |delta|. Tensors are compared flattened, row-trimmed."""
+    """Per op: how many elements differ bitwise, and the max |delta|. Tensors are compared as (rows, -1)."""
     rows = []
-    for name in order:
-        if name not in ours or name not in theirs:
+    for name in (n for n in order if n in ours and n in theirs):
+        pairs = [(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)) for a, b in zip(ours[name], theirs[name])]
+        if any(a.shape != b.shape for a, b in pairs):
+            shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in pairs]
+            rows.append(dict(op=name, n_diff=-1, numel=0, max_abs=float("nan"), note=f"shapes differ: {shapes}"))
             continue
-        n_diff = numel = 0
-        max_abs = 0.0
-        for a, b in zip(ours[name], theirs[name]):
-            a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)[: a.shape[0]]
-            if a.shape != b.shape:
-                rows.append(dict(op=name, n_diff=-1, numel=a.numel(), max_abs=float("nan")))
-                break
-            ne = a != b
-            n_diff, numel = n_diff + int(ne.sum()), numel + a.numel()
-            max_abs = max(max_abs, float((a.float() - b.float()).abs().max()))
-        rows.append(dict(op=name, n_diff=n_diff, numel=numel, max_abs=max_abs))
+        rows.append(dict(op=name, n_diff=sum(int((a != b).sum()) for a, b in pairs), numel=sum(a.numel() for a, _ in pairs),
+                         max_abs=max(float((a.float() - b.float()).abs().max()) for a, b in pairs),
+                         rows=sorted({int(i) for a, b in pairs for i in (a != b).any(-1).nonzero()[:, 0].tolist()})[:8]))
     return rows
 
 
@@ -686,11 +681,15 @@ def first_divergence(rows: list[dict]) -> str | None:
     return next((r["op"] for r in rows if r["n_diff"] != 0), None)
 
 
-def vllm_trace(llm, tokens: list[int], names: list[tuple[str, str]]) -> dict[str, list[torch.Tensor]]:
-    """Run one prefill of `tokens` through vLLM with forward hooks on its modules; keep the first call's outputs."""
-    from vllm import SamplingParams, TokensPrompt
+def vllm_trace(llm, prompt: list[int], params, names: list[tuple[str, str]]) -> tuple[dict[str, list[torch.Tensor]], list[int], list[float]]:
+    """Generate from `prompt` with forward hooks on vLLM's modules.
 
-    trace: dict[str, list[torch.Tensor]] = {}
+    Every call (the prefill, then one decode step per token) appends its rows, so
+    the trace covers prompt + completion[:-1], row for row, as the trainer sees it.
+    """
+    from vllm import TokensPrompt
+
+    calls: dict[str, list[list[torch.Tensor]]] = {}
     by_module = {v: k for k, v in names}
 
     def attach(model):
@@ -698,39 +697,51 @@ def vllm_trace(llm, tokens: list[int], names: list[tuple[str, str]]) -> dict[str
         for mod_name, module in model.named_modules():
             if mod_name in by_module:
                 def hook(_m, _inp, out, key=by_module[mod_name]):
-                    if key not in trace:  # the prefill; later calls are decode steps
-                        outs = out if isinstance(out, (tuple, list)) else (out,)
-                        trace[key] = [o.detach().clone() for o in outs if isinstance(o, torch.Tensor)]
+                    outs = out if isinstance(out, (tuple, list)) else (out,)
+                    calls.setdefault(key, []).append([o.detach().clone() for o in outs if isinstance(o, torch.Tensor)])
                 handles.append(module.register_forward_hook(hook))
         return handles
 
     handles = llm.apply_model(attach)[0]
     try:
-        llm.generate([TokensPrompt(prompt_token_ids=tokens)], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
     finally:
         for h in handles:
             h.remove()
-    return trace
+    trace = {k: [torch.cat(parts) for parts in zip(*v)] for k, v in calls.items()}
+    return trace, list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
 
 
-def debug_parity(llm, model: Qwen3VLLMCompatModel, tokens: list[int]) -> list[dict]:
-    """Trainer vs vLLM on one sequence, op by op. Print with `format_debug`."""
+def debug_parity(llm, model: Qwen3VLLMCompatModel, prompt: list[int], max_tokens: int, temperature: float, seed: int) -> tuple[list[dict], int]:
+    """Trainer vs vLLM on one generated sequence, op by op over prefill and decode rows.
+
+    Returns the per-op rows (print with `format_debug`) and the number of generated
+    tokens whose logprobs differ.
+    """
+    from vllm import SamplingParams
+
     names = trace_names(model.args.n_layers)
-    theirs = vllm_trace(llm, tokens, names)
-    packed = pack([tokens], [[]]).to(model.norm.weight.device)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0, detokenize=False)
+    theirs, completion, vllm_lp = vllm_trace(llm, prompt, params, names)
+    packed = pack([prompt], [completion]).to(model.norm.weight.device)
+    fed = Packed(**{**packed.__dict__, "tokens": packed.tokens[:-1], "positions": packed.positions[:-1],
+                    "cu_seqlens": packed.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32, device=packed.tokens.device),
+                    "max_seqlen": packed.max_seqlen - 1})  # vLLM never feeds the last sampled token
     model.trace = {}
     try:
         with torch.no_grad():
-            model(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
+            h = model(fed.tokens, fed.positions, fed.cu_seqlens, fed.max_seqlen)
+            logp, _ = model.token_logprobs(h[fed.gen_index], fed.targets, temperature)
         ours = model.trace
     finally:
         model.trace = None
-    return compare_traces(ours, theirs, [n for n, _ in names])
+    n_bad = int((torch.tensor(vllm_lp, dtype=torch.float32).view(torch.int32) != logp.cpu().view(torch.int32)).sum())
+    return compare_traces(ours, theirs, [n for n, _ in names]), n_bad
 
 
 def format_debug(rows: list[dict]) -> str:
     lines = [f"{'op':<36} {'differ':>10} {'of':>10} {'max |delta|':>12}"]
-    lines += [f"{r['op']:<36} {r['n_diff']:>10} {r['numel']:>10} {r['max_abs']:>12.3g}" for r in rows]
+    lines += [f"{r['op']:<36} {r['n_diff']:>10} {r['numel']:>10} {r['max_abs']:>12.3g} {r.get('note', '')}{r.get('rows') or ''}" for r in rows]
     first = first_divergence(rows)
     lines.append(f"first divergence: {first}" if first else "no divergence: every traced op is bitwise equal")
     return "\n".join(lines)
@@ -929,8 +940,10 @@ def run(cfg: Config) -> str:
     print(f"simple_rl | {path} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params | kernels {kernels.name} | run {run_name}")
 
     if cfg.debug_parity:
-        ro = engine.rollout([tokenizer.encode(TASKS[cfg.task](1, cfg.seed)[0].prompt, add_special_tokens=False)], 0)
-        print(format_debug(debug_parity(engine.llm, model, ro.prompts[0] + ro.completions[0])))
+        prompt = tokenizer.encode(TASKS[cfg.task](1, cfg.seed)[0].prompt, add_special_tokens=False)
+        rows, n_bad = debug_parity(engine.llm, model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+        print(format_debug(rows))
+        print(f"generated-token logprobs that differ: {n_bad}")
         return ""
     for step in range(cfg.steps):
         metrics, parity = rl_step(tr, step)

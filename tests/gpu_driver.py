@@ -108,29 +108,30 @@ def parity(args) -> dict:
         print(par.table)
         print(json.dumps(rec))
         out["steps"].append(rec)
-        if par.n_mismatch and "debug" not in out:
-            bad = int(packed.sample[(ro.logprobs.view(torch.int32) != logp.cpu().view(torch.int32))][0])
-            rows = rl.debug_parity(engine.llm, model, ro.prompts[bad] + ro.completions[bad])
-            print(rl.format_debug(rows))
-            out["debug"] = dict(first=rl.first_divergence(rows), rows=rows)
+        bad = ro.logprobs.view(torch.int32) != logp.cpu().view(torch.int32)
+        offset = torch.arange(len(packed.targets)) - torch.repeat_interleave(torch.cumsum(torch.bincount(packed.sample), 0) - torch.bincount(packed.sample), torch.bincount(packed.sample))
+        rec["mismatch_first_token"] = int(bad[offset == 0].sum())
+        rec["mismatch_later_tokens"] = int(bad[offset > 0].sum())
+        print("mismatch first/later", rec["mismatch_first_token"], rec["mismatch_later_tokens"])
     if args.debug:
-        rows = rl.debug_parity(engine.llm, model, ro.prompts[0] + ro.completions[0])
-        print(rl.format_debug(rows))
-        out["debug_clean"] = dict(first=rl.first_divergence(rows))
-        # inject a one-ulp error into SiluAndMul of layer 0 and check the debugger names it
+        for plen in (5, 120, 300):
+            rows, n_bad = rl.debug_parity(engine.llm, model, prompts_for(args)[0][:1] * plen, 40, cfg.temperature, 1)
+            print(f"--- debug: prompt {plen} tokens, 40 generated, {n_bad} logprobs differ")
+            print(rl.format_debug(rows))
+            out[f"debug_{plen}"] = dict(first=rl.first_divergence(rows), n_bad=n_bad)
+        # inject a one-ulp error into SiluAndMul of layer 1 and check the debugger names it
         k = model.kernels
         calls = {"n": 0}
 
         def bumped(x):
             y = k.silu_and_mul(x)
             calls["n"] += 1
-            if calls["n"] == 1:
-                y = y.clone()
-                y.view(-1)[0] = torch.nextafter(y.view(-1)[0:1].float(), torch.tensor([1e30], device=y.device)).to(y.dtype)[0]
+            if calls["n"] == 2:  # layer 1 of the prefill: raise one element by one ulp
+                y.view(-1).view(torch.int16)[0] += 1
             return y
 
         model.kernels = bib.Kernels(**{**k.__dict__, "silu_and_mul": bumped})
-        rows = rl.debug_parity(engine.llm, model, ro.prompts[0] + ro.completions[0])
+        rows, n_bad = rl.debug_parity(engine.llm, model, [5] * 10, 5, cfg.temperature, 1)
         model.kernels = k
         print(rl.format_debug(rows))
         out["debug_injected"] = dict(first=rl.first_divergence(rows))
