@@ -86,6 +86,7 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature; logprobs are those of softmax(logits / T)")
     max_model_len: int = opt(1024, "vLLM max sequence length (prompt + completion)")
     gpu_memory_utilization: float = opt(0.3, "fraction of GPU memory vLLM may take")
+    engine_tokens_per_step: int = opt(255, "vLLM max_num_batched_tokens; parity was measured at 255 (see README)")
     # --- grpo
     clip_eps: float = opt(0.2, "PPO clip range eps_c")
     kl_coef: float = opt(0.0, "beta of the k3 KL to the frozen initial policy (0: no reference model)")
@@ -360,7 +361,7 @@ class Qwen3VLLMCompatModel(nn.Module):
         q, kk = k.rotary(q, kk, positions, self.cos_sin)
         o = k.attention(q, kk, v.reshape(T, a.n_kv_heads, D).contiguous(), cu_seqlens, max_seqlen, D**-0.5)  # (T, Hq, D)
         out = k.linear(o.reshape(T, -1), self.w(a.wo.weight))  # (T, dim)
-        self.record(f"layers.{i}.rotary_emb", q, kk), self.record(f"layers.{i}.attn", o), self.record(f"layers.{i}.o_proj", out)
+        self.record(f"layers.{i}.attn", o), self.record(f"layers.{i}.o_proj", out)
         return out
 
     def forward(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
@@ -448,7 +449,13 @@ class VLLMEngine:
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T), what was sampled from
-            max_num_seqs=cfg.num_prompts * cfg.group_size,  # every sample of a step in one running batch
+            # Parity depends on this budget. Measured on an H200 (vLLM 0.26, tiny Qwen3, 16 x 8
+            # samples): with 16384 tokens per step (one big prefill, then pure-decode steps of 128
+            # sequences) ~55% of decode-step logprobs differed from the trainer's (max |delta| 0.03)
+            # while every prefill-step token matched; with 255 (prefill chunks mixed into decode
+            # steps) 0 of 53,855 differed. See README, "Parity and engine settings".
+            max_num_batched_tokens=cfg.engine_tokens_per_step,
+            max_num_seqs=min(cfg.num_prompts * cfg.group_size, cfg.engine_tokens_per_step),
             attention_backend="FLASH_ATTN",
         )
 
@@ -648,11 +655,12 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
 # ==========================================================================
 
 # Trainer trace names -> vLLM module names (`layers.{i}.` -> `model.layers.{i}.`), in execution order.
-TRACE_OPS = ["input_layernorm", "qkv_proj", "q_norm", "k_norm", "rotary_emb", "attn", "o_proj",
+# (vLLM shares one rotary module across layers, so the rotation is checked through `attn`.)
+TRACE_OPS = ["input_layernorm", "qkv_proj", "q_norm", "k_norm", "attn", "o_proj",
              "post_attention_layernorm", "gate_up_proj", "act_fn", "down_proj"]
 VLLM_MODULES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
                 "qkv_proj": "self_attn.qkv_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                "rotary_emb": "self_attn.rotary_emb", "attn": "self_attn.attn", "o_proj": "self_attn.o_proj",
+                "attn": "self_attn.attn", "o_proj": "self_attn.o_proj",
                 "gate_up_proj": "mlp.gate_up_proj", "act_fn": "mlp.act_fn", "down_proj": "mlp.down_proj"}
 
 
@@ -702,6 +710,7 @@ def vllm_trace(llm, prompt: list[int], params, names: list[tuple[str, str]]) -> 
                 handles.append(module.register_forward_hook(hook))
         return handles
 
+    llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
     handles = llm.apply_model(attach)[0]
     try:
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]

@@ -30,7 +30,7 @@ def make_tokenizer(out: Path, vocab_size: int = 320):
 
 def make_checkpoint(out: Path, *, tied: bool = True, layers: int = 2, vocab: int = 384, hidden: int = 256,
                     heads: int = 4, kv_heads: int = 2, head_dim: int = 128, inter: int = 512, shard: str | None = None,
-                    seed: int = 0, dtype=torch.float32, max_pos: int = 2048) -> Path:
+                    seed: int = 0, dtype=torch.float32, max_pos: int = 2048, device: str = "cpu") -> Path:
     """A random Qwen3ForCausalLM saved by transformers (GQA, head_dim 128 by default), plus tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -39,7 +39,8 @@ def make_checkpoint(out: Path, *, tied: bool = True, layers: int = 2, vocab: int
                       num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
                       tie_word_embeddings=tied, max_position_embeddings=max_pos, eos_token_id=0,
                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    model = Qwen3ForCausalLM(cfg).to(dtype)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
     with torch.no_grad():  # HF inits norms to 1; random norms make the tests see every weight
         for n, p in model.named_parameters():
             if "norm" in n:
