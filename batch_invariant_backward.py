@@ -29,6 +29,11 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 
 
+def _wide(t: Tensor) -> Tensor:
+    """At least fp32: the precision every backward (and the reference attention) computes in."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode."""
@@ -50,15 +55,15 @@ class Kernels:
 
 def ref_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 and rounded once (as the Triton kernel)."""
-    xf = x.float()
+    xf = _wide(x)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * r * w.float()).to(x.dtype)
+    return (xf * r * _wide(w)).to(x.dtype)
 
 
 def ref_add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """s = x + residual (rounded to x.dtype); y = round(s / rms(s)) * w, as vLLM's CUDA kernel."""
     s = x + residual
-    sf = s.float()
+    sf = _wide(s)
     r = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
     return (sf * r).to(x.dtype) * w, s
 
@@ -70,7 +75,7 @@ def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float) -> tuple[Ten
     dw = sum_rows(gy * x_hat)
     """
     d = x.shape[-1]
-    xf, gf, wf = x.float(), gy.float(), w.float()
+    xf, gf, wf = _wide(x), _wide(gy), _wide(w)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     x_hat = xf * r
     gw = gf * wf
@@ -142,8 +147,8 @@ def ref_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tupl
 
 def rotary_backward(g: Tensor, positions: Tensor, cos_sin: Tensor) -> Tensor:
     """The rotation R(p) is orthogonal, so dx = R(p)^T g = R(-p) g: rotate by -sin, in fp32."""
-    cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(g.float(), cos, -sin).to(g.dtype)
+    cos, sin = _wide(cos_sin[positions]).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(_wide(g), cos, -sin).to(g.dtype)
 
 
 class RotaryFn(torch.autograd.Function):
@@ -171,8 +176,8 @@ def ref_silu_and_mul(x: Tensor) -> Tensor:
 
 def silu_and_mul_backward(x: Tensor, gy: Tensor) -> Tensor:
     """With s = sigmoid(a): da = gy * b * s * (1 + a * (1 - s)),  db = gy * a * s."""
-    a, b = x.float().chunk(2, dim=-1)
-    g = gy.float()
+    a, b = _wide(x).chunk(2, dim=-1)
+    g = _wide(gy)
     s = torch.sigmoid(a)
     da = g * b * s * (1 + a * (1 - s))
     db = g * a * s
@@ -220,12 +225,12 @@ class LinearFn(torch.autograd.Function):
 
 
 def _pad(packed: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> tuple[Tensor, Tensor]:
-    """(T, H, D) packed -> (B, H, L, D) zero-padded fp32, plus the valid mask (B, L)."""
+    """(T, H, D) packed -> (B, H, L, D) zero-padded, at least fp32, plus the valid mask (B, L)."""
     starts, lens = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     pos = torch.arange(max_seqlen, device=packed.device)
     valid = pos[None, :] < lens[:, None]  # (B, L)
     index = torch.where(valid, starts[:, None] + pos[None, :], 0)  # (B, L)
-    return packed.float()[index].masked_fill(~valid[..., None, None], 0).transpose(1, 2), valid
+    return _wide(packed)[index].masked_fill(~valid[..., None, None], 0).transpose(1, 2), valid
 
 
 def _unpad(padded: Tensor, valid: Tensor) -> Tensor:

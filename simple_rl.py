@@ -410,7 +410,7 @@ def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtyp
     """Build on the meta device and load fp32 masters with assign=True: never materialised twice."""
     with torch.device("meta"):
         model = Qwen3VLLMCompatModel(args, kernels, dtype)
-    model.load_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in state.items()}, strict=True, assign=True)
+    model.load_state_dict({k: v.to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}, strict=True, assign=True)
     model.init_buffers(device)
     return model
 
@@ -585,7 +585,7 @@ def parse_answer(text: str) -> Decimal | None:
     if not found:
         return None
     try:
-        return Decimal(found[0] if "Answer:" in text else found[-1]).normalize()
+        return Decimal((found[0] if "Answer:" in text else found[-1]).replace(",", ""))
     except InvalidOperation:
         return None
 
@@ -593,7 +593,7 @@ def parse_answer(text: str) -> Decimal | None:
 def reward(completion: str, answer: str) -> float:
     """1 if the parsed answer equals the reference exactly (1,234 == 1234.0), else 0."""
     got = parse_answer(completion)
-    return float(got is not None and got == Decimal(answer.replace(",", "")).normalize())
+    return float(got is not None and got == Decimal(answer.replace(",", "")))
 
 
 # ==========================================================================

@@ -1,0 +1,24 @@
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """Tiny random Qwen3 checkpoints (fp32, GQA, head_dim 128), built once per session."""
+    from helpers import make_checkpoint
+
+    made = {}
+
+    def get(tied=True, shard=None, layers=2):
+        key = (tied, shard, layers)
+        if key not in made:
+            made[key] = make_checkpoint(tmp_path_factory.mktemp("ckpt"), tied=tied, shard=shard, layers=layers)
+        return made[key]
+
+    return get

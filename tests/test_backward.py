@@ -1,0 +1,150 @@
+"""Every hand-written backward in batch_invariant_backward.py against autograd of the reference op.
+
+On CPU the custom Functions run the reference forwards, so what is tested is the
+backward itself. The GPU variants run vLLM's kernels in the forward.
+"""
+
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+
+torch.manual_seed(0)
+F64 = dict(dtype=torch.float64)
+
+
+def grads(fn, inputs):
+    """Gradients of sum(out * fixed random weights) w.r.t. every floating input."""
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outs)
+    return torch.autograd.grad(loss, [x for x in inputs if x.requires_grad])
+
+
+def check(custom_fn, ref_fn, inputs, atol=1e-10):
+    got, want = grads(custom_fn, inputs), grads(ref_fn, inputs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=atol, rtol=1e-8)
+
+
+CUSTOM = bib.custom_backward_kernels(bib.reference_forwards())
+REF = bib.reference_kernels()
+
+
+def packed_qkv(lens, hq=4, hk=2, d=16, dtype=torch.float64):
+    t = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return torch.randn(t, hq, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype), cu
+
+
+def test_rms_norm_backward():
+    x, w = torch.randn(7, 3, 32, **F64), torch.rand(32, **F64) + 0.5
+    check(lambda x, w: CUSTOM.rms_norm(x, w, 1e-6), lambda x, w: REF.rms_norm(x, w, 1e-6), [x, w])
+
+
+def test_add_rms_norm_backward_both_outputs():
+    x, r, w = torch.randn(9, 32, **F64), torch.randn(9, 32, **F64), torch.rand(32, **F64) + 0.5
+    check(lambda *a: CUSTOM.add_rms_norm(*a, 1e-6), lambda *a: REF.add_rms_norm(*a, 1e-6), [x, r, w])
+
+
+def test_rotary_backward():
+    q, k, _, _ = packed_qkv([5, 3])
+    pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    cs = bib.rope_cos_sin_cache(16, 10000.0, 32, "cpu", torch.float64)
+    check(lambda q, k, p: CUSTOM.rotary(q, k, p, cs), lambda q, k, p: REF.rotary(q, k, p, cs), [q, k, pos])
+
+
+def test_rotary_is_a_rotation():
+    q, k, _, _ = packed_qkv([6])
+    cs = bib.rope_cos_sin_cache(16, 10000.0, 32, "cpu", torch.float64)
+    rq, rk = bib.ref_rotary(q, k, torch.arange(6), cs)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))  # norms kept
+    torch.testing.assert_close(rq[0], q[0])  # position 0 is the identity
+
+
+def test_silu_and_mul_backward():
+    check(CUSTOM.silu_and_mul, REF.silu_and_mul, [torch.randn(6, 40, **F64)])
+
+
+def test_linear_backward():
+    check(CUSTOM.linear, REF.linear, [torch.randn(6, 24, **F64), torch.randn(10, 24, **F64)])
+
+
+def test_log_softmax_backward():
+    check(CUSTOM.log_softmax, REF.log_softmax, [torch.randn(5, 50, **F64) * 3])
+
+
+@pytest.mark.parametrize("lens", [[7], [1, 9, 4], [16, 2, 11, 5]])
+def test_attention_backward_varlen_gqa(lens):
+    q, k, v, cu = packed_qkv(lens)
+    L = max(lens)
+    check(lambda q, k, v: CUSTOM.attention(q, k, v, cu, L, 0.25), lambda q, k, v: REF.attention(q, k, v, cu, L, 0.25), [q, k, v])
+
+
+def test_reference_attention_matches_sdpa_per_sequence():
+    q, k, v, cu = packed_qkv([5, 12, 1], dtype=torch.float32)
+    o, lse = bib.ref_attention(q, k, v, cu, 12, 16**-0.5)
+    assert lse.shape == (4, 18)
+    for b in range(3):
+        s, e = int(cu[b]), int(cu[b + 1])
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1).repeat_interleave(2, 0), v[s:e].transpose(0, 1).repeat_interleave(2, 0), is_causal=True
+        ).transpose(0, 1)
+        torch.testing.assert_close(o[s:e], want, atol=1e-5, rtol=1e-5)
+
+
+def test_backward_is_deterministic():
+    q, k, v, cu = packed_qkv([9, 4, 13], dtype=torch.float32)
+    a = grads(lambda q, k, v: CUSTOM.attention(q, k, v, cu, 13, 0.25), [q, k, v])
+    b = grads(lambda q, k, v: CUSTOM.attention(q, k, v, cu, 13, 0.25), [q, k, v])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _vllm_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    return bib.vllm_kernels()
+
+
+@pytest.mark.gpu
+def test_gpu_custom_backwards_match_reference_gradients():
+    """vLLM forward + custom backward vs autograd through the reference ops, in bf16 on the GPU.
+
+    Tolerance: both sides round to bf16 at different places, so gradients agree to about
+    bf16 resolution (rtol 2e-2, atol 2e-2 on O(1) values).
+    """
+    vk = _vllm_or_skip()
+    dev, bf = "cuda", torch.bfloat16
+    q, k, v, cu = (t.to(dev) for t in packed_qkv([37, 5, 120], hq=4, hk=2, d=128, dtype=torch.float32))
+    q, k, v = q.to(bf), k.to(bf), v.to(bf)
+    tol = dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads(lambda q, k, v: vk.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v]),
+                    grads(lambda q, k, v: REF.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v])):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    x, r, w = (torch.randn(300, 512, device=dev, dtype=bf) for _ in range(3))
+    for a, b in zip(grads(lambda *t: vk.add_rms_norm(*t, 1e-6), [x, r, w]), grads(lambda *t: REF.add_rms_norm(*t, 1e-6), [x, r, w])):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.5, rtol=2e-2)  # dw sums 300 rows
+    for fv, fr, ins in [
+        (vk.silu_and_mul, REF.silu_and_mul, [torch.randn(64, 256, device=dev, dtype=bf)]),
+        (vk.linear, REF.linear, [torch.randn(64, 256, device=dev, dtype=bf), torch.randn(128, 256, device=dev, dtype=bf)]),
+        (vk.log_softmax, REF.log_softmax, [torch.randn(16, 1000, device=dev) * 3]),
+    ]:
+        for a, b in zip(grads(fv, ins), grads(fr, ins)):
+            torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_bitwise_deterministic():
+    vk = _vllm_or_skip()
+    q, k, v, cu = (t.to("cuda") for t in packed_qkv([200, 33, 90], hq=8, hk=2, d=128, dtype=torch.float32))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    run = lambda: grads(lambda q, k, v: vk.attention(q, k, v, cu, 200, 128**-0.5), [q, k, v])  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(run(), run()))

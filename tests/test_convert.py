@@ -1,0 +1,71 @@
+"""HF checkpoint <-> trainer weights: one path each way, exact round trip."""
+
+import json
+
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+
+
+def load(path):
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    return args, rl.load_hf_state_dict(path)
+
+
+@pytest.mark.parametrize("tied,shard", [(True, None), (False, None), (True, "600KB"), (False, "600KB")])
+def test_round_trip_is_exact(ckpt, tied, shard):
+    path = ckpt(tied=tied, shard=shard)
+    if shard:
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    args, hf = load(path)
+    assert args.enable_weight_tying == tied and ("lm_head.weight" in hf) != tied
+    back = rl.trainer_to_hf(rl.hf_to_trainer(hf, args), args)
+    assert sorted(back) == sorted(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+def test_trainer_layout_is_vllms_fused_layout(ckpt):
+    args, hf = load(ckpt(tied=False))
+    st = rl.hf_to_trainer(hf, args)
+    p = "model.layers.1."
+    qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(st["layers.1.attention.wqkv.weight"], qkv)  # vLLM's qkv_proj = [q; k; v]
+    gate_up = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+    assert torch.equal(st["layers.1.feed_forward.w13.weight"], gate_up)  # vLLM's gate_up_proj = [gate; up]
+    assert torch.equal(st["output.weight"], hf["lm_head.weight"])
+    model = rl.build_model(args, st, bib.reference_kernels(), torch.float32, "cpu")
+    assert {n for n, _ in model.named_parameters()} == set(st)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_tied_model_has_no_separate_head(ckpt):
+    args, hf = load(ckpt(tied=True))
+    st = rl.hf_to_trainer(hf, args)
+    assert "output.weight" not in st
+    model = rl.build_model(args, st, bib.reference_kernels(), torch.float32, "cpu")
+    assert model.output is None
+
+
+def test_saved_checkpoint_reloads_in_transformers_with_same_hash(ckpt, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt(tied=True)
+    args, hf = load(path)
+    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(), torch.float32, "cpu")
+    state = rl.model_hf_state(model)
+    rl.save_hf_checkpoint(tmp_path / "out", state, path)
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "config.json").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    again = {k: v for k, v in reloaded.state_dict().items() if k != "lm_head.weight"}
+    assert rl.weights_sha256(again) == rl.weights_sha256(state) == rl.weights_sha256(hf)
+
+
+def test_sha256_sees_every_bit():
+    a = {"w": torch.zeros(4)}
+    b = {"w": torch.tensor([0.0, 0.0, 0.0, -0.0])}  # equal as numbers, not as bits
+    assert rl.weights_sha256(a) != rl.weights_sha256(b)
+    assert rl.weights_sha256(a) == rl.weights_sha256({"w": torch.zeros(4)})

@@ -1,0 +1,84 @@
+"""GRPO math against hand-computed values."""
+
+import math
+
+import torch
+
+import simple_rl as rl
+
+
+def test_group_advantages_std_normalised():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 6.0, 8.0])
+    a = rl.group_advantages(r, 4, std_normalize=True, eps=0.0)
+    std1 = math.sqrt((0.75**2 + 3 * 0.25**2) / 3)  # unbiased
+    want1 = [0.75 / std1, -0.25 / std1, -0.25 / std1, -0.25 / std1]
+    std2 = math.sqrt((9 + 1 + 1 + 9) / 3)
+    want2 = [-3 / std2, -1 / std2, 1 / std2, 3 / std2]
+    torch.testing.assert_close(a, torch.tensor(want1 + want2))
+
+
+def test_group_advantages_mean_only_and_equal_rewards():
+    r = torch.tensor([3.0, 3.0, 3.0, 1.0, 0.0, 2.0])
+    torch.testing.assert_close(rl.group_advantages(r, 3, std_normalize=False, eps=1e-6), torch.tensor([0.0, 0, 0, 0, -1, 1]))
+    a = rl.group_advantages(r, 3, std_normalize=True, eps=1e-6)
+    assert torch.equal(a[:3], torch.zeros(3))  # all equal: no signal, no NaN
+    assert torch.isfinite(a).all()
+
+
+def test_ppo_clip_loss_hand_values():
+    logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5, 0.5]))
+    old = torch.zeros(5)
+    adv = torch.tensor([2.0, 1.0, 1.0, -1.0, -1.0])
+    pg, ratio, clipped = rl.ppo_clip_loss(logp, old, adv, 0.2)
+    torch.testing.assert_close(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5, 0.5]))
+    # A>0: min(rho A, clip A) -> 1.2 when rho=1.5 (clipped), 0.5 when rho=0.5 (unclipped, pessimistic)
+    # A<0: min(-1.5, -1.2) = -1.5 (unclipped); min(-0.5, -0.8) = -0.8 (clipped)
+    torch.testing.assert_close(pg, torch.tensor([-2.0, -1.2, -0.5, 1.5, 0.8]))
+    assert clipped.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_ppo_ratio_one_is_plain_policy_gradient():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    adv = torch.tensor([0.5, -2.0])
+    pg, ratio, clipped = rl.ppo_clip_loss(logp, logp.detach(), adv, 0.2)
+    pg.sum().backward()
+    assert torch.equal(ratio, torch.ones(2)) and clipped.sum() == 0
+    torch.testing.assert_close(logp.grad, -adv)  # d(-rho A)/d logp at rho = 1
+
+
+def test_kl_k3_hand_values():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.0, -1.0, -1.5])
+    q = ref - logp
+    want = torch.exp(q) - q - 1
+    torch.testing.assert_close(rl.kl_k3(logp, ref), want)
+    assert rl.kl_k3(logp, ref)[0] == 0 and (rl.kl_k3(logp, ref) >= 0).all()
+    torch.testing.assert_close(rl.kl_k3(torch.tensor([0.0]), torch.tensor([math.log(2)])), torch.tensor([1 - math.log(2)]))
+
+
+def test_parity_report_compares_bits():
+    a = torch.tensor([-1.0, -2.5, 0.0, -3.0])
+    b = torch.tensor([-1.0, -2.5, -0.0, float(torch.nextafter(torch.tensor(-3.0), torch.tensor(0.0)))])
+    rep = rl.parity_report(a, b, torch.tensor([7, 8, 9, 10]), rows=4)
+    assert rep.n_tokens == 4 and rep.n_mismatch == 2  # -0.0 vs 0.0 differs in bits; one ulp differs
+    assert 0 < rep.max_abs_diff < 1e-6
+    lines = rep.table.splitlines()
+    assert len(lines) == 5 and "c0400000" in lines[4] and "c03fffff" in lines[4]
+    same = rl.parity_report(a, a.clone(), torch.arange(4), rows=2)
+    assert same.n_mismatch == 0 and same.max_abs_diff == 0.0 and len(same.table.splitlines()) == 3
+
+
+def test_debugger_names_the_first_differing_op():
+    x = torch.randn(5, 8)
+    y = x.clone()
+    y[3, 2] = torch.nextafter(y[3, 2], torch.tensor(1e9))
+    ours = {"a": [x], "b": [x, x], "c": [y]}
+    theirs = {"a": [x.clone()], "b": [x.clone(), x.clone()], "c": [x.clone()]}
+    rows = rl.compare_traces(ours, theirs, ["a", "b", "c"])
+    assert [r["n_diff"] for r in rows] == [0, 0, 1] and rows[2]["rows"] == [3]
+    assert rl.first_divergence(rows) == "c"
+    assert "first divergence: c" in rl.format_debug(rows)
+    bad = rl.compare_traces({"a": [x]}, {"a": [x[:2]]}, ["a"])
+    assert bad[0]["n_diff"] == -1 and rl.first_divergence(bad) == "a"
+    assert rl.trace_names(2)[0] == ("layers.0.input_layernorm", "model.layers.0.input_layernorm")
+    assert rl.trace_names(2)[-1] == ("norm", "model.norm")

@@ -1,0 +1,99 @@
+"""The trainer model on the reference kernels: logits vs transformers, packing, gradients."""
+
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+
+
+def trainer(path, kernels=None):
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
+    return rl.build_model(args, state, kernels or bib.reference_kernels(), torch.float32, "cpu")
+
+
+def seqs(lengths, vocab=384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_match_transformers_fp32(ckpt, tied):
+    from transformers import Qwen3ForCausalLM
+
+    path = ckpt(tied=tied)
+    model = trainer(path)
+    ref = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert ref.config.head_dim == 128 and ref.config.num_key_value_heads < ref.config.num_attention_heads  # GQA
+    ids = seqs([33, 7, 60])
+    p = rl.pack(ids, [[] for _ in ids])
+    with torch.no_grad():
+        ours = model.logits(model(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen))  # (T, V)
+        for b, x in enumerate(ids):
+            want = ref(torch.tensor([x])).logits[0]
+            got = ours[p.cu_seqlens[b] : p.cu_seqlens[b + 1]]
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_packed_forward_equals_per_sequence_forwards(ckpt):
+    model = trainer(ckpt())
+    ids = seqs([1, 19, 5, 44])
+    p = rl.pack(ids, [[] for _ in ids])
+    with torch.no_grad():
+        packed = model(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
+        for b, x in enumerate(ids):
+            one = rl.pack([x], [[]])
+            alone = model(one.tokens, one.positions, one.cu_seqlens, one.max_seqlen)
+            torch.testing.assert_close(packed[p.cu_seqlens[b] : p.cu_seqlens[b + 1]], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_pack_indexes_generated_tokens():
+    p = rl.pack([[5, 6], [7]], [[8, 9, 10], [11]])
+    assert p.tokens.tolist() == [5, 6, 8, 9, 10, 7, 11]
+    assert p.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert p.cu_seqlens.tolist() == [0, 5, 7] and p.max_seqlen == 5
+    assert p.gen_index.tolist() == [1, 2, 3, 5]  # the hidden state before each generated token
+    assert p.targets.tolist() == [8, 9, 10, 11]
+    assert p.sample.tolist() == [0, 0, 0, 1]
+
+
+def test_sub_pack_and_micro_batches_cover_every_token():
+    p = rl.pack([[1] * 3, [2] * 4, [3] * 2], [[4] * 2, [5], [6] * 3])
+    groups = rl.micro_batches([5, 5, 5], 10)
+    assert groups == [range(0, 2), range(2, 3)]
+    parts = [rl.sub_pack(p, g) for g in groups]
+    assert torch.cat([mb.targets for mb, _ in parts]).tolist() == p.targets.tolist()
+    assert [s for _, s in parts] == [slice(0, 3), slice(3, 6)]
+    mb = parts[1][0]
+    assert mb.tokens[mb.gen_index].tolist() == [3, 6, 6]  # rebased indices point at the right rows
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_and_entropy(ckpt, temperature):
+    model = trainer(ckpt())
+    ids = seqs([12, 8])
+    p = rl.pack([x[:6] for x in ids], [x[6:] for x in ids])
+    with torch.no_grad():
+        h = model(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
+        lp, ent = model.token_logprobs(h[p.gen_index], p.targets, temperature)
+        full = torch.log_softmax(model.logits(h[p.gen_index]) / temperature, -1)
+    torch.testing.assert_close(lp, full.gather(-1, p.targets[:, None])[:, 0])
+    torch.testing.assert_close(ent, -(full.exp() * full).sum(-1))
+    assert lp.shape == (8,) and (lp < 0).all() and (ent > 0).all()
+
+
+def test_custom_backward_model_matches_autograd_model(ckpt):
+    """The whole model with every hand-written backward vs plain autograd (same forwards)."""
+    path = ckpt(tied=False)
+    a = trainer(path, bib.custom_backward_kernels(bib.reference_forwards()))
+    b = trainer(path)
+    ids = seqs([17, 4, 29])
+    p = rl.pack([x[:3] for x in ids], [x[3:] for x in ids])
+    for m in (a, b):
+        h = m(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
+        lp, ent = m.token_logprobs(h[p.gen_index], p.targets, 0.9)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
+        assert pa.grad.abs().sum() > 0, name
