@@ -50,6 +50,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -109,7 +110,12 @@ class Config:
     output_dir: str = opt("", "where the final HF checkpoint goes (default: <log_dir>/<run_name>/final)")
     parity_rows: int = opt(8, "rows of the per-step parity table")
     strict_parity: bool = opt(False, "stop at the first step whose logprobs are not bitwise equal")
-    debug_parity: bool = opt(False, "compare trainer and vLLM op by op on the first sample, print where they diverge, exit")
+    debug_parity: bool = opt(False, "compare trainer and vLLM op by op on one generated sequence, print where they diverge, exit")
+    # --- checkpoints
+    save_every: int = opt(10, "save a checkpoint every N steps (0: only on Ctrl-C)")
+    keep_last: int = opt(3, "checkpoints to keep")
+    resume: str = opt("", "continue from a checkpoint directory, or 'latest'")
+    overwrite: bool = opt(False, "allow writing over an existing run directory / --output-dir")
 
 
 class ConfigError(ValueError):
@@ -145,6 +151,8 @@ def validate(cfg: Config) -> None:
         (cfg.kernels in ("auto", "vllm", "reference"), f"--kernels must be auto, vllm or reference (got {cfg.kernels!r})."),
         (cfg.task in TASKS, f"--task must be one of {sorted(TASKS)} (got {cfg.task!r})."),
         (0 < cfg.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]."),
+        (cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and --keep-last >= 1."),
+        (0 < cfg.engine_tokens_per_step, "--engine-tokens-per-step must be > 0."),
     ]
     for ok, message in checks:
         if not ok:
@@ -227,14 +235,18 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint, on CPU."""
     from safetensors.torch import load_file
 
+    state = {}
+    for f in weight_files(path):
+        state.update(load_file(path / f))
+    return state
+
+
+def weight_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{path} has no *.safetensors weights (.bin checkpoints are not supported; re-save with safe_serialization=True).")
-    state = {}
-    for f in files:
-        state.update(load_file(path / f))
-    return state
+    return files
 
 
 def _adapter(args):
@@ -775,11 +787,21 @@ def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
     return mb, slice(n0, n1)
 
 
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or logprob is NaN/Inf: raised before the optimizer step."""
+
+    def __init__(self, quantity: str, samples: list[int]):
+        super().__init__(f"non-finite {quantity}")
+        self.quantity, self.samples = quantity, samples
+
+
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config) -> tuple[dict, torch.Tensor]:
     """`updates_per_batch` optimizer steps over all micro-batches of one rollout batch.
 
     old_logp (N,) and adv (B,) live on the model's device. Returns the metrics of the
     first update and its logprobs (N,): these are what the parity check compares.
+    Raises NonFiniteError, before the optimizer step, if a logprob, the loss or the
+    gradient norm is not finite.
     """
     device = old_logp.device
     lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
@@ -790,6 +812,8 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     sums = torch.zeros(6, device=device)  # pg, kl, entropy, ratio, clipped (token sums), grad norm
     for update in range(cfg.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
+        loss_total = torch.zeros((), device=device)
+        logp_finite = torch.ones((), dtype=torch.bool, device=device)
         for mb, tok, g in parts:
             h = model(mb.tokens, mb.positions, mb.cu_seqlens, mb.max_seqlen)  # (T_mb, dim)
             logp, ent = model.token_logprobs(h[mb.gen_index], mb.targets, cfg.temperature)  # (N_mb,)
@@ -800,11 +824,19 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
                     ref_h = ref_model(mb.tokens, mb.positions, mb.cu_seqlens, mb.max_seqlen)
                     ref_logp, _ = ref_model.token_logprobs(ref_h[mb.gen_index], mb.targets, cfg.temperature)
                 kl = kl_k3(logp, ref_logp)
-            ((pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum() / n_tok).backward()
+            loss = (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum() / n_tok
+            loss.backward()
+            loss_total += loss.detach()
+            logp_finite &= torch.isfinite(logp).all()
             if update == 0:
                 first_logp[tok] = logp.detach()
                 sums[:5] += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(), clipped.sum()]).detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        finite = torch.stack([logp_finite, torch.isfinite(loss_total), torch.isfinite(norm)]).tolist()  # one host sync
+        if not all(finite):
+            quantity = ["logprobs", "loss", "gradient norm"][finite.index(False)]
+            bad = packed.sample[~torch.isfinite(first_logp.cpu())].unique().tolist() if quantity == "logprobs" else []
+            raise NonFiniteError(quantity, bad or sorted(set(packed.sample.tolist())))
         if update == 0:
             sums[5] = norm
         optimizer.step()
@@ -857,7 +889,11 @@ def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     packed = pack(ro.prompts, ro.completions)
 
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
-    metrics, trainer_logp = train_step(tr.model, tr.ref_model, tr.optimizer, packed, ro.logprobs.to(device), adv, cfg)
+    try:
+        metrics, trainer_logp = train_step(tr.model, tr.ref_model, tr.optimizer, packed, ro.logprobs.to(device), adv, cfg)
+    except NonFiniteError as e:  # say which step and prompts, for the diagnostic
+        e.step, e.prompts = step, sorted({i // cfg.group_size for i in e.samples})
+        raise
     parity = parity_report(ro.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
     t2 = time.perf_counter()
     tr.engine.push(tr.model)
@@ -887,6 +923,85 @@ def format_step(step: int, m: dict[str, float]) -> str:
 
 
 # ==========================================================================
+# Checkpoints & resume
+# ==========================================================================
+
+
+def save_checkpoint(run_dir: Path, tr: Trainer, next_step: int, source: Path) -> Path:
+    """checkpoints/step_XXXXXX: HF model (compute dtype), fp32 masters, optimizer, RNG, data position, config.
+
+    Written to a temp dir and renamed, so a crash mid-write leaves the previous checkpoint
+    whole; then all but the newest `keep_last` are removed.
+    """
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step_{next_step:06d}", root / f".tmp_step_{next_step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(tmp / "model", model_hf_state(tr.model), source)
+    torch.save({
+        "next_step": next_step,
+        "model": {k: v.detach().cpu() for k, v in tr.model.state_dict().items()},  # fp32 masters
+        "optimizer": tr.optimizer.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        # prompts and sampler seeds are pure functions of (seed, step): the step is the data position
+        "data": {"task": tr.cfg.task, "seed": tr.cfg.seed, "next_step": next_step},
+        "config": dataclasses.asdict(tr.cfg),
+    }, tmp / "trainer.pt")
+    (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(tr.cfg), indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step_*"))[: -tr.cfg.keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def restore_checkpoint(tr: Trainer, ckpt: Path) -> int:
+    """Load masters, optimizer and RNG from `ckpt` into `tr`; returns the step to run next."""
+    state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+    tr.model.load_state_dict(state["model"])
+    tr.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["next_step"]
+
+
+def find_checkpoint(cfg: Config) -> Path:
+    """--resume PATH (a checkpoint dir) or 'latest' (newest checkpoint of --run-name, else of any run)."""
+    if cfg.resume != "latest":
+        ckpt = Path(cfg.resume).expanduser()
+        if not (ckpt / "trainer.pt").is_file():
+            raise ConfigError(f"--resume {cfg.resume!r} is not a checkpoint directory (no trainer.pt).")
+        return ckpt
+    runs = [Path(cfg.log_dir) / cfg.run_name] if cfg.run_name else [p for p in Path(cfg.log_dir).glob("*") if p.is_dir()]
+    found = sorted((c for r in runs for c in r.glob("checkpoints/step_*") if (c / "trainer.pt").is_file()), key=lambda c: c.stat().st_mtime)
+    if not found:
+        raise ConfigError(f"--resume latest: no checkpoint under {runs[0] if cfg.run_name else cfg.log_dir}.")
+    return found[-1]
+
+
+def resume_config(cfg: Config, ckpt: Path) -> Config:
+    """The checkpoint's config, with this invocation's --steps (so a run can be extended)."""
+    saved = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)["config"]
+    return dataclasses.replace(Config(**saved), steps=cfg.steps, resume=cfg.resume)
+
+
+def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
+    """<log_dir>/<run_name>: refuses to write into another run's directory unless told to."""
+    run_dir = Path(cfg.log_dir) / cfg.run_name
+    if run_dir.exists() and any(run_dir.iterdir()) and not resuming:
+        if not cfg.overwrite:
+            raise ConfigError(f"{run_dir} already holds a run; pass --resume latest --run-name {cfg.run_name} to continue it, or --overwrite to replace it.")
+        shutil.rmtree(run_dir)
+    out = Path(cfg.output_dir) if cfg.output_dir else None
+    if out and out.exists() and any(out.iterdir()) and not (cfg.overwrite or resuming):
+        raise ConfigError(f"--output-dir {out} is not empty; pick another or pass --overwrite.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+# ==========================================================================
 # Main
 # ==========================================================================
 
@@ -908,7 +1023,7 @@ def prepare_environment() -> None:
         raise ConfigError("vLLM is not installed; run `pip install -r requirements.txt` (vllm==0.26.0, torchtitan==0.2.2).") from e
 
 
-def load_checkpoint(cfg: Config):
+def load_model_files(cfg: Config):
     """Path, TorchTitan args, tokenizer and eos id, after checking they fit together and the config."""
     from transformers import AutoTokenizer
 
@@ -917,6 +1032,7 @@ def load_checkpoint(cfg: Config):
     args = model_args_from_hf(hf_cfg)
     if cfg.max_model_len > args.max_seq_len:
         raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings ({args.max_seq_len}).")
+    weight_files(path)  # fail now, before minutes of engine start, if there are no weights
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
@@ -927,48 +1043,111 @@ def load_checkpoint(cfg: Config):
     return path, args, tokenizer, eos_id
 
 
-def run(cfg: Config) -> str:
-    """The whole job; returns the sha256 of the final weights."""
-    path, args, tokenizer, eos_id = load_checkpoint(cfg)
-    prepare_environment()
-    from torch.utils.tensorboard import SummaryWriter
+def train(tr: Trainer, start: int, run_dir: Path, source: Path) -> str:
+    """Steps start..cfg.steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
 
-    torch.manual_seed(cfg.seed)
-    device, dtype = torch.device("cuda"), DTYPES[cfg.dtype]
-    kernels = bib.reference_kernels() if cfg.kernels == "reference" else bib.vllm_kernels()
-    engine = VLLMEngine(cfg, path, eos_id)  # first: vLLM sizes its KV cache from the memory free now
-    state = hf_to_trainer(load_hf_state_dict(path), args)
-    model = build_model(args, state, kernels, dtype, device)
-    ref_model = build_model(args, state, kernels, dtype, device).requires_grad_(False) if cfg.kl_coef > 0 else None
-    del state
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
-    writer = SummaryWriter(os.path.join(cfg.log_dir, run_name))
-    writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-    tr = Trainer(cfg, engine, tokenizer, model, ref_model, optimizer, writer)
-    print(f"simple_rl | {path} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params | kernels {kernels.name} | run {run_name}")
+    Ctrl-C lets the current step finish, saves a checkpoint and closes TensorBoard (a second
+    Ctrl-C aborts at once). A non-finite loss, gradient norm or logprob stops the run before
+    its optimizer step, writes a diagnostic and keeps the last good checkpoint.
+    """
+    cfg = tr.cfg
+    stop = {"requested": False}
 
-    if cfg.debug_parity:
-        prompt = tokenizer.encode(TASKS[cfg.task](1, cfg.seed)[0].prompt, add_special_tokens=False)
-        rows, n_bad = debug_parity(engine.llm, model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed)
-        print(format_debug(rows))
-        print(f"generated-token logprobs that differ: {n_bad}")
-        return ""
-    for step in range(cfg.steps):
-        metrics, parity = rl_step(tr, step)
-        print(parity.table)
-        print(f"parity: identical={'yes' if parity.n_mismatch == 0 else 'no'} | {parity.n_mismatch}/{parity.n_tokens} tokens differ | max |delta| {parity.max_abs_diff:.3g}")
-        print(format_step(step, metrics))
-        if cfg.strict_parity and parity.n_mismatch:
-            raise SystemExit(f"--strict-parity: step {step} has {parity.n_mismatch} mismatched tokens.")
-    writer.close()
+    def on_sigint(signum, frame):
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts).", flush=True)
+        stop["requested"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    hf_state = model_hf_state(model)
-    out = Path(cfg.output_dir or os.path.join(cfg.log_dir, run_name, "final"))
-    save_hf_checkpoint(out, hf_state, path)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    metrics_log = (run_dir / "metrics.jsonl").open("a")
+    try:
+        for step in range(start, cfg.steps):
+            try:
+                metrics, parity = rl_step(tr, step)
+            except NonFiniteError as e:
+                diag = run_dir / f"nonfinite_step_{step:06d}.json"
+                diag.write_text(json.dumps({"step": step, "quantity": e.quantity, "samples": e.samples, "prompts": e.prompts}, indent=1))
+                last = sorted((run_dir / "checkpoints").glob("step_*"))
+                raise RunStopped(f"step {step}: {e}; nothing was applied. Diagnostic: {diag}. Last good checkpoint: {last[-1] if last else 'none'}.", 3) from e
+            metrics_log.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}}) + "\n")
+            metrics_log.flush()
+            print(parity.table)
+            print(f"parity: identical={'yes' if parity.n_mismatch == 0 else 'no'} | {parity.n_mismatch}/{parity.n_tokens} tokens differ | max |delta| {parity.max_abs_diff:.3g}")
+            print(format_step(step, metrics), flush=True)
+            if cfg.strict_parity and parity.n_mismatch:
+                raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} mismatched tokens.", 4)
+            if stop["requested"] or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                ckpt = save_checkpoint(run_dir, tr, step + 1, source)
+                if stop["requested"]:
+                    raise RunStopped(f"interrupted after step {step}; checkpoint {ckpt}; continue with --resume {ckpt}", 130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        metrics_log.close()
+        tr.writer.close()
+
+    hf_state = model_hf_state(tr.model)
+    out = Path(cfg.output_dir) if cfg.output_dir else run_dir / "final"
+    save_hf_checkpoint(out, hf_state, source)
     digest = weights_sha256(hf_state)
     print(f"saved {out} | weights sha256 {digest}")
     return digest
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on purpose (interrupt, NaN guard, strict parity): a message and an exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, Path, Path]:
+    """Build (or rebuild from a checkpoint) everything `train` needs.
+
+    engine_factory(cfg, path, eos_id) makes the rollout engine; the default is VLLMEngine
+    on CUDA (tests pass a CPU stand-in with the reference kernels).
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    ckpt = find_checkpoint(cfg) if cfg.resume else None
+    if ckpt:
+        cfg = resume_config(cfg, ckpt)
+    path, args, tokenizer, eos_id = load_model_files(cfg)
+    cfg.run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = prepare_run_dir(cfg, resuming=ckpt is not None)
+    if engine_factory is None:
+        prepare_environment()
+        engine_factory, device = VLLMEngine, torch.device("cuda")
+    kernels = bib.reference_kernels() if cfg.kernels == "reference" or device.type == "cpu" else bib.vllm_kernels()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    engine = engine_factory(cfg, path, eos_id)  # first: vLLM sizes its KV cache from the memory free now
+    state = hf_to_trainer(load_hf_state_dict(path), args)
+    model = build_model(args, state, kernels, DTYPES[cfg.dtype], device)
+    ref_model = build_model(args, state, kernels, DTYPES[cfg.dtype], device).requires_grad_(False) if cfg.kl_coef > 0 else None
+    del state
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
+    tr = Trainer(cfg, engine, tokenizer, model, ref_model, optimizer, writer)
+    start = restore_checkpoint(tr, ckpt) if ckpt else 0
+    engine.push(model)  # from here on the engine holds exactly the trainer's weights (resumed ones too)
+    if ckpt:
+        print(f"resuming {ckpt} at step {start} (config from the checkpoint)")
+    print(f"simple_rl | {path} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params | kernels {kernels.name} | run {run_dir}")
+    return tr, start, run_dir, path
+
+
+def run(cfg: Config) -> str:
+    """The whole job; returns the sha256 of the final weights."""
+    tr, start, run_dir, path = setup(cfg)
+    if cfg.debug_parity:
+        prompt = tr.tokenizer.encode(TASKS[cfg.task](1, cfg.seed)[0].prompt, add_special_tokens=False)
+        rows, n_bad = debug_parity(tr.engine.llm, tr.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+        print(format_debug(rows))
+        print(f"generated-token logprobs that differ: {n_bad}")
+        return ""
+    return train(tr, start, run_dir, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -979,6 +1158,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"simple_rl: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        print(f"simple_rl: {e}", file=sys.stderr)
+        return e.code
     return 0
 
 

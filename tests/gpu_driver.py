@@ -62,7 +62,7 @@ def setup(args):
                     temperature=args.temperature, max_model_len=1024, lr=args.lr, seed=args.seed,
                     micro_batch_tokens=args.micro_batch_tokens)
     rl.validate(cfg)
-    _, margs, tokenizer, eos_id = rl.load_checkpoint(cfg)
+    _, margs, tokenizer, eos_id = rl.load_model_files(cfg)
     t0 = time.perf_counter()
     engine = rl.VLLMEngine(cfg, path, eos_id)
     engine_s = time.perf_counter() - t0

@@ -58,8 +58,8 @@ class TorchEngine:
     returns processed logprobs of softmax(logits / T), like vLLM does.
     """
 
-    def __init__(self, model: rl.Qwen3VLLMCompatModel, cfg: rl.Config, eos_id: int):
-        self.model = copy.deepcopy(model).requires_grad_(False)
+    def __init__(self, cfg: rl.Config, path=None, eos_id: int = 0):
+        self.model = None  # a copy of the policy, made by the first push
         self.cfg, self.eos_id = cfg, eos_id
 
     @torch.no_grad()
@@ -88,4 +88,6 @@ class TorchEngine:
                           stopped=[c[-1] == self.eos_id for c in comps])
 
     def push(self, model):
+        if self.model is None:
+            self.model = copy.deepcopy(model).requires_grad_(False)
         self.model.load_state_dict(model.state_dict())

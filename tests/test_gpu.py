@@ -69,22 +69,38 @@ def test_debugger_finds_nothing_then_names_an_injected_ulp(parity_runs):
     assert r["debug_injected"]["first"] == "layers.1.act_fn"
 
 
-def _run(tmp, seed):
-    cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", str(tmp / "ckpt"), "--steps", "3", "--seed", str(seed),
-           "--lr", "1e-4", "--entropy-coef", "0.01", "--max-new-tokens", "64", "--log-dir", str(tmp / "runs")]
+def _run(tmp, name, seed, steps, *extra):
+    """simple_rl.py itself on the tiny checkpoint; returns its step/parity lines, sha256 and metrics.jsonl rows."""
+    cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", str(tmp / "ckpt"), "--steps", str(steps), "--seed", str(seed),
+           "--lr", "1e-4", "--entropy-coef", "0.01", "--max-new-tokens", "64", "--log-dir", str(tmp / "runs"),
+           "--run-name", name, "--save-every", "2", *extra]
     out = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True, timeout=600).stdout
-    steps = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines() if line.startswith(("step", "parity:"))]
+    lines = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines() if line.startswith(("step", "parity:"))]
     digest = re.search(r"weights sha256 ([0-9a-f]{64})", out).group(1)
-    return steps, digest
+    rows = [json.loads(r) for r in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return lines, digest, [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
-def test_two_runs_same_seed_same_metrics_and_weights(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
     _need_gpu_stack()
-    subprocess.run([sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp_path / "ckpt"), "--preset", "tiny"], check=True)
-    a_steps, a = _run(tmp_path, 0)
-    b_steps, b = _run(tmp_path, 0)
-    c_steps, c = _run(tmp_path, 1)
-    print(json.dumps({"seed0": a, "seed0_again": b, "seed1": c, "steps": a_steps}))
-    assert len(a_steps) == 6 and all("identical=yes" in s for s in a_steps if s.startswith("parity"))
-    assert a_steps == b_steps and a == b
-    assert c != a
+    tmp = tmp_path_factory.mktemp("runs")
+    subprocess.run([sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp / "ckpt"), "--preset", "tiny"], check=True)
+    r = {"a": _run(tmp, "a", 0, 4), "b": _run(tmp, "b", 0, 4), "c": _run(tmp, "c", 1, 4), "part": _run(tmp, "d", 0, 2)}
+    r["resumed"] = _run(tmp, "d", 0, 4, "--resume", str(tmp / "runs" / "d" / "checkpoints" / "step_000002"))
+    print(json.dumps({k: {"sha256": v[1], "lines": v[0]} for k, v in r.items()}, indent=1))
+    return r
+
+
+def test_two_runs_same_seed_same_metrics_and_weights(runs):
+    (a_lines, a, a_rows), (b_lines, b, b_rows), (_, c, _) = runs["a"], runs["b"], runs["c"]
+    assert len(a_lines) == 8 and all("identical=yes" in s for s in a_lines if s.startswith("parity"))
+    assert a_lines == b_lines and a_rows == b_rows and a == b
+    assert c != a  # another seed, other weights
+
+
+def test_resume_on_gpu_matches_the_uninterrupted_run(runs):
+    (_, a, a_rows), (_, part, _), (r_lines, resumed, r_rows) = runs["a"], runs["part"], runs["resumed"]
+    assert part != a
+    assert resumed == a and r_rows == a_rows
+    assert all("identical=yes" in s for s in r_lines if s.startswith("parity"))

@@ -19,12 +19,14 @@ def make_trainer(path, log_dir, **overrides):
               micro_batch_tokens=128, lr=1e-2, entropy_coef=0.1, kl_coef=0.05, seed=1)
     cfg = rl.Config(**{**kw, **overrides})
     rl.validate(cfg)
-    path, args, tok, eos = rl.load_checkpoint(cfg)
+    path, args, tok, eos = rl.load_model_files(cfg)
     state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
     model = rl.build_model(args, state, bib.reference_kernels(), torch.float32, "cpu")
     ref = rl.build_model(args, state, bib.reference_kernels(), torch.float32, "cpu").requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return rl.Trainer(cfg, TorchEngine(model, cfg, eos), tok, model, ref, opt, SummaryWriter(log_dir))
+    engine = TorchEngine(cfg, path, eos)
+    engine.push(model)
+    return rl.Trainer(cfg, engine, tok, model, ref, opt, SummaryWriter(log_dir))
 
 
 def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
