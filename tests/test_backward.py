@@ -129,7 +129,7 @@ def test_gpu_custom_backwards_match_reference_gradients():
     for a, b in zip(grads(lambda q, k, v: vk.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v]),
                     grads(lambda q, k, v: REF.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v])):
         torch.testing.assert_close(a.float(), b.float(), **tol)
-    x, r, w = (torch.randn(300, 512, device=dev, dtype=bf) for _ in range(3))
+    x, r, w = torch.randn(300, 512, device=dev, dtype=bf), torch.randn(300, 512, device=dev, dtype=bf), torch.rand(512, device=dev, dtype=bf) + 0.5
     for a, b in zip(grads(lambda *t: vk.add_rms_norm(*t, 1e-6), [x, r, w]), grads(lambda *t: REF.add_rms_norm(*t, 1e-6), [x, r, w])):
         torch.testing.assert_close(a.float(), b.float(), atol=0.5, rtol=2e-2)  # dw sums 300 rows
     for fv, fr, ins in [
