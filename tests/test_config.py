@@ -99,3 +99,11 @@ def test_cli_error_is_one_line_without_traceback():
     r = subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--model", "/no/such/dir"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip() == "simple_rl: error: --model '/no/such/dir' is not a directory."
+
+
+def test_readme_documents_every_option():
+    readme = (ROOT / "README.md").read_text()
+    for f in dataclasses.fields(rl.Config):
+        assert f"| `--{f.name.replace('_', '-')}` |" in readme, f.name
+    assert "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q" in readme
+    assert "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
