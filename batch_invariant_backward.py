@@ -374,9 +374,9 @@ def reference_forwards() -> Kernels:
 
 # vLLM's CUDA fused_add_rms_norm sizes its thread block from the number of rows in a call
 # (up to 1024 threads under 256 rows, 256 threads from 256 rows on; capped at the hidden size),
-# and the block size fixes the order of the sum of squares. vLLM runs fewer than 256 tokens per
-# engine step (simple_rl.Config.engine_tokens_per_step), so every row it normalises took the
-# small-call path; the trainer calls the kernel on chunks of at most that many rows.
+# and the block size fixes the order of the sum of squares. simple_rl runs vLLM with at most this
+# many tokens per engine step, so every row vLLM normalises took the small-call path; the trainer
+# calls the kernel on chunks of at most this many rows.
 # Measured on an H200, hidden 512: without the chunks ~75% of tokens differed, with them none.
 ADD_RMS_NORM_ROWS = 255
 

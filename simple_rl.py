@@ -87,7 +87,6 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature; logprobs are those of softmax(logits / T)")
     max_model_len: int = opt(1024, "vLLM max sequence length (prompt + completion)")
     gpu_memory_utilization: float = opt(0.3, "fraction of GPU memory vLLM may take")
-    engine_tokens_per_step: int = opt(255, "vLLM max_num_batched_tokens; parity was measured at 255 (see README)")
     # --- grpo
     clip_eps: float = opt(0.2, "PPO clip range eps_c")
     kl_coef: float = opt(0.0, "beta of the k3 KL to the frozen initial policy (0: no reference model)")
@@ -152,7 +151,6 @@ def validate(cfg: Config) -> None:
         (cfg.task in TASKS, f"--task must be one of {sorted(TASKS)} (got {cfg.task!r})."),
         (0 < cfg.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]."),
         (cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and --keep-last >= 1."),
-        (0 < cfg.engine_tokens_per_step, "--engine-tokens-per-step must be > 0."),
     ]
     for ok, message in checks:
         if not ok:
@@ -465,8 +463,8 @@ class VLLMEngine:
             # call vLLM makes has under 256 rows, as the trainer's do (bib.ADD_RMS_NORM_ROWS).
             # Measured on an H200 with the default 16384: ~55% of decode-step logprobs differed.
             # See README, "Parity and engine settings".
-            max_num_batched_tokens=cfg.engine_tokens_per_step,
-            max_num_seqs=min(cfg.num_prompts * cfg.group_size, cfg.engine_tokens_per_step),
+            max_num_batched_tokens=bib.ADD_RMS_NORM_ROWS,
+            max_num_seqs=min(cfg.num_prompts * cfg.group_size, bib.ADD_RMS_NORM_ROWS),
             attention_backend="FLASH_ATTN",
         )
 
