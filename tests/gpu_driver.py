@@ -138,30 +138,21 @@ def parity(args) -> dict:
     return out
 
 
+# the experiment's knobs and their defaults (the tiny model: 3 layers, GQA 4/2, head_dim 128)
+OPTIONS = dict(temperature=1.0, steps=4, prompts=16, group=8, max_new_tokens=256, max_prompt=220, layers=3, vocab=384,
+               hidden=512, heads=4, kv_heads=2, inter=1024, lr=1e-3, seed=0, micro_batch_tokens=16384)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["parity"])
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt", type=int, default=220)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--vocab", type=int, default=384)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--inter", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--debug", action="store_true")
     p.add_argument("--out", required=True)
+    for name, default in OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = p.parse_args()
-    result = parity(args)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json.dumps(parity(args), indent=1))
 
 
 if __name__ == "__main__":
