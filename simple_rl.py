@@ -36,8 +36,12 @@ Run (GPU, vLLM 0.26 + TorchTitan 0.2.2):
 
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
     tensorboard --logdir runs
+    python simple_rl.py --resume latest --run-name <run> --steps 40     # continue a run
+    python simple_rl.py --model DIR --debug-parity                       # where do we differ?
 
-Tests (any machine):  see README.md.
+Tests (any machine):
+
+    python -m pip install -q -r requirements-cpu.txt && python -m pytest -q
 """
 
 from __future__ import annotations
@@ -489,10 +493,7 @@ class VLLMEngine:
         )
 
     def push(self, model: "Qwen3VLLMCompatModel") -> None:
-        """In memory: vLLM's own loader takes the bf16 weights (and fuses q/k/v, gate/up); then drop stale KV."""
-        hf = model_hf_state(model)
-        self.llm.apply_model(lambda m: m.load_weights(hf.items()))
-        self.llm.reset_prefix_cache()
+        push_weights(self.llm, model)
 
 
 def sample_seed(cfg: Config, step: int, prompt: int) -> int:
@@ -766,6 +767,22 @@ def format_debug(rows: list[dict]) -> str:
 
 
 # ==========================================================================
+# Weight push: trainer -> the running vLLM engine, in memory
+# ==========================================================================
+
+
+def push_weights(llm, model: Qwen3VLLMCompatModel) -> None:
+    """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
+
+    The loader fuses q/k/v and gate/up itself and copies in place; no file is written.
+    Then the prefix cache is dropped: its KV was computed with the old weights.
+    """
+    hf = model_hf_state(model)
+    llm.apply_model(lambda m: m.load_weights(hf.items()))
+    llm.reset_prefix_cache()
+
+
+# ==========================================================================
 # Training loop
 # ==========================================================================
 
@@ -942,6 +959,7 @@ def save_checkpoint(run_dir: Path, tr: Trainer, next_step: int, source: Path) ->
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         # prompts and sampler seeds are pure functions of (seed, step): the step is the data position
         "data": {"task": tr.cfg.task, "seed": tr.cfg.seed, "next_step": next_step},
+        "sampler_seeds": [sample_seed(tr.cfg, next_step, i) for i in range(tr.cfg.num_prompts)],  # of the next step
         "config": dataclasses.asdict(tr.cfg),
     }, tmp / "trainer.pt")
     (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(tr.cfg), indent=2))

@@ -41,6 +41,7 @@ def test_resume_is_bit_exact(ckpt, tmp_path):
     assert {p.name for p in saved.iterdir()} == {"model", "trainer.pt", "run_config.json"}
     state = torch.load(saved / "trainer.pt", weights_only=False)
     assert state["next_step"] == 2 and state["data"] == {"task": "arithmetic", "seed": 3, "next_step": 2}
+    assert state["sampler_seeds"] == [rl.sample_seed(rl.Config(seed=3), 2, i) for i in range(2)]
     assert state["config"]["lr"] == 1e-2 and state["optimizer"]["state"]
     resumed, resumed_dir = run(config(path, tmp_path, steps=4, resume=str(saved)))
     assert resumed_dir == part_dir
