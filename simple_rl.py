@@ -263,9 +263,12 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     titan = _adapter(args).from_hf(hf_state)
     if args.enable_weight_tying:
         titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
-    for i in range(args.n_layers):
-        for fused, parts in FUSED.items():
-            titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}") for p in parts], dim=0)
+    try:
+        for i in range(args.n_layers):
+            for fused, parts in FUSED.items():
+                titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}") for p in parts], dim=0)
+    except (KeyError, RuntimeError) as e:
+        raise ConfigError(f"the checkpoint's weights do not match its config.json ({type(e).__name__}: {e}).") from e
     return titan
 
 
@@ -289,7 +292,11 @@ def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Pat
 
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in hf_state.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    for name in ("config.json",) + TOKENIZER_FILES:
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = str(next(iter(hf_state.values())).dtype).removeprefix("torch.")  # what the file holds now
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, out / name)
 
@@ -424,7 +431,11 @@ def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtyp
     """Build on the meta device and load fp32 masters with assign=True: never materialised twice."""
     with torch.device("meta"):
         model = Qwen3VLLMCompatModel(args, kernels, dtype)
-    model.load_state_dict({k: v.to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}, strict=True, assign=True)
+    try:
+        model.load_state_dict({k: v.to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}, strict=True, assign=True)
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])
+        raise ConfigError(f"the checkpoint's weights do not match its config.json: {detail}") from e
     model.init_buffers(device)
     return model
 

@@ -69,3 +69,20 @@ def test_sha256_sees_every_bit():
     b = {"w": torch.tensor([0.0, 0.0, 0.0, -0.0])}  # equal as numbers, not as bits
     assert rl.weights_sha256(a) != rl.weights_sha256(b)
     assert rl.weights_sha256(a) == rl.weights_sha256({"w": torch.zeros(4)})
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(ckpt):
+    args, hf = load(ckpt(tied=False))
+    missing = {k: v for k, v in hf.items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(rl.ConfigError, match="weights do not match its config.json"):
+        rl.hf_to_trainer(missing, args)
+    wrong = dict(hf, **{"model.norm.weight": torch.ones(7)})
+    with pytest.raises(rl.ConfigError, match="weights do not match its config.json: .*norm.weight"):
+        rl.build_model(args, rl.hf_to_trainer(wrong, args), bib.reference_kernels(), torch.float32, "cpu")
+
+
+def test_saved_config_names_the_saved_dtype(ckpt, tmp_path):
+    path = ckpt()
+    args, hf = load(path)
+    rl.save_hf_checkpoint(tmp_path / "o", {k: v.bfloat16() for k, v in hf.items()}, path)
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "bfloat16"
