@@ -388,7 +388,7 @@ class Qwen3VLLMCompatModel(nn.Module):
     def forward(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         """Packed varlen forward: tokens/positions (T,), cu_seqlens (B+1,) -> final hidden states (T, dim)."""
         k, eps = self.kernels, self.args.norm_eps
-        h = self.w(self.tok_embeddings.weight)[tokens]  # (T, dim)
+        h = self.w(self.tok_embeddings.weight[tokens])  # (T, dim); gather first: its grad accumulates in fp32
         residual = None
         for i, layer in enumerate(self.layers):  # vLLM's order: the residual add is fused into the next norm
             if residual is None:
