@@ -1,0 +1,47 @@
+"""The benchmark harness on CPU: FLOP count by hand, and one small run of designs a and c with the stand-in engine."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_rl  # noqa: E402
+import simple_rl as rl  # noqa: E402
+from helpers import TorchEngine  # noqa: E402
+
+
+def test_flops_by_hand():
+    args = SimpleNamespace(dim=4, head_dim=2, n_heads=2, n_kv_heads=1, hidden_dim=8, n_layers=3, vocab_size=10)
+    per_layer = 4 * (2 + 2) * 2 + 2 * 2 * 4 + 3 * 4 * 8  # qkv 32, o 16, mlp 96 -> 144
+    want = 6 * 3 * per_layer * (5 + 7) + 6 * 10 * 4 * 6 + 6 * 3 * 2 * 2 * (25 + 49)
+    assert bench_rl.flops_per_step(args, [5, 7], 6) == want
+
+
+def test_qwen3_1p7b_flops_per_token_is_about_6n():
+    args = SimpleNamespace(dim=2048, head_dim=128, n_heads=16, n_kv_heads=8, hidden_dim=6144, n_layers=28, vocab_size=151936)
+    f = bench_rl.flops_per_step(args, [1], 1)  # one token: attention negligible
+    assert abs(f / 6 - 1.72e9) / 1.72e9 < 0.02  # 1.72B parameters (tied head counted once)
+
+
+def test_plain_attention_matches_reference():
+    import batch_invariant_backward as bib
+
+    q, k, v = torch.randn(20, 4, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    got = bench_rl.plain_kernels().attention(q, k, v, cu, 12, 0.25)
+    torch.testing.assert_close(got, bib.ref_attention(q, k, v, cu, 12, 0.25)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_harness_runs_designs_a_and_c_on_cpu(ckpt):
+    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4, micro_batch_tokens=64,
+              engine_factory=TorchEngine, device=torch.device("cpu"))
+    packed = rl.micro_batches
+    results = [bench_rl.measure(d, str(ckpt()), **kw) for d in "ac"]
+    assert rl.micro_batches is packed  # design c's per-sample patch is undone
+    for r in results:
+        assert r["generated_tokens"] == 2 * 2 * 4 and r["trained_tokens"] == 4 * (6 + 4)
+        assert r["fwd_bwd_s"] > 0 and r["rollout_tok_s"] > 0 and r["mfu"] > 0 and len(r["steps"]) == 2
+    table = bench_rl.table(results)
+    assert "bitwise" in table and "seed" in table and "full step, seed design / ours" in table
