@@ -111,7 +111,7 @@ class Config:
     log_dir: str = opt("runs", "TensorBoard root; this run logs to <log_dir>/<run_name>")
     run_name: str = opt("", "run name (default: time stamp)")
     output_dir: str = opt("", "where the final HF checkpoint goes (default: <log_dir>/<run_name>/final)")
-    parity_rows: int = opt(8, "rows of the per-step parity table")
+    parity_rows: int = opt(8, "rows of the per-step parity table (the first tokens, or the first that differ)")
     strict_parity: bool = opt(False, "stop at the first step whose logprobs are not bitwise equal")
     debug_parity: bool = opt(False, "compare trainer and vLLM op by op on one generated sequence, print where they diverge, exit")
     # --- checkpoints
@@ -571,15 +571,21 @@ class Problem:
     answer: str
 
 
+ARITH = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+
+
 def arithmetic_problems(n: int, seed: int) -> list[Problem]:
-    """n procedurally generated problems ("What is 37 * 4 - 9?") with exact integer answers."""
+    """n procedurally generated problems "a op1 b op2 c" with exact integer answers.
+
+    op1 is one of + - *, op2 one of + -, so the value is always (a op1 b) op2 c.
+    """
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(1, 9)
         op1, op2 = rng.choice("+-*"), rng.choice("+-")
-        expr = f"{a} {op1} {b} {op2} {c}"
-        out.append(Problem(f"Q: What is {expr}? End with 'Answer: <number>'.\nA:", str(eval(expr))))
+        value = ARITH[op2](ARITH[op1](a, b), c)
+        out.append(Problem(f"Q: What is {a} {op1} {b} {op2} {c}? End with 'Answer: <number>'.\nA:", str(value)))
     return out
 
 
@@ -664,12 +670,13 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
     diff = a.view(torch.int32) != b.view(torch.int32)
     delta = (a - b).abs()
     lines = [f"{'token':>8} {'vllm':>14} {'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
-    show = list(range(min(rows, len(a))))
+    bad = diff.nonzero()[:, 0]
+    show = bad[:rows].tolist() if len(bad) else range(min(rows, len(a)))  # the first differing tokens, if any
     for i in show:
         bits_a, bits_b = a[i : i + 1].view(torch.int32).item() & 0xFFFFFFFF, b[i : i + 1].view(torch.int32).item() & 0xFFFFFFFF
         lines.append(f"{int(tokens[i]):>8} {a[i].item():>14.8f} {b[i].item():>14.8f} {bits_a:>10x} {bits_b:>12x} {delta[i].item():>10.3g}")
-    n_bad = int(diff.sum())
-    return Parity(len(a), n_bad, float(delta.max()) if len(a) else 0.0, "\n".join(lines))
+    return Parity(len(a), len(bad), float(delta.max()) if len(a) else 0.0, "\n".join(lines))
+
 
 # ==========================================================================
 # Parity debugger: trainer vs vLLM's own model, op by op, on one sequence

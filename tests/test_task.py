@@ -12,7 +12,8 @@ def test_arithmetic_problems_are_seeded_and_exact():
     assert a == b and a != rl.arithmetic_problems(50, 4)
     for p in a:
         expr = p.prompt.split("What is ")[1].split("?")[0]
-        assert str(eval(expr)) == p.answer and p.prompt.endswith("A:")
+        assert str(eval(expr)) == p.answer and p.prompt.endswith("A:")  # Python's precedence agrees
+    assert {p.prompt.split()[4] for p in a} == {"+", "-", "*"}
 
 
 @pytest.mark.parametrize("text,value", [
