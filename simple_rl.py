@@ -1160,11 +1160,16 @@ def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, 
     ref_model = build_model(args, state, kernels, DTYPES[cfg.dtype], device).requires_grad_(False) if cfg.kl_coef > 0 else None
     del state
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-    tr = Trainer(cfg, engine, tokenizer, model, ref_model, optimizer, writer)
+    tr = Trainer(cfg, engine, tokenizer, model, ref_model, optimizer, writer=None)
     start = restore_checkpoint(tr, ckpt) if ckpt else 0
     engine.push(model)  # from here on the engine holds exactly the trainer's weights (resumed ones too)
+    # On resume, drop what the interrupted run logged after its checkpoint (TensorBoard and metrics.jsonl).
+    tr.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
+    tr.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
+    metrics_log = run_dir / "metrics.jsonl"
+    if ckpt and metrics_log.is_file():
+        kept = [line for line in metrics_log.read_text().splitlines() if json.loads(line)["step"] < start]
+        metrics_log.write_text("".join(line + "\n" for line in kept))
     if ckpt:
         print(f"resuming {ckpt} at step {start} (config from the checkpoint)")
     print(f"simple_rl | {path} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params | kernels {kernels.name} | run {run_dir}")

@@ -3,6 +3,7 @@
 import json
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -179,3 +180,16 @@ def test_model_dir_without_weights_fails_before_anything_starts(ckpt, tmp_path, 
         f.unlink()
     assert rl.main(["--model", str(tmp_path / "m"), "--log-dir", str(tmp_path / "runs")]) == 2
     assert "has no *.safetensors weights" in capsys.readouterr().err
+
+
+def test_resume_drops_what_was_logged_after_the_checkpoint(ckpt, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = ckpt()
+    run(config(path, tmp_path, steps=3, run_name="x"))  # checkpoint at 2, but steps 0..2 logged
+    time.sleep(1.1)  # TensorBoard orders event files by the second they were created in
+    _, run_dir = run(config(path, tmp_path, steps=4, resume=str(tmp_path / "runs" / "x" / "checkpoints" / "step_000002")))
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3]
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [0, 1, 2, 3]
