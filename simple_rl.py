@@ -461,10 +461,10 @@ class Rollout:
 class VLLMEngine:
     """One vLLM engine for the whole run, in this process (its model is reachable for weight pushes)."""
 
-    def __init__(self, cfg: Config, path: Path, eos_id: int):
+    def __init__(self, cfg: Config, path: Path, eos_ids: list[int]):
         from vllm import LLM
 
-        self.cfg, self.eos_id = cfg, eos_id
+        self.cfg, self.eos_ids = cfg, eos_ids
         self.llm = LLM(
             model=str(path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
@@ -490,7 +490,7 @@ class VLLMEngine:
         cfg = self.cfg
         params = [
             SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, logprobs=0,
-                           seed=sample_seed(cfg, step, i), stop_token_ids=[self.eos_id], detokenize=False)
+                           seed=sample_seed(cfg, step, i), stop_token_ids=self.eos_ids, detokenize=False)
             for i in range(len(prompts))
         ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -1070,10 +1070,20 @@ def load_model_files(cfg: Config):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}); add tokenizer.json and tokenizer_config.json.") from e
-    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else hf_cfg.eos_token_id
-    if eos_id is None or len(tokenizer) > args.vocab_size:
-        raise ConfigError(f"the tokenizer ({len(tokenizer)} tokens, eos id {eos_id}) does not fit the model's vocab of {args.vocab_size}.")
-    return path, args, tokenizer, eos_id
+    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
+    if not eos_ids or len(tokenizer) > args.vocab_size or max(eos_ids) >= args.vocab_size:
+        raise ConfigError(f"the tokenizer ({len(tokenizer)} tokens, eos ids {eos_ids}) does not fit the model's vocab of {args.vocab_size}.")
+    return path, args, tokenizer, eos_ids
+
+
+def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and config.json's / generation_config.json's eos ids
+    (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
+    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
+    if (path / "generation_config.json").is_file():
+        found.append(json.loads((path / "generation_config.json").read_text()).get("eos_token_id"))
+    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if i is not None]
+    return sorted(set(flat))
 
 
 def train(tr: Trainer, start: int, run_dir: Path, source: Path) -> str:
@@ -1137,7 +1147,7 @@ class RunStopped(RuntimeError):
 def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, Path, Path]:
     """Build (or rebuild from a checkpoint) everything `train` needs.
 
-    engine_factory(cfg, path, eos_id) makes the rollout engine; the default is VLLMEngine
+    engine_factory(cfg, path, eos_ids) makes the rollout engine; the default is VLLMEngine
     on CUDA (tests pass a CPU stand-in with the reference kernels).
     """
     from torch.utils.tensorboard import SummaryWriter
@@ -1145,7 +1155,7 @@ def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, 
     ckpt = find_checkpoint(cfg) if cfg.resume else None
     if ckpt:
         cfg = resume_config(cfg, ckpt)
-    path, args, tokenizer, eos_id = load_model_files(cfg)
+    path, args, tokenizer, eos_ids = load_model_files(cfg)
     cfg.run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
     run_dir = prepare_run_dir(cfg, resuming=ckpt is not None)
     if engine_factory is None:
@@ -1154,7 +1164,7 @@ def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, 
     kernels = bib.reference_kernels() if cfg.kernels == "reference" or device.type == "cpu" else bib.vllm_kernels()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    engine = engine_factory(cfg, path, eos_id)  # first: vLLM sizes its KV cache from the memory free now
+    engine = engine_factory(cfg, path, eos_ids)  # first: vLLM sizes its KV cache from the memory free now
     state = hf_to_trainer(load_hf_state_dict(path), args)
     model = build_model(args, state, kernels, DTYPES[cfg.dtype], device)
     ref_model = build_model(args, state, kernels, DTYPES[cfg.dtype], device).requires_grad_(False) if cfg.kl_coef > 0 else None

@@ -89,12 +89,12 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
     cfg = rl.Config(model=model_dir, num_prompts=prompts_n, group_size=group, max_new_tokens=new_tokens,
                     max_model_len=prompt_len + new_tokens + 1, micro_batch_tokens=max(micro_batch_tokens, prompt_len + new_tokens + 1),
                     lr=1e-6, kernels="reference" if design == "b" else "vllm", dtype="bfloat16" if device is None else "float32")
-    path, args, tokenizer, eos_id = rl.load_model_files(cfg)
+    path, args, tokenizer, eos_ids = rl.load_model_files(cfg)
     device = device or torch.device("cuda")
     if engine_factory is None:
         plain_engine, seed_engine = _engine_classes()
         engine_factory = plain_engine if design == "b" else seed_engine if design == "c" else rl.VLLMEngine
-    engine = engine_factory(cfg, path, eos_id)
+    engine = engine_factory(cfg, path, eos_ids)
     kernels = plain_kernels() if design == "b" else bib.reference_kernels() if device.type == "cpu" else bib.vllm_kernels()
     model = rl.build_model(args, rl.hf_to_trainer(rl.load_hf_state_dict(path), args), kernels, rl.DTYPES[cfg.dtype], device)
     engine.push(model)
@@ -183,10 +183,10 @@ def _engine_classes():
     class PlainEngine(rl.VLLMEngine):
         """(b): vLLM's default scheduling budget (no parity constraint), still eager."""
 
-        def __init__(self, cfg, path, eos_id):
+        def __init__(self, cfg, path, eos_ids):
             from vllm import LLM
 
-            self.cfg, self.eos_id = cfg, eos_id
+            self.cfg, self.eos_ids = cfg, eos_ids
             self.llm = LLM(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype=cfg.dtype, seed=cfg.seed,
                            max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
                            logprobs_mode="processed_logprobs")

@@ -62,12 +62,12 @@ def setup(args):
                     temperature=args.temperature, max_model_len=1024, lr=args.lr, seed=args.seed,
                     micro_batch_tokens=args.micro_batch_tokens)
     rl.validate(cfg)
-    _, margs, tokenizer, eos_id = rl.load_model_files(cfg)
+    _, margs, tokenizer, eos_ids = rl.load_model_files(cfg)
     t0 = time.perf_counter()
-    engine = rl.VLLMEngine(cfg, path, eos_id)
+    engine = rl.VLLMEngine(cfg, path, eos_ids)
     engine_s = time.perf_counter() - t0
     model = rl.build_model(margs, rl.hf_to_trainer(rl.load_hf_state_dict(path), margs), bib.vllm_kernels(), torch.bfloat16, torch.device("cuda"))
-    return cfg, engine, model, eos_id, engine_s
+    return cfg, engine, model, eos_ids, engine_s
 
 
 def prompts_for(args) -> list[list[int]]:
@@ -78,7 +78,7 @@ def prompts_for(args) -> list[list[int]]:
 
 
 def parity(args) -> dict:
-    cfg, engine, model, eos_id, engine_s = setup(args)
+    cfg, engine, model, eos_ids, engine_s = setup(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     prompts = prompts_for(args)
     out = dict(engine_start_s=engine_s, steps=[])

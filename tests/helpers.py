@@ -58,9 +58,9 @@ class TorchEngine:
     returns processed logprobs of softmax(logits / T), like vLLM does.
     """
 
-    def __init__(self, cfg: rl.Config, path=None, eos_id: int = 0):
+    def __init__(self, cfg: rl.Config, path=None, eos_ids=(0,)):
         self.model = None  # a copy of the policy, made by the first push
-        self.cfg, self.eos_id = cfg, eos_id
+        self.cfg, self.eos_ids = cfg, set(eos_ids)
 
     @torch.no_grad()
     def rollout(self, prompts, step):
@@ -83,9 +83,9 @@ class TorchEngine:
                 t = int(torch.multinomial(lp[row].exp(), 1, generator=gens[i]))
                 comps[i].append(t)
                 lps[i].append(float(lp[row, t]))
-            live = [i for i in live if comps[i][-1] != self.eos_id]
+            live = [i for i in live if comps[i][-1] not in self.eos_ids]
         return rl.Rollout(prompts=seqs, completions=comps, logprobs=torch.tensor([x for l in lps for x in l]),
-                          stopped=[c[-1] == self.eos_id for c in comps])
+                          stopped=[c[-1] in self.eos_ids for c in comps])
 
     def push(self, model):
         if self.model is None:

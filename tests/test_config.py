@@ -107,3 +107,10 @@ def test_readme_documents_every_option():
         assert f"| `--{f.name.replace('_', '-')}` |" in readme, f.name
     assert "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q" in readme
     assert "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_stop_ids_gather_every_eos(ckpt, tmp_path):
+    shutil.copytree(ckpt(), tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
+    cfg = rl.Config(model=str(tmp_path / "m"))
+    assert rl.load_model_files(cfg)[3] == [0, 1]  # tokenizer eos 0, config eos 0, generation config [0, 1]
