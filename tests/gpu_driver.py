@@ -140,7 +140,7 @@ def parity(args) -> dict:
 
 # the experiment's knobs and their defaults (the tiny model: 3 layers, GQA 4/2, head_dim 128)
 OPTIONS = dict(temperature=1.0, steps=4, prompts=16, group=8, max_new_tokens=256, max_prompt=220, layers=3, vocab=384,
-               hidden=512, heads=4, kv_heads=2, inter=1024, lr=1e-3, seed=0, micro_batch_tokens=16384)
+               hidden=512, heads=4, kv_heads=2, inter=1024, lr=1e-3, seed=0, micro_batch_tokens=65536)  # one packed forward per step
 
 
 def main():
