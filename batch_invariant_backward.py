@@ -372,12 +372,12 @@ def reference_forwards() -> Kernels:
     return Kernels(**{**ref.__dict__, "name": "reference+custom-backward", "attention": ref_attention})
 
 
-# vLLM's CUDA fused_add_rms_norm sizes its thread block from the number of rows in a call
-# (up to 1024 threads under 256 rows, 256 threads from 256 rows on; capped at the hidden size),
-# and the block size fixes the order of the sum of squares. simple_rl runs vLLM with at most this
-# many tokens per engine step, so every row vLLM normalises took the small-call path; the trainer
-# calls the kernel on chunks of at most this many rows.
-# Measured on an H200, hidden 512: without the chunks ~75% of tokens differed, with them none.
+# vLLM's CUDA fused_add_rms_norm is not invariant to the number of rows in one call: its launch
+# configuration (thread-block size, capped at the hidden size) changes at 256 rows, and with it the
+# order of the sum of squares. simple_rl runs vLLM with at most this many tokens per engine step,
+# so every row vLLM normalises took the small-call path; the trainer calls the kernel on chunks of
+# at most this many rows. Measured on an H200: hidden 512 without the chunks, ~75% of tokens
+# differed; with them, none. Hidden 256 (where the cap makes both paths alike) never differed.
 ADD_RMS_NORM_ROWS = 255
 
 
