@@ -872,9 +872,10 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
         if update == 0:
             sums[5] = norm
         optimizer.step()
-    pg, kl, ent, ratio, clipped = (sums[:5] / max(n_tok, 1)).tolist()
+    sums[:5] /= max(n_tok, 1)
+    pg, kl, ent, ratio, clipped, grad_norm = sums.tolist()  # one host sync
     metrics = dict(loss=pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, pg_loss=pg, kl_div=kl, entropy=ent,
-                   ratio_mean=ratio, ratio_clipped_frac=clipped, grad_norm=sums[5].item())
+                   ratio_mean=ratio, ratio_clipped_frac=clipped, grad_norm=grad_norm)
     return metrics, first_logp
 
 
@@ -1004,8 +1005,8 @@ def find_checkpoint(cfg: Config) -> Path:
     """--resume PATH (a checkpoint dir) or 'latest' (newest checkpoint of --run-name, else of any run)."""
     if cfg.resume != "latest":
         ckpt = Path(cfg.resume).expanduser()
-        if not (ckpt / "trainer.pt").is_file():
-            raise ConfigError(f"--resume {cfg.resume!r} is not a checkpoint directory (no trainer.pt).")
+        if not all((ckpt / f).is_file() for f in ("trainer.pt", "run_config.json")):
+            raise ConfigError(f"--resume {cfg.resume!r} is not a checkpoint directory (no trainer.pt and run_config.json).")
         return ckpt
     runs = [Path(cfg.log_dir) / cfg.run_name] if cfg.run_name else [p for p in Path(cfg.log_dir).glob("*") if p.is_dir()]
     found = sorted((c for r in runs for c in r.glob("checkpoints/step_*") if (c / "trainer.pt").is_file()), key=lambda c: c.stat().st_mtime)
@@ -1015,8 +1016,11 @@ def find_checkpoint(cfg: Config) -> Path:
 
 
 def resume_config(cfg: Config, ckpt: Path) -> Config:
-    """The checkpoint's config, with this invocation's --steps (so a run can be extended)."""
-    saved = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)["config"]
+    """The checkpoint's config, with this invocation's --steps (so a run can be extended).
+
+    Read from run_config.json: trainer.pt holds the masters and optimizer state, read once by restore.
+    """
+    saved = json.loads((ckpt / "run_config.json").read_text())
     return dataclasses.replace(Config(**saved), steps=cfg.steps, resume=cfg.resume)
 
 

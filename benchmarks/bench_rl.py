@@ -195,7 +195,7 @@ def _engine_classes():
         """(c): weights go through safetensors on disk and vLLM's reload_weights, as in the seed."""
 
         def push(self, model):
-            out = Path(tempfile.mkdtemp(prefix="seed_push_"))
+            out = self.__dict__.setdefault("push_dir", Path(tempfile.mkdtemp(prefix="seed_push_")))  # rewritten each push
             rl.save_hf_checkpoint(out, rl.model_hf_state(model), Path(self.cfg.model))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(out)})
             self.llm.reset_prefix_cache()
