@@ -91,6 +91,7 @@ class Config:
     temperature: float = opt(1.0, "sampling temperature; logprobs are those of softmax(logits / T)")
     max_model_len: int = opt(1024, "vLLM max sequence length (prompt + completion)")
     gpu_memory_utilization: float = opt(0.3, "fraction of GPU memory vLLM may take")
+    cuda_graphs: bool = opt(True, "replay vLLM's decode steps as CUDA graphs (the same kernels, fewer launches)")
     # --- grpo
     clip_eps: float = opt(0.2, "PPO clip range eps_c")
     kl_coef: float = opt(0.0, "beta of the k3 KL to the frozen initial policy (0: no reference model)")
@@ -458,29 +459,59 @@ class Rollout:
     stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
 
 
+def route_vllm_add_rms_norm_through_row_chunks() -> None:
+    """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's are.
+
+    vLLM 0.26's batch-invariant RMSNorm hands a residual add to a CUDA kernel whose reduction
+    order changes at 256 rows (bib.ADD_RMS_NORM_ROWS). The engine runs in this process, so
+    replacing the function its RMSNorm layers call is enough: every row is then normalised by a
+    call of at most 255 rows, whatever the batch, and the engine may schedule as many tokens per
+    step as it likes. Without this its budget had to stay under 256 tokens per step.
+    """
+    from vllm.model_executor.layers import layernorm
+
+    plain = layernorm.rms_norm_batch_invariant
+    if getattr(plain, "row_chunked", False):
+        return
+
+    def rms_norm_rows(x, weight, eps=1e-6, residual=None):
+        if residual is None or weight is None:
+            return plain(x, weight, eps, residual=residual)
+        bib.fused_add_rms_norm_rows(x, residual, weight, eps)
+        return x, residual
+
+    rms_norm_rows.row_chunked = True
+    layernorm.rms_norm_batch_invariant = rms_norm_rows
+
+
 class VLLMEngine:
     """One vLLM engine for the whole run, in this process (its model is reachable for weight pushes)."""
 
     def __init__(self, cfg: Config, path: Path, eos_ids: list[int]):
         from vllm import LLM
+        from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
+        route_vllm_add_rms_norm_through_row_chunks()
         self.cfg, self.eos_ids = cfg, eos_ids
+        samples = cfg.num_prompts * cfg.group_size
+        graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger's hooks see only eager steps
         self.llm = LLM(
             model=str(path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
-            enforce_eager=True,  # no torch.compile / CUDA graphs: vLLM runs the very kernels we call
             dtype=cfg.dtype,
             seed=cfg.seed,
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T), what was sampled from
-            # Parity depends on this budget: under 256 tokens per step, every fused add+RMSNorm
-            # call vLLM makes has under 256 rows, as the trainer's do (bib.ADD_RMS_NORM_ROWS).
-            # Measured on an H200 with the default 16384: ~55% of decode-step logprobs differed.
-            # See README, "Parity and engine settings".
-            max_num_batched_tokens=bib.ADD_RMS_NORM_ROWS,
-            max_num_seqs=min(cfg.num_prompts * cfg.group_size, bib.ADD_RMS_NORM_ROWS),
+            max_num_seqs=samples,  # every sample decodes in every step
+            max_num_batched_tokens=max(samples, 8192),
             attention_backend="FLASH_ATTN",
+            # Never torch.compile: Inductor would fuse and reorder the ops the trainer mirrors.
+            # CUDA graphs only replay the same kernels, so decode steps may use them.
+            enforce_eager=not graphs,
+            compilation_config=CompilationConfig(
+                mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, max_cudagraph_capture_size=min(samples, 512),
+            ) if graphs else None,
         )
 
     def rollout(self, prompts: list[list[int]], step: int) -> Rollout:
@@ -903,6 +934,12 @@ class Trainer:
     writer: object  # TensorBoard SummaryWriter
 
 
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW on the fp32 masters; on CUDA its fused kernel (one launch set for all tensors, deterministic)."""
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=fused)
+
+
 def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     """rollout -> reward -> advantages -> update (+ parity check) -> weight push -> log."""
     cfg, device = tr.cfg, tr.model.norm.weight.device
@@ -1173,7 +1210,7 @@ def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, 
     model = build_model(args, state, kernels, DTYPES[cfg.dtype], device)
     ref_model = build_model(args, state, kernels, DTYPES[cfg.dtype], device).requires_grad_(False) if cfg.kl_coef > 0 else None
     del state
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     tr = Trainer(cfg, engine, tokenizer, model, ref_model, optimizer, writer=None)
     start = restore_checkpoint(tr, ckpt) if ckpt else 0
     engine.push(model)  # from here on the engine holds exactly the trainer's weights (resumed ones too)

@@ -2,14 +2,15 @@
 
     (a) bitwise   simple_rl as it is: batch-invariant vLLM, the trainer on vLLM's kernels,
                   packed micro-batches, in-memory weight push
-    (b) plain     VLLM_BATCH_INVARIANT=0, the trainer on plain PyTorch kernels
-                  (cuBLAS GEMMs, SDPA flash attention), packed micro-batches, in-memory push
+    (b) plain     the same engine settings with VLLM_BATCH_INVARIANT=0 (vLLM's default kernels),
+                  the trainer on plain PyTorch kernels (cuBLAS GEMMs, SDPA flash attention,
+                  autograd), packed micro-batches, in-memory push
     (c) seed      the seed's design: bitwise kernels, one training forward per sample,
                   weight sync by writing safetensors and calling vLLM's reload_weights
 
 Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is imported):
 
-    python benchmarks/bench_rl.py --model CKPT --out bench.json
+    python benchmarks/bench_rl.py --model CKPT --out bench.json [--profile]
 
 Workload: 32 prompts x 8 samples, prompts of 128 random tokens, 256 new tokens, 1 warm-up
 step and 3 measured steps. MFU counts 6 * params * tokens for the GEMMs (the LM head only
@@ -79,7 +80,7 @@ def workload_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[in
 
 
 def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int, group: int, prompt_len: int,
-            new_tokens: int, micro_batch_tokens: int, engine_factory=None, device=None) -> dict:
+            new_tokens: int, micro_batch_tokens: int, engine_factory=None, device=None, profile_to: Path | None = None) -> dict:
     """Run warm-up + measured steps of one design in this process; per-phase seconds and rates."""
     import torch
 
@@ -91,14 +92,13 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
                     lr=1e-6, kernels="reference" if design == "b" else "vllm", dtype="bfloat16" if device is None else "float32")
     path, args, tokenizer, eos_ids = rl.load_model_files(cfg)
     device = device or torch.device("cuda")
-    if engine_factory is None:
-        plain_engine, seed_engine = _engine_classes()
-        engine_factory = plain_engine if design == "b" else seed_engine if design == "c" else rl.VLLMEngine
+    if engine_factory is None:  # (b) is the same engine: VLLM_BATCH_INVARIANT=0 gives it vLLM's default kernels
+        engine_factory = seed_engine_class() if design == "c" else rl.VLLMEngine
     engine = engine_factory(cfg, path, eos_ids)
     kernels = plain_kernels() if design == "b" else bib.reference_kernels() if device.type == "cpu" else bib.vllm_kernels()
     model = rl.build_model(args, rl.hf_to_trainer(rl.load_hf_state_dict(path), args), kernels, rl.DTYPES[cfg.dtype], device)
     engine.push(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    optimizer = rl.make_optimizer(model, cfg)
     opt_time = wrap_timed(optimizer, device)
     prompts = workload_prompts(prompts_n, prompt_len, min(args.vocab_size, len(tokenizer)), 0)
     rows = []
@@ -107,6 +107,8 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
         rl.micro_batches = lambda lengths, max_tokens: [range(i, i + 1) for i in range(len(lengths))]
     try:
         rows = [one_step(step, step < warmup, engine, model, optimizer, opt_time, prompts, cfg, device) for step in range(warmup + steps)]
+        if profile_to:
+            profile_train_step(model, optimizer, prompts, engine, cfg, device, profile_to)
     finally:
         rl.micro_batches = packed_micro_batches
     measured = [r for r in rows if not r["warmup"]]
@@ -177,19 +179,8 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _engine_classes():
+def seed_engine_class():
     import simple_rl as rl
-
-    class PlainEngine(rl.VLLMEngine):
-        """(b): vLLM's default scheduling budget (no parity constraint), still eager."""
-
-        def __init__(self, cfg, path, eos_ids):
-            from vllm import LLM
-
-            self.cfg, self.eos_ids = cfg, eos_ids
-            self.llm = LLM(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype=cfg.dtype, seed=cfg.seed,
-                           max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                           logprobs_mode="processed_logprobs")
 
     class SeedEngine(rl.VLLMEngine):
         """(c): weights go through safetensors on disk and vLLM's reload_weights, as in the seed."""
@@ -200,7 +191,23 @@ def _engine_classes():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(out)})
             self.llm.reset_prefix_cache()
 
-    return PlainEngine, SeedEngine
+    return SeedEngine
+
+
+def profile_train_step(model, optimizer, prompts, engine, cfg, device, path: Path, rows: int = 30) -> None:
+    """One more step's update under torch.profiler: the ops that take the GPU time, to a text file."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import simple_rl as rl
+
+    ro = engine.rollout(prompts, 10_000)
+    packed = rl.pack(ro.prompts, ro.completions)
+    adv = torch.linspace(-1, 1, len(ro.completions), device=device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
+        rl.train_step(model, None, optimizer, packed, ro.logprobs.to(device), adv, cfg)
+        sync(device)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total", row_limit=rows))
 
 
 def table(results: list[dict]) -> str:
@@ -231,12 +238,14 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--out", default="bench.json")
+    p.add_argument("--profile", action="store_true", help="also profile one more update of designs a and b (<out>.<design>.profile.txt)")
     p.add_argument("--worker", choices=sorted(DESIGNS), help=argparse.SUPPRESS)
     a = p.parse_args()
     knobs = dict(steps=a.steps, warmup=a.warmup, prompts_n=a.prompts, group=a.group, prompt_len=a.prompt_len,
                  new_tokens=a.new_tokens, micro_batch_tokens=a.micro_batch_tokens)
     if a.worker:
-        Path(a.out).write_text(json.dumps(measure(a.worker, a.model, **knobs)))
+        profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile and a.worker != "c" else None  # c: 256 updates, too long a trace
+        Path(a.out).write_text(json.dumps(measure(a.worker, a.model, **knobs, profile_to=profile_to)))
         return
     results = []
     for d in a.designs:

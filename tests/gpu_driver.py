@@ -60,7 +60,7 @@ def setup(args):
                            heads=args.heads, kv_heads=args.kv_heads, inter=args.inter, dtype=torch.bfloat16, seed=args.seed)
     cfg = rl.Config(model=str(path), num_prompts=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, max_model_len=1024, lr=args.lr, seed=args.seed,
-                    micro_batch_tokens=args.micro_batch_tokens)
+                    micro_batch_tokens=args.micro_batch_tokens, cuda_graphs=args.cuda_graphs)
     rl.validate(cfg)
     _, margs, tokenizer, eos_ids = rl.load_model_files(cfg)
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def prompts_for(args) -> list[list[int]]:
 
 def parity(args) -> dict:
     cfg, engine, model, eos_ids, engine_s = setup(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    optimizer = rl.make_optimizer(model, cfg)
     prompts = prompts_for(args)
     out = dict(engine_start_s=engine_s, steps=[])
     eq, n_w = weights_equal(engine, model)
@@ -147,11 +147,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["parity"])
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--debug", action="store_true")
+    p.add_argument("--debug", action="store_true", help="also run the parity debugger (needs --no-cuda-graphs)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", required=True)
     for name, default in OPTIONS.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = p.parse_args()
+    if args.debug and args.cuda_graphs:
+        p.error("the debugger hooks vLLM's modules, which CUDA graph replay skips: add --no-cuda-graphs")
     Path(args.out).write_text(json.dumps(parity(args), indent=1))
 
 

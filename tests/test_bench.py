@@ -34,11 +34,12 @@ def test_plain_attention_matches_reference():
     torch.testing.assert_close(got, bib.ref_attention(q, k, v, cu, 12, 0.25)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_harness_runs_designs_a_and_c_on_cpu(ckpt):
+def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
     kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4, micro_batch_tokens=64,
               engine_factory=TorchEngine, device=torch.device("cpu"))
     packed = rl.micro_batches
-    results = [bench_rl.measure(d, str(ckpt()), **kw) for d in "ac"]
+    results = [bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt") for d in "ac"]
+    assert "aten::mm" in (tmp_path / "a.txt").read_text()  # the profile names the ops that took the time
     assert rl.micro_batches is packed  # design c's per-sample patch is undone
     for r in results:
         assert r["generated_tokens"] == 2 * 2 * 4 and r["trained_tokens"] == 4 * (6 + 4)

@@ -47,10 +47,16 @@ def parity_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("flags", [("--tied", "--temperature", "1.0"), ("--no-tied", "--temperature", "0.7")])
-def test_every_token_bitwise_equal_across_weight_pushes(parity_runs, flags):
+# (tied head, T=1.0, eager engine) also serves the debugger test; the others replay decode steps as CUDA graphs
+RUNS = {"tied-eager": ("--tied", "--temperature", "1.0", "--no-cuda-graphs", "--debug"),
+        "untied-graphs": ("--no-tied", "--temperature", "0.7", "--cuda-graphs"),
+        "tied-graphs": ("--tied", "--temperature", "1.0", "--cuda-graphs")}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_token_bitwise_equal_across_weight_pushes(parity_runs, run):
     """16 prompts (1..220 tokens) x 8 samples, up to 256 new tokens, 4 GRPO steps each followed by a push."""
-    r = parity_runs(*flags, "--steps", "4", "--debug")
+    r = parity_runs(*RUNS[run], "--steps", "4")
     assert r["weights_equal_at_start"]
     assert len(r["steps"]) == 4
     for s in r["steps"]:
@@ -63,7 +69,7 @@ def test_every_token_bitwise_equal_across_weight_pushes(parity_runs, flags):
 
 
 def test_debugger_finds_nothing_then_names_an_injected_ulp(parity_runs):
-    r = parity_runs("--tied", "--temperature", "1.0", "--steps", "4", "--debug")
+    r = parity_runs(*RUNS["tied-eager"], "--steps", "4")
     for plen in (5, 120, 300):
         assert r[f"debug_{plen}"] == {"first": None, "n_bad": 0}
     assert r["debug_injected"]["first"] == "layers.1.act_fn"
