@@ -48,6 +48,7 @@ class Kernels:
     linear: Callable  # (x (T, K), w (N, K)) -> (T, N)
     attention: Callable  # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> (o (T, Hq, D), lse (Hq, T))
     log_softmax: Callable  # (x (N, V) fp32) -> (N, V) fp32
+    logprobs_entropy: Callable  # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,)
 
 
 # ---------------------------------------------------------------------------
@@ -70,11 +71,11 @@ def ref_add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tupl
     return (sf * r).to(x.dtype) * w, s
 
 
-def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float, gs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Gradients of y = x_hat * w with x_hat = x * r, r = (mean(x^2) + eps)^-1/2.
 
-    dx = r * (gy*w - x_hat * mean(gy*w*x_hat))     (per row, over the last dim D)
-    dw = sum_rows(gy * x_hat)
+    dx = r * (gy*w - x_hat * mean(gy*w*x_hat))  (+ gs, the gradient reaching x by another path)
+    dw = sum_rows(gy * x_hat)                     (per row, over the last dim D)
     """
     d = x.shape[-1]
     xf, gf, wf = _wide(x), _wide(gy), _wide(w)
@@ -83,40 +84,39 @@ def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float) -> tuple[Ten
     gw = gf * wf
     dx = r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
     dw = (gf * x_hat).reshape(-1, d).sum(0)
-    return dx.to(x.dtype), dw.to(w.dtype)
+    dx = dx.to(x.dtype) if gs is None else dx.to(x.dtype) + gs
+    return dx, dw.to(w.dtype)
 
 
 class RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, eps, fwd):
+    def forward(ctx, x, w, eps, fwd, bwd):
         ctx.save_for_backward(x, w)
-        ctx.eps = eps
+        ctx.eps, ctx.bwd = eps, bwd
         return fwd(x, w, eps)
 
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
-        dx, dw = rms_norm_backward(x, w, gy, ctx.eps)
-        return dx, dw, None, None
+        dx, dw = ctx.bwd(x, w, gy, ctx.eps)
+        return dx, dw, None, None, None
 
 
 class AddRMSNormFn(torch.autograd.Function):
     """(y, s) = (rms_norm(x + residual) * w, x + residual); ds collects both paths: dy->s and ds_out."""
 
     @staticmethod
-    def forward(ctx, x, residual, w, eps, fwd):
+    def forward(ctx, x, residual, w, eps, fwd, bwd):
         y, s = fwd(x, residual, w, eps)
         ctx.save_for_backward(s, w)
-        ctx.eps = eps
+        ctx.eps, ctx.bwd = eps, bwd
         return y, s
 
     @staticmethod
     def backward(ctx, gy, gs):
         s, w = ctx.saved_tensors
-        ds, dw = rms_norm_backward(s, w, gy, ctx.eps)
-        if gs is not None:
-            ds = ds + gs
-        return ds, ds, dw, None, None
+        ds, dw = ctx.bwd(s, w, gy, ctx.eps, gs)
+        return ds, ds, dw, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -147,22 +147,24 @@ def ref_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tupl
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def rotary_backward(g: Tensor, positions: Tensor, cos_sin: Tensor) -> Tensor:
+def rotary_backward(gq: Tensor, gk: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """The rotation R(p) is orthogonal, so dx = R(p)^T g = R(-p) g: rotate by -sin, in fp32."""
     cos, sin = _wide(cos_sin[positions]).unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(_wide(g), cos, -sin).to(g.dtype)
+    return tuple(_rotate(_wide(g), cos, -sin).to(g.dtype) for g in (gq, gk))
 
 
 class RotaryFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, positions, cos_sin, fwd):
+    def forward(ctx, q, k, positions, cos_sin, fwd, bwd):
         ctx.save_for_backward(positions, cos_sin)
+        ctx.bwd = bwd
         return fwd(q, k, positions, cos_sin)
 
     @staticmethod
     def backward(ctx, gq, gk):
         positions, cos_sin = ctx.saved_tensors
-        return rotary_backward(gq, positions, cos_sin), rotary_backward(gk, positions, cos_sin), None, None, None
+        dq, dk = ctx.bwd(gq, gk, positions, cos_sin)
+        return dq, dk, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -188,14 +190,15 @@ def silu_and_mul_backward(x: Tensor, gy: Tensor) -> Tensor:
 
 class SiluAndMulFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fwd):
+    def forward(ctx, x, fwd, bwd):
         ctx.save_for_backward(x)
+        ctx.bwd = bwd
         return fwd(x)
 
     @staticmethod
     def backward(ctx, gy):
         (x,) = ctx.saved_tensors
-        return silu_and_mul_backward(x, gy), None
+        return ctx.bwd(x, gy), None, None
 
 
 # ---------------------------------------------------------------------------
@@ -414,27 +417,181 @@ def ref_log_softmax(x: Tensor) -> Tensor:
     return torch.log_softmax(x, dim=-1)
 
 
-def log_softmax_backward(y: Tensor, gy: Tensor) -> Tensor:
-    """dx = gy - softmax(x) * sum(gy) = gy - exp(y) * sum(gy), per row."""
-    return gy - torch.exp(y) * gy.sum(-1, keepdim=True)
+def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float, log_softmax: Callable = ref_log_softmax) -> tuple[Tensor, Tensor]:
+    """lp = log_softmax(float(logits) / T); returns (lp[target], -sum exp(lp) * lp), both fp32 (N,).
+
+    T is divided as a fp32 *device tensor*, as vLLM's sampler does (a Python scalar would
+    make CUDA multiply by 1/T, which rounds differently).
+    """
+    z = _wide(logits)
+    z = z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device)  # (N, V)
+    lp = log_softmax(z)
+    return lp.gather(-1, targets[:, None])[:, 0], -(lp.exp() * lp).sum(-1)
 
 
-class LogSoftmaxFn(torch.autograd.Function):
+def logprobs_entropy_backward(lp: Tensor, targets: Tensor, entropy: Tensor, g_lp: Tensor, g_ent: Tensor, temperature: float, dtype) -> Tensor:
+    """Gradient w.r.t. the logits of (lp[t], H) with lp = log_softmax(z), z = logits / T, p = exp(lp):
+
+    d lp[t] / dz_j = [j = t] - p_j,   dH / dz_j = -p_j (lp_j + H),   d/dlogits = d/dz / T.
+    """
+    p = lp.exp()  # (N, V)
+    dz = -p * (g_lp[:, None] + g_ent[:, None] * (lp + entropy[:, None]))
+    dz.scatter_add_(-1, targets[:, None], g_lp[:, None])
+    return (dz / torch.full((1, 1), temperature, dtype=dz.dtype, device=dz.device)).to(dtype)
+
+
+class LogprobsEntropyFn(torch.autograd.Function):
+    """Runs a given log_softmax forward (vLLM's) and the hand-written backward; keeps lp (N, V) fp32 only."""
+
     @staticmethod
-    def forward(ctx, x, fwd):
-        y = fwd(x)
-        ctx.save_for_backward(y)
-        return y
+    def forward(ctx, logits, targets, temperature, log_softmax, bwd):
+        z = _wide(logits)
+        lp = log_softmax(z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device))  # (N, V)
+        entropy = -(lp.exp() * lp).sum(-1)
+        ctx.save_for_backward(lp, targets, entropy)
+        ctx.temperature, ctx.dtype, ctx.bwd = temperature, logits.dtype, bwd
+        return lp.gather(-1, targets[:, None])[:, 0], entropy
 
     @staticmethod
-    def backward(ctx, gy):
-        (y,) = ctx.saved_tensors
-        return log_softmax_backward(y, gy), None
+    def backward(ctx, g_lp, g_ent):
+        lp, targets, entropy = ctx.saved_tensors
+        g_lp = torch.zeros_like(entropy) if g_lp is None else g_lp
+        g_ent = torch.zeros_like(entropy) if g_ent is None else g_ent
+        return ctx.bwd(lp, targets, entropy, g_lp.to(lp.dtype), g_ent.to(lp.dtype), ctx.temperature, ctx.dtype), None, None, None, None
+
+
+# ---------------------------------------------------------------------------
+# The other backwards on the GPU: one fused Triton pass each
+# ---------------------------------------------------------------------------
+# The PyTorch backwards above make a dozen fp32 passes over their tensors; at 1.7B these
+# elementwise passes took more GPU time than the GEMMs. Each kernel below computes the same
+# formula as its PyTorch twin in one pass, in fp32, rounding once. None uses atomics; the
+# RMSNorm weight gradient is summed per program and then over programs in a fixed order.
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(X, W, GY, GS, DX, DW_PART, n_rows, D, eps, rows_per_prog,
+                         HAS_GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    c_ok = cols < D
+    w = tl.load(W + cols, mask=c_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for r0 in range(pid * rows_per_prog, (pid + 1) * rows_per_prog, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = (rows < n_rows)[:, None] & c_ok[None, :]
+        at = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        x = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(GY + at, mask=ok, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # (BLOCK_R,)
+        x_hat = x * r[:, None]
+        gw = g * w[None, :]
+        dx = r[:, None] * (gw - x_hat * (tl.sum(gw * x_hat, axis=1) / D)[:, None])
+        if HAS_GS:
+            dx += tl.load(GS + at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=ok)
+        dw += tl.sum(g * x_hat, axis=0)
+    tl.store(DW_PART + pid * D + cols, dw, mask=c_ok)
+
+
+def rms_norm_backward_triton(x: Tensor, w: Tensor, gy: Tensor, eps: float, gs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`rms_norm_backward` in one pass over the rows (x, gy (..., D)); dw from per-program partial sums."""
+    d = x.shape[-1]
+    x2, g2 = x.reshape(-1, d).contiguous(), gy.reshape(-1, d).contiguous()
+    n = x2.shape[0]
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, 4096 // block_d)
+    rows_per_prog = -(-n // min(1024, max(1, n)))  # at most 1024 programs...
+    rows_per_prog = -(-rows_per_prog // block_r) * block_r  # ...each a whole number of row blocks
+    programs = -(-n // rows_per_prog)
+    dx = torch.empty_like(x2)
+    part = torch.empty(programs, d, dtype=torch.float32, device=x.device)
+    gs2 = gs.reshape(-1, d).contiguous() if gs is not None else x2
+    _rms_norm_bwd_kernel[(programs,)](x2, w, g2, gs2, dx, part, n, d, eps, rows_per_prog,
+                                      HAS_GS=gs is not None, BLOCK_R=block_r, BLOCK_D=block_d)
+    return dx.view(x.shape), part.sum(0).to(w.dtype)
+
+
+@triton.jit
+def _rotary_bwd_kernel(G, POS, CS, OUT, n_rows, H, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # over T * H
+    ok = (rows < n_rows)[:, None]
+    c = tl.arange(0, HALF)[None, :]
+    pos = tl.load(POS + rows // H, mask=rows < n_rows, other=0).to(tl.int64)[:, None]
+    cos = tl.load(CS + pos * (2 * HALF) + c, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(CS + pos * (2 * HALF) + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    at = rows.to(tl.int64)[:, None] * (2 * HALF) + c
+    g1 = tl.load(G + at, mask=ok, other=0.0).to(tl.float32)
+    g2 = tl.load(G + at + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + at, (g1 * cos + g2 * sin).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + at + HALF, (g2 * cos - g1 * sin).to(OUT.dtype.element_ty), mask=ok)
+
+
+def rotary_backward_triton(gq: Tensor, gk: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """`rotary_backward` (rotate by -sin), one pass per tensor; g (T, H, D) -> (T, H, D)."""
+    out = []
+    for g in (gq, gk):
+        g = g.contiguous()
+        rows, block_r = g.shape[0] * g.shape[1], 32
+        dg = torch.empty_like(g)
+        _rotary_bwd_kernel[(-(-rows // block_r),)](g, positions, cos_sin, dg, rows, g.shape[1], HALF=g.shape[2] // 2, BLOCK_R=block_r)
+        out.append(dg)
+    return out[0], out[1]
+
+
+@triton.jit
+def _silu_and_mul_bwd_kernel(X, GY, DX, n, inter, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # over T * I
+    ok = i < n
+    at = (i // inter) * (2 * inter) + i % inter
+    a = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(X + at + inter, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(GY + i, mask=ok, other=0.0).to(tl.float32)
+    sg = tl.sigmoid(a)
+    tl.store(DX + at, (g * b * sg * (1 + a * (1 - sg))).to(DX.dtype.element_ty), mask=ok)
+    tl.store(DX + at + inter, (g * a * sg).to(DX.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul_backward_triton(x: Tensor, gy: Tensor) -> Tensor:
+    """`silu_and_mul_backward` in one pass; x (T, 2I), gy (T, I) -> (T, 2I)."""
+    x, gy = x.contiguous(), gy.contiguous()
+    dx = torch.empty_like(x)
+    n, block = gy.numel(), 1024
+    _silu_and_mul_bwd_kernel[(-(-n // block),)](x, gy, dx, n, gy.shape[-1], BLOCK=block)
+    return dx
+
+
+@triton.jit
+def _logprobs_entropy_bwd_kernel(LP, TGT, ENT, GLP, GENT, DL, V, TEMP, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < V
+    lp = tl.load(LP + row * V + j, mask=ok, other=0.0)
+    g_lp, g_ent = tl.load(GLP + row), tl.load(GENT + row)
+    dz = -tl.exp(lp) * (g_lp + g_ent * (lp + tl.load(ENT + row)))
+    dz = tl.where(j == tl.load(TGT + row), dz + g_lp, dz)
+    tl.store(DL + row * V + j, (dz / tl.load(TEMP)).to(DL.dtype.element_ty), mask=ok)
+
+
+def logprobs_entropy_backward_triton(lp, targets, entropy, g_lp, g_ent, temperature: float, dtype) -> Tensor:
+    """`logprobs_entropy_backward` in one pass over lp (N, V): reads it once, writes d logits once."""
+    n, v = lp.shape
+    dl = torch.empty(n, v, dtype=dtype, device=lp.device)
+    block = 4096
+    t = torch.full((1,), temperature, dtype=torch.float32, device=lp.device)
+    _logprobs_entropy_bwd_kernel[(n, -(-v // block))](lp, targets, entropy, g_lp.contiguous(), g_ent.contiguous(), dl, v, t, BLOCK=block)
+    return dl
 
 
 # ---------------------------------------------------------------------------
 # Kernel sets
 # ---------------------------------------------------------------------------
+
+# The backward of each op, by name: the PyTorch ones (CPU, tests) and the Triton ones (GPU).
+TORCH_BACKWARDS = dict(rms_norm=rms_norm_backward, rotary=rotary_backward, silu_and_mul=silu_and_mul_backward,
+                       attention=attention_backward, logprobs_entropy=logprobs_entropy_backward)
+TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backward_triton, silu_and_mul=silu_and_mul_backward_triton,
+                        attention=attention_backward_tiled, logprobs_entropy=logprobs_entropy_backward_triton)
 
 
 def reference_kernels() -> Kernels:
@@ -448,20 +605,22 @@ def reference_kernels() -> Kernels:
         linear=F.linear,
         attention=lambda *a: ref_attention(*a)[0],
         log_softmax=ref_log_softmax,
+        logprobs_entropy=ref_logprobs_entropy,
     )
 
 
-def custom_backward_kernels(fwd: Kernels, attention_bwd: Callable = attention_backward) -> Kernels:
-    """Wrap the forwards of `fwd` in the autograd Functions above (hand-written backward)."""
+def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernels:
+    """Wrap the forwards of `fwd` in the autograd Functions above, with the backwards `bwd`."""
     return Kernels(
         name=fwd.name,
-        rms_norm=lambda x, w, eps: RMSNormFn.apply(x, w, eps, fwd.rms_norm),
-        add_rms_norm=lambda x, r, w, eps: AddRMSNormFn.apply(x, r, w, eps, fwd.add_rms_norm),
-        rotary=lambda q, k, pos, cs: RotaryFn.apply(q, k, pos, cs, fwd.rotary),
-        silu_and_mul=lambda x: SiluAndMulFn.apply(x, fwd.silu_and_mul),
+        rms_norm=lambda x, w, eps: RMSNormFn.apply(x, w, eps, fwd.rms_norm, bwd["rms_norm"]),
+        add_rms_norm=lambda x, r, w, eps: AddRMSNormFn.apply(x, r, w, eps, fwd.add_rms_norm, bwd["rms_norm"]),
+        rotary=lambda q, k, pos, cs: RotaryFn.apply(q, k, pos, cs, fwd.rotary, bwd["rotary"]),
+        silu_and_mul=lambda x: SiluAndMulFn.apply(x, fwd.silu_and_mul, bwd["silu_and_mul"]),
         linear=lambda x, w: LinearFn.apply(x, w, fwd.linear),
-        attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention, attention_bwd),
-        log_softmax=lambda x: LogSoftmaxFn.apply(x, fwd.log_softmax),
+        attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention, bwd["attention"]),
+        log_softmax=fwd.log_softmax,  # forward only: its backward is part of logprobs_entropy's
+        logprobs_entropy=lambda z, t, temp: LogprobsEntropyFn.apply(z, t, temp, fwd.log_softmax, bwd["logprobs_entropy"]),
     )
 
 
@@ -526,8 +685,9 @@ def vllm_forwards() -> Kernels:
         linear=bi.linear_batch_invariant,
         attention=attention,
         log_softmax=bi.log_softmax,
+        logprobs_entropy=lambda logits, targets, t: ref_logprobs_entropy(logits, targets, t, bi.log_softmax),
     )
 
 
 def vllm_kernels() -> Kernels:
-    return custom_backward_kernels(vllm_forwards(), attention_backward_tiled)
+    return custom_backward_kernels(vllm_forwards(), TRITON_BACKWARDS)

@@ -416,16 +416,8 @@ class Qwen3VLLMCompatModel(nn.Module):
         return self.kernels.linear(h, self.w(head.weight))
 
     def token_logprobs(self, h, targets, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """log softmax(logits / T)[target] and entropy -sum p log p, both fp32 (N,).
-
-        Mirrors vLLM's sampler: logits -> fp32 -> divided by a fp32 *device tensor*
-        holding T (a Python scalar would make CUDA multiply by 1/T: other bits).
-        """
-        z = self.logits(h).float()  # (N, V)
-        z = z / torch.full((1, 1), temperature, dtype=torch.float32, device=z.device)
-        lp = self.kernels.log_softmax(z)  # (N, V)
-        entropy = -(lp.exp() * lp).sum(-1)  # (N,)
-        return lp.gather(-1, targets[:, None])[:, 0], entropy
+        """(N, dim) -> log softmax(logits / T)[target] and entropy, fp32 (N,), as vLLM's sampler computes them."""
+        return self.kernels.logprobs_entropy(self.logits(h), targets, temperature)
 
 
 def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device) -> Qwen3VLLMCompatModel:

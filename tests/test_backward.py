@@ -81,8 +81,15 @@ def test_linear_backward():
     check(CUSTOM.linear, REF.linear, [torch.randn(6, 24, **F64), torch.randn(10, 24, **F64)])
 
 
-def test_log_softmax_backward():
-    check(CUSTOM.log_softmax, REF.log_softmax, [torch.randn(5, 50, **F64) * 3])
+def test_logprobs_entropy_backward():
+    """Both outputs carry gradient: the sampled token's logprob and the entropy."""
+    targets = torch.tensor([3, 0, 49, 7, 7])
+    check(lambda z: CUSTOM.logprobs_entropy(z, targets, 0.7), lambda z: REF.logprobs_entropy(z, targets, 0.7), [torch.randn(5, 50, **F64) * 3])
+
+
+def test_add_rms_norm_backward_without_the_residual_gradient():
+    x, r, w = torch.randn(4, 16, **F64), torch.randn(4, 16, **F64), torch.rand(16, **F64) + 0.5
+    check(lambda *a: CUSTOM.add_rms_norm(*a, 1e-6)[0], lambda *a: REF.add_rms_norm(*a, 1e-6)[0], [x, r, w])
 
 
 @pytest.mark.parametrize("lens", [[7], [1, 9, 4], [16, 2, 11, 5]])
@@ -118,20 +125,43 @@ for lens, hq, hk in [([70, 1, 5, 130], 4, 2), ([64, 128, 3], 4, 4), ([9, 65], 8,
     want = bib.attention_backward(*(x.double() for x in (q, k, v, o, lse, go)), cu, L, 0.3)
     out.append(dict(err=[((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)],
                     same=all(torch.equal(a, b) for a, b in zip(got, again))))
-print(json.dumps(out))
+torch.manual_seed(1)
+rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+checks = {}
+for d, rows in [(128, (37, 3)), (48, (5,)), (256, (70,))]:
+    x, gy, gs, w = torch.randn(*rows, d), torch.randn(*rows, d), torch.randn(*rows, d), torch.rand(d) + 0.5
+    for name, extra in [("", None), ("+gs", gs)]:
+        got, want = bib.rms_norm_backward_triton(x, w, gy, 1e-6, extra), bib.rms_norm_backward(x, w, gy, 1e-6, extra)
+        checks[f"rms_norm d={d}{name}"] = max(rel(a, b) for a, b in zip(got, want))
+gq, gk, pos = torch.randn(9, 4, 32), torch.randn(9, 2, 32), torch.tensor([0, 1, 2, 3, 0, 1, 5, 6, 7])
+cs = bib.rope_cos_sin_cache(32, 10000.0, 16, "cpu", torch.float32)
+checks["rotary"] = max(rel(a, b) for a, b in zip(bib.rotary_backward_triton(gq, gk, pos, cs), bib.rotary_backward(gq, gk, pos, cs)))
+x, gy = torch.randn(7, 2 * 300), torch.randn(7, 300)
+checks["silu_and_mul"] = rel(bib.silu_and_mul_backward_triton(x, gy), bib.silu_and_mul_backward(x, gy))
+lp = torch.log_softmax(torch.randn(6, 5000) * 2, -1)
+tg, ent = torch.tensor([0, 4999, 17, 17, 4096, 3]), -(lp.exp() * lp).sum(-1)
+g1, g2 = torch.randn(6), torch.randn(6)
+checks["logprobs_entropy"] = rel(bib.logprobs_entropy_backward_triton(lp, tg, ent, g1, g2, 0.7, torch.float32),
+                                 bib.logprobs_entropy_backward(lp, tg, ent, g1, g2, 0.7, torch.float32))
+print(json.dumps(dict(attention=out, others=checks)))
 """
 
 
-def test_tiled_attention_backward_matches_the_padded_one():
-    """The GPU attention backward (Triton), run by Triton's CPU interpreter in fp32, against the fp64 padded one.
+def test_triton_backwards_match_the_pytorch_ones():
+    """The GPU backwards (Triton), run by Triton's CPU interpreter in fp32, against the PyTorch ones.
 
-    Covers a 1-token sequence, lengths on and off the 64-row tile, GQA groups of 1, 2 and 4.
+    Attention against the fp64 padded backward: a 1-token sequence, lengths on and off the
+    64-row tile, GQA groups of 1, 2 and 4. RMSNorm with and without the residual's gradient,
+    at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy.
     """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", TILED_CHECK], env=env, check=True, capture_output=True, text=True).stdout
-    for case in json.loads(out.splitlines()[-1]):
+    out = json.loads(subprocess.run([sys.executable, "-c", TILED_CHECK], env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    for case in out["attention"]:
         assert max(case["err"]) < 1e-5, case  # fp32 tiles vs fp64
         assert case["same"]
+    assert len(out["others"]) == 9
+    for name, err in out["others"].items():
+        assert err < 1e-5, (name, err)
 
 
 def test_backward_is_deterministic():
@@ -163,6 +193,7 @@ def test_gpu_custom_backwards_match_reference_gradients():
     q, k, v, cu = (t.to(dev) for t in packed_qkv([37, 5, 120], hq=4, hk=2, d=128, dtype=torch.float32))
     q, k, v = q.to(bf), k.to(bf), v.to(bf)
     tol = dict(atol=2e-2, rtol=2e-2)
+    cs = bib.rope_cos_sin_cache(128, 1e6, 64, dev, bf)
     for a, b in zip(grads(lambda q, k, v: vk.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v]),
                     grads(lambda q, k, v: REF.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v])):
         torch.testing.assert_close(a.float(), b.float(), **tol)
@@ -172,7 +203,12 @@ def test_gpu_custom_backwards_match_reference_gradients():
     for fv, fr, ins in [
         (vk.silu_and_mul, REF.silu_and_mul, [torch.randn(64, 256, device=dev, dtype=bf)]),
         (vk.linear, REF.linear, [torch.randn(64, 256, device=dev, dtype=bf), torch.randn(128, 256, device=dev, dtype=bf)]),
-        (vk.log_softmax, REF.log_softmax, [torch.randn(16, 1000, device=dev) * 3]),
+        (lambda z: vk.logprobs_entropy(z, torch.arange(16, device=dev) * 7, 0.7), lambda z: REF.logprobs_entropy(z, torch.arange(16, device=dev) * 7, 0.7),
+         [(torch.randn(16, 1000, device=dev) * 3).to(bf)]),
+        (lambda q, k: vk.rotary(q, k, torch.arange(64, device=dev), cs), lambda q, k: REF.rotary(q, k, torch.arange(64, device=dev), cs),
+         [torch.randn(64, 4, 128, device=dev, dtype=bf), torch.randn(64, 2, 128, device=dev, dtype=bf)]),
+        (lambda x, w: vk.rms_norm(x, w, 1e-6), lambda x, w: REF.rms_norm(x, w, 1e-6),
+         [torch.randn(64, 4, 128, device=dev, dtype=bf), torch.rand(128, device=dev, dtype=bf) + 0.5]),
     ]:
         for a, b in zip(grads(fv, ins), grads(fr, ins)):
             torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=2e-2)
