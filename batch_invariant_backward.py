@@ -332,6 +332,18 @@ def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, length, scale):
 
 
 @triton.jit
+def _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h, q_t, q_h, n_tok):
+    """q, dO (BM, D), lse and delta (BM,) of query rows offs_m of head h (rows past the sequence read 0)."""
+    m_ok = offs_m < length
+    qo = (start + offs_m)[:, None] * q_t + h * q_h + offs_d[None, :]
+    q = tl.load(Q + qo, mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + qo, mask=m_ok[:, None], other=0.0)
+    lse = tl.load(LSE + h * n_tok + start + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + h * n_tok + start + offs_m, mask=m_ok, other=0.0)
+    return q, do, lse, delta, qo
+
+
+@triton.jit
 def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale, q_t, q_h, k_t, k_h, n_tok,
                 GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     b, hk = tl.program_id(1), tl.program_id(2)
@@ -350,12 +362,7 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale, q_t, q_h, k_t, k_h, 
             h = hk * GROUP + g
             for m0 in range((n0 // BM) * BM, length, BM):  # causal: queries at or after the keys
                 offs_m = m0 + tl.arange(0, BM)
-                m_ok = offs_m < length
-                qo = (start + offs_m)[:, None] * q_t + h * q_h + offs_d[None, :]
-                q = tl.load(Q + qo, mask=m_ok[:, None], other=0.0)
-                do = tl.load(DO + qo, mask=m_ok[:, None], other=0.0)
-                lse = tl.load(LSE + h * n_tok + start + offs_m, mask=m_ok, other=0.0)
-                delta = tl.load(DELTA + h * n_tok + start + offs_m, mask=m_ok, other=0.0)
+                q, do, lse, delta, _ = _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h, q_t, q_h, n_tok)
                 p, ds = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, length, scale)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
@@ -372,12 +379,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, scale, q_t, q_h, k_t, k_h, n_tok,
     m0 = tl.program_id(0) * BM
     if m0 < length:
         offs_m, offs_d = m0 + tl.arange(0, BM), tl.arange(0, D)
-        m_ok = offs_m < length
-        qo = (start + offs_m)[:, None] * q_t + h * q_h + offs_d[None, :]
-        q = tl.load(Q + qo, mask=m_ok[:, None], other=0.0)
-        do = tl.load(DO + qo, mask=m_ok[:, None], other=0.0)
-        lse = tl.load(LSE + h * n_tok + start + offs_m, mask=m_ok, other=0.0)
-        delta = tl.load(DELTA + h * n_tok + start + offs_m, mask=m_ok, other=0.0)
+        q, do, lse, delta, qo = _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h, q_t, q_h, n_tok)
         dq = tl.zeros([BM, D], dtype=tl.float32)
         for n0 in range(0, tl.minimum(m0 + BM, length), BN):  # causal: keys up to the last query
             offs_n = n0 + tl.arange(0, BN)
@@ -386,7 +388,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, scale, q_t, q_h, k_t, k_h, n_tok,
             v = tl.load(V + kv, mask=(offs_n < length)[:, None], other=0.0)
             _, ds = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, length, scale)
             dq += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m < length)[:, None])
 
 
 def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, scale: float):
@@ -417,15 +419,19 @@ def ref_log_softmax(x: Tensor) -> Tensor:
     return torch.log_softmax(x, dim=-1)
 
 
-def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float, log_softmax: Callable = ref_log_softmax) -> tuple[Tensor, Tensor]:
-    """lp = log_softmax(float(logits) / T); returns (lp[target], -sum exp(lp) * lp), both fp32 (N,).
+def tempered_log_softmax(logits: Tensor, temperature: float, log_softmax: Callable = ref_log_softmax) -> Tensor:
+    """lp = log_softmax(float(logits) / T), (N, V) fp32, as vLLM's sampler computes it.
 
     T is divided as a fp32 *device tensor*, as vLLM's sampler does (a Python scalar would
     make CUDA multiply by 1/T, which rounds differently).
     """
     z = _wide(logits)
-    z = z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device)  # (N, V)
-    lp = log_softmax(z)
+    return log_softmax(z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device))
+
+
+def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float, log_softmax: Callable = ref_log_softmax) -> tuple[Tensor, Tensor]:
+    """(lp[target], -sum exp(lp) * lp), both fp32 (N,), with lp = tempered_log_softmax(logits)."""
+    lp = tempered_log_softmax(logits, temperature, log_softmax)
     return lp.gather(-1, targets[:, None])[:, 0], -(lp.exp() * lp).sum(-1)
 
 
@@ -445,8 +451,7 @@ class LogprobsEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, log_softmax, bwd):
-        z = _wide(logits)
-        lp = log_softmax(z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device))  # (N, V)
+        lp = tempered_log_softmax(logits, temperature, log_softmax)  # (N, V)
         entropy = -(lp.exp() * lp).sum(-1)
         ctx.save_for_backward(lp, targets, entropy)
         ctx.temperature, ctx.dtype, ctx.bwd = temperature, logits.dtype, bwd

@@ -111,7 +111,7 @@ def test_reference_attention_matches_sdpa_per_sequence():
         torch.testing.assert_close(o[s:e], want, atol=1e-5, rtol=1e-5)
 
 
-TILED_CHECK = """
+TRITON_CHECK = """
 import json, torch, batch_invariant_backward as bib
 torch.manual_seed(0)
 out = []
@@ -155,7 +155,7 @@ def test_triton_backwards_match_the_pytorch_ones():
     at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy.
     """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = json.loads(subprocess.run([sys.executable, "-c", TILED_CHECK], env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    out = json.loads(subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     for case in out["attention"]:
         assert max(case["err"]) < 1e-5, case  # fp32 tiles vs fp64
         assert case["same"]
