@@ -1,21 +1,22 @@
 """Autograd for the vLLM kernels that the simple_rl trainer calls.
 
-vLLM ships forward-only kernels. To train with *exactly* the numbers vLLM
-computes at inference, the trainer calls those same kernels in its forward and
-supplies the backward here. Every op below has
+vLLM ships forward-only kernels. To train with *exactly* the numbers vLLM computes at
+inference, the trainer calls those same kernels in its forward and supplies the backward
+here. Every op below has
 
-  * a reference forward in plain PyTorch (`ref_*`), used on CPU, in tests, and
-    as the source of reference gradients;
-  * a hand-written backward (`*_backward`), with its derivative in the
-    docstring. Backwards are pure PyTorch in fp32 with fixed reduction order
-    (no atomics), so two backward passes over the same batch are bitwise equal;
-  * an autograd Function that runs a *given* forward and the hand-written
-    backward. With vLLM's forwards it is the GPU training path; with the
-    reference forwards it lets CPU tests check every backward against autograd.
+  * a reference forward in plain PyTorch (`ref_*`), used on CPU, in tests, and as the source
+    of reference gradients;
+  * a hand-written backward, with its derivative in the docstring, twice: in PyTorch, fp32
+    (`*_backward`: the CPU path and the tests' reference), and as a one-pass Triton kernel
+    (`*_backward_triton`, `attention_backward_tiled`: the GPU path). Neither uses atomics,
+    so two backward passes over the same batch are bitwise equal;
+  * an autograd Function that runs a *given* forward and a given backward. With vLLM's
+    forwards and the Triton backwards it is the GPU training path; with the reference
+    forwards it lets CPU tests check every backward against autograd.
 
-Two kernel sets are built from these, chosen once at start-up:
-`reference_kernels()` (plain PyTorch, autograd everywhere) and `vllm_kernels()`
-(vLLM's batch-invariant kernels + the backwards here).
+Two kernel sets are built from these, chosen once at start-up: `reference_kernels()` (plain
+PyTorch, autograd everywhere) and `vllm_kernels()` (vLLM's batch-invariant kernels + the
+Triton backwards).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ def _wide(t: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode."""
+    """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode.
+
+    A set the model runs (`reference_kernels`, `vllm_kernels`) fills every field. A *forward
+    set* (`reference_forwards`, `vllm_forwards`) is the input of `custom_backward_kernels`:
+    its attention also returns the log-sum-exp, and it has no logprobs_entropy (that op is
+    built from its log_softmax).
+    """
 
     name: str
     rms_norm: Callable  # (x (..., D), w (D,), eps) -> y
@@ -46,9 +53,11 @@ class Kernels:
     rotary: Callable  # (q (T, Hq, D), k (T, Hk, D), positions (T,), cos_sin (P, D)) -> (q, k)
     silu_and_mul: Callable  # (x (T, 2I)) -> (T, I)
     linear: Callable  # (x (T, K), w (N, K)) -> (T, N)
-    attention: Callable  # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> (o (T, Hq, D), lse (Hq, T))
+    # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> o (T, Hq, D); forward sets: (o, lse (Hq, T))
+    attention: Callable
     log_softmax: Callable  # (x (N, V) fp32) -> (N, V) fp32
-    logprobs_entropy: Callable  # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,)
+    # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,)
+    logprobs_entropy: Callable | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -446,23 +455,41 @@ def logprobs_entropy_backward(lp: Tensor, targets: Tensor, entropy: Tensor, g_lp
     return (dz / torch.full((1, 1), temperature, dtype=dz.dtype, device=dz.device)).to(dtype)
 
 
+# Rows of lp (N, V) fp32 alive at once: the whole (N, V) fp32 tensor is never materialised,
+# in the forward or the backward (the bf16 logits are what is kept). log_softmax is
+# batch-invariant, so a row's values do not depend on the chunk it is computed in.
+LOGPROB_ROWS = 1024
+
+
 class LogprobsEntropyFn(torch.autograd.Function):
-    """Runs a given log_softmax forward (vLLM's) and the hand-written backward; keeps lp (N, V) fp32 only."""
+    """Runs a given log_softmax forward (vLLM's) and a given backward, LOGPROB_ROWS rows at a
+    time; keeps the bf16 logits and recomputes lp for the backward."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, log_softmax, bwd):
-        lp = tempered_log_softmax(logits, temperature, log_softmax)  # (N, V)
-        entropy = -(lp.exp() * lp).sum(-1)
-        ctx.save_for_backward(lp, targets, entropy)
-        ctx.temperature, ctx.dtype, ctx.bwd = temperature, logits.dtype, bwd
-        return lp.gather(-1, targets[:, None])[:, 0], entropy
+        lp_t = torch.empty(logits.shape[0], dtype=_wide(logits).dtype, device=logits.device)
+        entropy = torch.empty_like(lp_t)
+        for rows in torch.arange(logits.shape[0]).split(LOGPROB_ROWS):
+            s = slice(int(rows[0]), int(rows[-1]) + 1)
+            lp = tempered_log_softmax(logits[s], temperature, log_softmax)  # (rows, V)
+            lp_t[s] = lp.gather(-1, targets[s, None])[:, 0]
+            entropy[s] = -(lp.exp() * lp).sum(-1)
+        ctx.save_for_backward(logits, targets, entropy)
+        ctx.temperature, ctx.log_softmax, ctx.bwd = temperature, log_softmax, bwd
+        return lp_t, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        lp, targets, entropy = ctx.saved_tensors
-        g_lp = torch.zeros_like(entropy) if g_lp is None else g_lp
-        g_ent = torch.zeros_like(entropy) if g_ent is None else g_ent
-        return ctx.bwd(lp, targets, entropy, g_lp.to(lp.dtype), g_ent.to(lp.dtype), ctx.temperature, ctx.dtype), None, None, None, None
+        logits, targets, entropy = ctx.saved_tensors
+        g_lp = torch.zeros_like(entropy) if g_lp is None else g_lp.to(entropy.dtype)
+        g_ent = torch.zeros_like(entropy) if g_ent is None else g_ent.to(entropy.dtype)
+        d_logits = torch.empty_like(logits)
+        for rows in torch.arange(logits.shape[0]).split(LOGPROB_ROWS):
+            s = slice(int(rows[0]), int(rows[-1]) + 1)
+            lp = tempered_log_softmax(logits[s], ctx.temperature, ctx.log_softmax)  # (rows, V)
+            d_logits[s] = ctx.bwd(lp, targets[s], entropy[s], g_lp[s], g_ent[s],
+                                  ctx.temperature, logits.dtype)
+        return d_logits, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -630,9 +657,10 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
 
 
 def reference_forwards() -> Kernels:
-    """The reference forwards with the fwd contract of `Kernels` (attention also returns lse)."""
+    """The reference forwards as a forward set (attention also returns lse)."""
     ref = reference_kernels()
-    return Kernels(**{**ref.__dict__, "name": "reference+custom-backward", "attention": ref_attention})
+    return Kernels(**{**ref.__dict__, "name": "reference+custom-backward",
+                      "attention": ref_attention, "logprobs_entropy": None})
 
 
 # vLLM's CUDA fused_add_rms_norm, which its batch-invariant RMSNorm still calls when there is a
@@ -678,19 +706,22 @@ def vllm_forwards() -> Kernels:
     def attention(q, k, v, cu_seqlens, max_seqlen, scale):
         return flash_attn_varlen_func(
             q, k, v, max_seqlen, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens,
-            softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=3, num_splits=1,
+            softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=3,
+            num_splits=1,
         )
 
+    # vLLM's linear layers and LM head call F.linear (`default_unquantized_gemm`). With batch
+    # invariance on Hopper that is cuBLASLt with split-K off; on Ampere vLLM routes aten::linear
+    # to its Triton persistent matmul. Calling F.linear runs whichever vLLM runs.
     return Kernels(
         name="vllm",
         rms_norm=bi.rms_norm_batch_invariant,
         add_rms_norm=add_rms_norm,
         rotary=rotary,
         silu_and_mul=silu_and_mul,
-        linear=bi.linear_batch_invariant,
+        linear=F.linear,
         attention=attention,
         log_softmax=bi.log_softmax,
-        logprobs_entropy=lambda logits, targets, t: ref_logprobs_entropy(logits, targets, t, bi.log_softmax),
     )
 
 

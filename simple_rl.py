@@ -1,43 +1,45 @@
-"""simple_rl: bitwise-deterministic GRPO for Qwen3, with vLLM rollouts.
+"""simple_rl: bitwise-deterministic GRPO for Qwen3, with vLLM rollouts, on one GPU or many.
 
 One file, in data-flow order:
 
-    config -> load & convert -> model -> rollout -> reward -> advantages -> loss
-           -> parity check -> weight push -> training loop -> main
+    config -> ranks -> load & convert -> model -> rollout -> reward -> advantages -> loss
+           -> parity check -> weight push -> training loop -> checkpoints -> main
 
-vLLM samples `group_size` completions per prompt in batch-invariant mode. The
-trainer is a TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM
-calls (Triton RMSNorm / matmul / log_softmax, CUDA fused-add-RMSNorm, rotary and
-SiluAndMul, FlashAttention 3 with num_splits=1); `batch_invariant_backward.py`
-adds their backward. So the trainer's logprob of every generated token equals
-vLLM's bit for bit, and every step checks that for every token of every sample.
+vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
+TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (cuBLASLt GEMMs
+without split-K, Triton RMSNorm and log_softmax, CUDA fused add+RMSNorm, rotary and
+SiluAndMul, FlashAttention 3 with num_splits=1); `batch_invariant_backward.py` adds their
+backward. So the trainer's logprob of every generated token equals vLLM's bit for bit, and
+every step checks that for every token of every sample, then pushes the new weights into vLLM.
 
-The objective (GRPO, token-level, one sample i of group g, token t):
+The objective (GRPO, token-level, sample i of group g, generated token t):
 
-    A_i      = (r_i - mean_g r) / (std_g r + eps)          (or r_i - mean_g r)
-    rho_it   = exp(logp_theta(y_it) - logp_rollout(y_it))
-    pg_it    = -min(rho_it A_i, clip(rho_it, 1 - eps_c, 1 + eps_c) A_i)
-    kl_it    = exp(q_it) - q_it - 1,  q_it = logp_ref(y_it) - logp_theta(y_it)   (k3 estimator)
-    L        = sum_it (pg_it + beta kl_it - c_H H_it) / (number of generated tokens in the batch)
+    A_i     = (r_i - mean_g r) / (std_g r + eps)          (or r_i - mean_g r)
+    rho_it  = exp(logp_theta(y_it) - logp_rollout(y_it))
+    pg_it   = -min(rho_it A_i, clip(rho_it, 1 - eps_c, 1 + eps_c) A_i)
+    kl_it   = exp(q_it) - q_it - 1,  q_it = logp_ref(y_it) - logp_theta(y_it)   (k3 estimator)
+    L       = sum_it (pg_it + beta kl_it - c_H H_it) / (generated tokens in the batch, all ranks)
 
 Departures from textbook GRPO/PPO:
-  * The old policy is the rollout policy itself, as computed *by vLLM*. Because
-    the trainer reproduces vLLM's numbers exactly, rho = 1 at the first update,
-    so the clip only acts with `updates_per_batch` > 1.
-  * Logprobs are those of the *sampling* distribution softmax(logits / T):
-    vLLM runs with logprobs_mode="processed_logprobs" and the trainer divides its
-    fp32 logits by T exactly as vLLM's sampler does, so parity holds at any T
-    (at T = 1 the division is exact and the raw logprobs are compared).
-  * The loss is a token mean over the whole batch (every token weighs the same).
-  * The trainer keeps fp32 master weights and computes in bf16; vLLM receives
-    the bf16 cast, which is exactly what the trainer computes with.
+  * The old policy is the rollout policy as computed *by vLLM*. The trainer reproduces vLLM's
+    numbers exactly, so rho = 1 at the first update; the clip acts only with
+    `--updates-per-batch` > 1.
+  * Logprobs are those of the sampling distribution softmax(logits / T): vLLM returns
+    processed logprobs and the trainer divides its fp32 logits by T exactly as vLLM's sampler
+    does, so parity holds at any T.
+  * The loss is a token mean over the whole batch of every rank (each token weighs the same).
+  * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
+    which is exactly what the trainer computes with.
 
-Run (GPU, vLLM 0.26 + TorchTitan 0.2.2):
+Run (vLLM 0.26 + TorchTitan 0.2.2; `pip install -r requirements.txt`):
 
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
+    VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py --model Qwen/Qwen3-8B
+    torchrun --nnodes M --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        simple_rl.py --model Qwen/Qwen3-8B
     tensorboard --logdir runs
-    python simple_rl.py --resume latest --run-name <run> --steps 40     # continue a run
-    python simple_rl.py --model DIR --debug-parity                       # where do we differ?
+    python simple_rl.py --resume latest --run-name RUN --steps 40     # continue a run
+    python simple_rl.py --model DIR --debug-parity                     # where do we differ?
 
 Tests (any machine):
 
@@ -47,23 +49,31 @@ Tests (any machine):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
+import math
 import os
+import pickle
 import random
 import re
 import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
 import batch_invariant_backward as bib
 
@@ -72,145 +82,370 @@ import batch_invariant_backward as bib
 # ==========================================================================
 
 
-def opt(default, help: str):
-    """A Config field whose help text drives --help."""
-    return field(default=default, metadata={"help": help})
+def opt(group: str, default, help: str, choices: tuple | None = None):
+    """A Config field: its --help group, text and allowed values drive the CLI."""
+    return field(default=default, metadata=dict(group=group, help=help, choices=choices))
 
 
 @dataclass
 class Config:
     # --- model
-    model: str = opt("Qwen/Qwen3-1.7B", "HF hub id or local directory with config.json + *.safetensors")
-    dtype: str = opt("bfloat16", "compute dtype of trainer and vLLM (bfloat16, or float32 for CPU tests)")
-    kernels: str = opt("auto", "auto (= vllm), vllm (batch-invariant GPU kernels) or reference (plain PyTorch, not bitwise)")
+    model: str = opt("model", "Qwen/Qwen3-1.7B",
+                     "HF hub id, or a local directory with config.json, *.safetensors, tokenizer")
+    dtype: str = opt("model", "bfloat16", "compute dtype of trainer and vLLM (float32: CPU tests)",
+                     ("bfloat16", "float32"))
+    kernels: str = opt("model", "auto", "auto (= vllm), vllm (batch-invariant GPU kernels) or "
+                       "reference (plain PyTorch, not bitwise)", ("auto", "vllm", "reference"))
     # --- rollout
-    task: str = opt("arithmetic", "arithmetic (embedded, no download) or gsm8k (needs `datasets` and a network)")
-    num_prompts: int = opt(16, "prompts per step")
-    group_size: int = opt(8, "completions sampled per prompt (G)")
-    max_new_tokens: int = opt(256, "max tokens generated per completion")
-    temperature: float = opt(1.0, "sampling temperature; logprobs are those of softmax(logits / T)")
-    max_model_len: int = opt(1024, "vLLM max sequence length (prompt + completion)")
-    gpu_memory_utilization: float = opt(0.3, "fraction of GPU memory vLLM may take")
-    cuda_graphs: bool = opt(True, "replay vLLM's decode steps as CUDA graphs (the same kernels, fewer launches)")
+    task: str = opt("rollout", "arithmetic", "arithmetic (embedded) or gsm8k (hub or --data-files)",
+                    ("arithmetic", "gsm8k"))
+    data_files: str = opt("rollout", "", "GSM8K as local parquet or jsonl (question/answer fields)")
+    chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
+                             "(auto: when it has one)", ("auto", "on", "off"))
+    enable_thinking: bool = opt("rollout", False, "let Qwen3 think (<think>...</think>) first")
+    num_prompts: int = opt("rollout", 16, "prompts per step, over all ranks")
+    group_size: int = opt("rollout", 8, "completions sampled per prompt (G)")
+    max_new_tokens: int = opt("rollout", 256, "max tokens generated per completion")
+    temperature: float = opt("rollout", 1.0, "sampling temperature; logprobs are those of "
+                             "softmax(logits / T)")
+    max_model_len: int = opt("rollout", 1024, "vLLM max sequence length (prompt + completion)")
+    kv_cache_gib: float = opt("rollout", 0.0, "vLLM KV cache per GPU in GiB (0: room for every "
+                              "sample of a step at --max-model-len)")
+    cuda_graphs: bool = opt("rollout", True, "replay vLLM's decode steps as CUDA graphs (the "
+                            "same kernels, fewer launches)")
+    engine_sleep: bool = opt("rollout", True, "free vLLM's KV cache and weights while the "
+                             "trainer runs (vLLM sleep mode)")
     # --- grpo
-    clip_eps: float = opt(0.2, "PPO clip range eps_c")
-    kl_coef: float = opt(0.0, "beta of the k3 KL to the frozen initial policy (0: no reference model)")
-    entropy_coef: float = opt(0.0, "c_H, entropy bonus (entropy is always logged)")
-    std_normalize: bool = opt(True, "divide advantages by the group std (off: mean-only)")
-    adv_eps: float = opt(1e-6, "eps in (r - mean) / (std + eps)")
-    updates_per_batch: int = opt(1, "optimizer steps per rollout batch (>1 makes the PPO clip act)")
+    clip_eps: float = opt("grpo", 0.2, "PPO clip range eps_c")
+    kl_coef: float = opt("grpo", 0.0, "beta of the k3 KL to the frozen initial policy "
+                         "(0: no reference model)")
+    entropy_coef: float = opt("grpo", 0.0, "c_H, entropy bonus (entropy is always logged)")
+    std_normalize: bool = opt("grpo", True, "divide advantages by the group std "
+                              "(--no-std-normalize: mean-only)")
+    adv_eps: float = opt("grpo", 1e-6, "eps in (r - mean) / (std + eps)")
+    updates_per_batch: int = opt("grpo", 1, "optimizer steps per rollout batch "
+                                 "(>1 makes the PPO clip act)")
     # --- optim
-    steps: int = opt(10, "training steps (rollout + update + weight push)")
-    lr: float = opt(1e-6, "AdamW learning rate")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.999, "AdamW beta2")
-    grad_clip: float = opt(1.0, "max global grad norm (0: off)")
-    micro_batch_tokens: int = opt(8192, "max packed tokens per trainer forward/backward")
-    # --- logging / output
-    seed: int = opt(0, "seed for prompts, sampling and everything else")
-    log_dir: str = opt("runs", "TensorBoard root; this run logs to <log_dir>/<run_name>")
-    run_name: str = opt("", "run name (default: time stamp)")
-    output_dir: str = opt("", "where the final HF checkpoint goes (default: <log_dir>/<run_name>/final)")
-    parity_rows: int = opt(8, "rows of the per-step parity table (the first tokens, or the first that differ)")
-    strict_parity: bool = opt(False, "stop at the first step whose logprobs are not bitwise equal")
-    debug_parity: bool = opt(False, "compare trainer and vLLM op by op on one generated sequence, print where they diverge, exit")
+    steps: int = opt("optim", 10, "training steps (rollout + update + weight push)")
+    lr: float = opt("optim", 1e-6, "AdamW learning rate")
+    weight_decay: float = opt("optim", 0.0, "AdamW weight decay")
+    beta1: float = opt("optim", 0.9, "AdamW beta1")
+    beta2: float = opt("optim", 0.999, "AdamW beta2")
+    grad_clip: float = opt("optim", 1.0, "max global grad norm (0: off)")
+    micro_batch_tokens: int = opt("optim", 8192, "max packed tokens per trainer forward/backward")
+    # --- logging
+    seed: int = opt("logging", 0, "seed for prompts, sampling and everything else")
+    log_dir: str = opt("logging", "runs", "TensorBoard root; a run logs to LOG_DIR/RUN_NAME")
+    run_name: str = opt("logging", "", "run name: letters, digits, . _ - (default: time stamp)")
+    output_dir: str = opt("logging", "", "final HF checkpoint (default: LOG_DIR/RUN_NAME/final)")
+    parity_rows: int = opt("logging", 8, "rows of the parity table (first tokens, or first "
+                           "that differ)")
+    parity_every: int = opt("logging", 10, "print the parity table every N steps (always when "
+                            "a token differs)")
+    strict_parity: bool = opt("logging", False, "stop at the first step with a differing token")
+    debug_parity: bool = opt("logging", False, "compare trainer and vLLM op by op on one "
+                             "sequence, print where they diverge, exit")
+    log_param_deltas: bool = opt("logging", False, "log weight deltas per parameter, not only "
+                                 "per layer")
+    verbose: bool = opt("logging", False, "show vLLM's and the libraries' INFO logs and warnings")
     # --- checkpoints
-    save_every: int = opt(10, "save a checkpoint every N steps (0: only on Ctrl-C)")
-    keep_last: int = opt(3, "checkpoints to keep")
-    resume: str = opt("", "continue from a checkpoint directory, or 'latest'")
-    overwrite: bool = opt(False, "allow writing over an existing run directory / --output-dir")
+    save_every: int = opt("checkpoints", 10, "save a checkpoint every N steps (0: only on "
+                          "Ctrl-C/SIGTERM)")
+    keep_last: int = opt("checkpoints", 3, "checkpoints to keep")
+    resume: str = opt("checkpoints", "", "continue from a checkpoint directory, or 'latest'")
+    overwrite: bool = opt("checkpoints", False, "replace LOG_DIR/RUN_NAME if it holds a run")
 
 
 class ConfigError(ValueError):
-    """Bad user input: reported as one sentence, without a traceback."""
+    """Bad user input: one sentence, exit code 2, nothing touched."""
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class RunStopped(RuntimeError):
+    """The run stopped on purpose or on a fault it can name: a message and an exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
+EXIT_NONFINITE, EXIT_PARITY, EXIT_OOM, EXIT_DISK = 3, 4, 5, 6
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# Flags a resumed run takes from the command line; every other one comes from the checkpoint.
+RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", "strict_parity",
+             "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name"}
+
+EXAMPLES = """examples:
+  VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
+  VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py --model Qwen/Qwen3-8B
+  python simple_rl.py --model Qwen/Qwen3-1.7B --task gsm8k --data-files gsm8k/train.parquet
+  python simple_rl.py --resume latest --run-name my-run --steps 40
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other bad input
+        self.exit(2, f"simple_rl: error: {message} (see --help).\n")
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[Config, set[str]]:
+    """The CLI, generated from Config: its groups, help texts and choices.
+
+    Returns the config and the names of the flags actually given (a resume warns about those
+    it ignores).
+    """
+    p = Parser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter,
+               argument_default=argparse.SUPPRESS)
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(Config):
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], p.add_argument_group(meta["group"]))
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        if f.type in ("bool", bool) and f.default:  # on by default: --no-X turns it off
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               help=meta["help"] + " (default: on)")
+        elif f.type in ("bool", bool):
+            group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
-    return Config(**vars(p.parse_args(argv)))
+            shown = f" (default: {f.default})" if f.default != "" else ""
+            group.add_argument(flag, dest=f.name, type=kind, choices=meta["choices"],
+                               help=meta["help"] + shown)
+    given = vars(p.parse_args(argv))
+    return Config(**given), set(given)
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 def validate(cfg: Config) -> None:
-    """Every check on the config alone, in one place. Checks that need the checkpoint live in load."""
-    checks = [
-        (cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO normalises rewards within a group."),
-        (cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts})."),
-        (cfg.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})."),
-        (cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); greedy decoding has no policy gradient."),
-        (cfg.max_new_tokens < cfg.max_model_len, f"--max-new-tokens ({cfg.max_new_tokens}) leaves no room for a prompt in --max-model-len ({cfg.max_model_len})."),
-        (cfg.clip_eps > 0, f"--clip-eps must be > 0 (got {cfg.clip_eps})."),
-        (cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0."),
-        (cfg.updates_per_batch >= 1 and cfg.steps >= 0, "--updates-per-batch must be >= 1 and --steps >= 0."),
-        (cfg.lr > 0 and cfg.grad_clip >= 0, "--lr must be > 0 and --grad-clip >= 0."),
-        (cfg.micro_batch_tokens >= cfg.max_model_len, f"--micro-batch-tokens ({cfg.micro_batch_tokens}) must hold one full sequence (--max-model-len {cfg.max_model_len})."),
-        (cfg.dtype in DTYPES, f"--dtype must be one of {sorted(DTYPES)} (got {cfg.dtype!r})."),
-        (cfg.kernels in ("auto", "vllm", "reference"), f"--kernels must be auto, vllm or reference (got {cfg.kernels!r})."),
-        (cfg.task in TASKS, f"--task must be one of {sorted(TASKS)} (got {cfg.task!r})."),
-        (0 < cfg.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]."),
-        (cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and --keep-last >= 1."),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    if looks_like_path(cfg.model) and not Path(cfg.model).expanduser().is_dir():
-        raise ConfigError(f"--model {cfg.model!r} is not a directory.")
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    """Every check on the config alone, in one place (the checkpoint's checks live in load)."""
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
+            need(math.isfinite(value) and abs(value) < 3e38, f"--{f.name.replace('_', '-')} "
+                 f"must be a finite number (got {value}).")
+        if f.metadata["choices"]:
+            need(value in f.metadata["choices"], f"--{f.name.replace('_', '-')} must be one of "
+                 f"{', '.join(f.metadata['choices'])} (got {value!r}).")
+    need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
+         "normalises rewards within a group.")
+    need(cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts}).")
+    need(cfg.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 "
+         f"(got {cfg.max_new_tokens}).")
+    need(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); greedy "
+         "decoding has no policy gradient.")
+    need(cfg.max_new_tokens < cfg.max_model_len, f"--max-new-tokens ({cfg.max_new_tokens}) "
+         f"leaves no room for a prompt in --max-model-len ({cfg.max_model_len}).")
+    need(cfg.clip_eps > 0, f"--clip-eps must be > 0 (got {cfg.clip_eps}).")
+    need(cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0.")
+    need(cfg.adv_eps > 0, f"--adv-eps must be > 0 (got {cfg.adv_eps}).")
+    need(cfg.updates_per_batch >= 1, "--updates-per-batch must be at least 1.")
+    need(cfg.steps >= 0, f"--steps must be >= 0 (got {cfg.steps}).")
+    need(cfg.lr > 0, f"--lr must be > 0 (got {cfg.lr}).")
+    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay}).")
+    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"--beta1 and --beta2 must lie in [0, 1) "
+         f"(got {cfg.beta1}, {cfg.beta2}).")
+    need(cfg.grad_clip >= 0, f"--grad-clip must be >= 0 (got {cfg.grad_clip}).")
+    need(cfg.kv_cache_gib >= 0, f"--kv-cache-gib must be >= 0 (got {cfg.kv_cache_gib}).")
+    need(cfg.micro_batch_tokens >= cfg.max_model_len, f"--micro-batch-tokens "
+         f"({cfg.micro_batch_tokens}) must hold one full sequence "
+         f"(--max-model-len {cfg.max_model_len}).")
+    need(cfg.parity_rows >= 0 and cfg.parity_every >= 1, "--parity-rows must be >= 0 and "
+         "--parity-every >= 1.")
+    need(cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and "
+         "--keep-last >= 1.")
+    need(not cfg.data_files or cfg.task == "gsm8k", "--data-files goes with --task gsm8k.")
+    need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
+         "chat template; drop --chat-template off.")
+    need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
+         f"--run-name {cfg.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; "
+         "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
+    if looks_like_path(cfg.model) and not cfg.resume:
+        need(Path(cfg.model).expanduser().is_dir(), f"--model {cfg.model!r} is not a directory.")
 
 
 def looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") != 1
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or \
+        name.count("/") != 1
+
+
+# ==========================================================================
+# Ranks: one process per GPU under torchrun, or a single process
+# ==========================================================================
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead or stuck rank ends the job, never hangs it
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_ranks(device_type: str) -> Ranks:
+    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or one process without a process group.
+
+    The process group is made before vLLM starts: vLLM's external launcher reuses it, and with
+    `device_id` NCCL builds the trainer's communicator now, before vLLM's batch-invariant mode
+    writes NCCL_MAX_NCHANNELS=1 (and friends) into the environment, which would throttle FSDP.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Ranks(0, 1, torch.device(device_type))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
+    else:
+        device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def is_main() -> bool:
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK before the group exists
+
+
+def print0(*args, **kw) -> None:
+    """print on rank 0 only: one console for the whole job."""
+    if is_main():
+        print(*args, **kw, flush=True)
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place over every rank (identity in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (small Python objects only)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def on_rank0(fn: Callable):
+    """fn() on rank 0 only; every rank gets its result, or raises its ConfigError.
+
+    Decisions read from disk (the config to resume, the checkpoint to use, the run directory)
+    are made once, so no two ranks can disagree on them.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return fn()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except ConfigError as e:
+            box = [("error", str(e))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise ConfigError(value)
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def agree(ok: bool, device) -> bool:
+    """True only if `ok` is true on every rank."""
+    flag = torch.tensor([int(ok)], device=device)
+    return bool(all_reduce(flag, dist.ReduceOp.MIN).item())
 
 
 # ==========================================================================
 # Load & convert: HF Qwen3 checkpoint <-> trainer (vLLM layout)
 # ==========================================================================
 
-# The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one
-# projection, gate/up fused into one. TorchTitan's adapter maps HF <-> TorchTitan
-# names; this table fuses TorchTitan's parts (concatenated on dim 0, in order).
+# The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
+# gate/up fused into one. TorchTitan's adapter maps HF <-> TorchTitan names; this table fuses
+# TorchTitan's parts (concatenated on dim 0, in order).
 FUSED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MIN_VOCAB = 1000  # a real tokenizer; tiny test models (vocab < 2000) may have half their vocab
 
 
-def resolve_checkpoint(name: str) -> Path:
-    """A local directory as is; otherwise a hub id, fetched (weights, config, tokenizer) into the HF cache."""
+@dataclass
+class ModelFiles:
+    path: Path
+    args: object  # TorchTitan's Qwen3ModelArgs
+    tokenizer: object
+    eos_ids: list[int]
+    hf_config: dict  # config.json as read
+
+
+def resolve_checkpoint(name: str, ranks: Ranks | None = None) -> Path:
+    """A local directory as is; a hub id is fetched (weights, config, tokenizer) into the HF
+    cache, by each host's first rank, then found in the cache by the others."""
     if looks_like_path(name):
         return Path(name).expanduser()
     from huggingface_hub import snapshot_download
 
+    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
     try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
+        if not local_first:
+            barrier()
+        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                           "*.jinja"]))
     except Exception as e:  # offline, unknown repo, gated, ...
-        raise ConfigError(f"could not fetch {name!r} from the Hugging Face hub ({type(e).__name__}); pass a local directory with --model.") from e
+        raise ConfigError(f"could not fetch {name!r} from the Hugging Face hub "
+                          f"({type(e).__name__}); pass a local directory with --model.") from e
+    if local_first:
+        barrier()
+    return path
 
 
 def read_qwen3_config(path: Path):
     """The HF config, after checking it describes a dense Qwen3 this script supports."""
     from transformers import AutoConfig
 
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} has no config.json; --model must be a Hugging Face checkpoint directory.")
-    raw = json.loads((path / "config.json").read_text())
+    file = path / "config.json"
+    need(file.is_file(), f"{path} has no config.json; --model must be a Hugging Face "
+         "checkpoint directory.")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}).") from e
+    need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
     archs = raw.get("architectures") or []
-    if raw.get("model_type") != "qwen3" or (archs and "Qwen3ForCausalLM" not in archs):
-        raise ConfigError(f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}); simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
-    hf = AutoConfig.from_pretrained(path)
+    need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
+         f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
+         "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: {e}).") from e
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
-    if hf.hidden_act != "silu" or getattr(hf, "attention_bias", False) or rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
+    need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
+         and rope.get("rope_type", "default") == "default",
+         f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
     return hf
 
 
@@ -234,28 +469,144 @@ def model_args_from_hf(hf):
     )
 
 
+def weight_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is not a valid safetensors index ({e}).") from e
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    need(bool(files), f"{path} has no *.safetensors weights (.bin checkpoints are not supported; "
+         "re-save with safe_serialization=True).")
+    return files
+
+
+def expected_hf_shapes(args) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device)."""
+    with torch.device("meta"):
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+    state = trainer_to_hf(model.state_dict(), args)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def check_weight_headers(path: Path, args) -> None:
+    """Open every safetensors header and check names, shapes and dtypes against config.json.
+
+    Reads headers only (seconds even at 8B); a truncated or garbage file fails here, before any
+    slow start.
+    """
+    from safetensors import safe_open
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name in weight_files(path):
+        file = path / name
+        need(file.is_file(), f"{file} is listed in the index but missing.")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
+                              "or re-save the checkpoint.") from e
+    want = expected_hf_shapes(args)
+    found = {k: v for k, v in found.items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.enable_weight_tying:
+        found.pop("lm_head.weight", None)
+    missing = sorted(set(want) - set(found))
+    extra = sorted(set(found) - set(want))
+    need(not missing, f"{path}: weights missing for config.json's model: {', '.join(missing[:4])}"
+         f"{' ...' if len(missing) > 4 else ''}.")
+    need(not extra, f"{path}: weights config.json's model does not have: {', '.join(extra[:4])}"
+         f"{' ...' if len(extra) > 4 else ''}.")
+    for key, shape in want.items():
+        need(found[key][0] == shape, f"{path}: {key} has shape {list(found[key][0])}, "
+             f"config.json implies {list(shape)}.")
+        need(found[key][1] in ("BF16", "F16", "F32"), f"{path}: {key} is {found[key][1]}; "
+             "simple_rl reads bf16, fp16 or fp32 weights.")
+
+
 def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU."""
+    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
     from safetensors.torch import load_file
 
     state = {}
     for f in weight_files(path):
-        state.update(load_file(path / f))
+        try:
+            state.update(load_file(path / f))
+        except Exception as e:
+            raise ConfigError(f"{path / f} could not be read ({e}).") from e
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
+         "would be meaningless.")
     return state
 
 
-def weight_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path} has no *.safetensors weights (.bin checkpoints are not supported; re-save with safe_serialization=True).")
-    return files
+def load_tokenizer(path: Path, args):
+    """The checkpoint's tokenizer, after checking it is a real one that fits the model."""
+    from transformers import AutoTokenizer
+
+    has_files = (path / "tokenizer.json").is_file() or \
+        ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())
+    need(has_files, f"{path} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); copy "
+         "the tokenizer files of the base model into it.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}: {e}).") from e
+    n = len(tokenizer)
+    need(n >= min(MIN_VOCAB, args.vocab_size // 2), f"the tokenizer in {path} has only {n} "
+         f"tokens for a model of vocab {args.vocab_size}: it is not this model's tokenizer.")
+    need(n <= args.vocab_size, f"the tokenizer ({n} tokens) does not fit the model's vocab of "
+         f"{args.vocab_size}.")
+    need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
+         f"the tokenizer in {path} encodes text to nothing.")
+    return tokenizer
+
+
+def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and config.json's and
+    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
+    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            found.append(json.loads(gen.read_text()).get("eos_token_id"))
+    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
+    return sorted(set(flat))
+
+
+def load_model_files(cfg: Config, ranks: Ranks | None = None) -> ModelFiles:
+    """Path, model args, tokenizer and stop ids, after checking they fit together and the config.
+
+    Opens headers only; nothing here takes more than seconds.
+    """
+    path = resolve_checkpoint(cfg.model, ranks)
+    hf_cfg = read_qwen3_config(path)
+    args = model_args_from_hf(hf_cfg)
+    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
+         f"the model's max_position_embeddings ({args.max_seq_len}).")
+    check_weight_headers(path, args)
+    tokenizer = load_tokenizer(path, args)
+    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
+    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
+         f"do not fit the model's vocab of {args.vocab_size}.")
+    return ModelFiles(path, args, tokenizer, eos_ids, hf_cfg.to_dict())
 
 
 def _adapter(args):
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(args, None)
+
+
+def fused_sizes(args) -> dict[str, list[int]]:
+    """Row counts of the parts of each fused projection, in FUSED order."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {"attention.wqkv.weight": [q, kv, kv],
+            "feed_forward.w13.weight": [args.hidden_dim, args.hidden_dim]}
 
 
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
@@ -267,24 +618,30 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     try:
         for i in range(args.n_layers):
             for fused, parts in FUSED.items():
-                titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}") for p in parts], dim=0)
+                titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
+                                                          for p in parts], dim=0)
     except (KeyError, RuntimeError) as e:
-        raise ConfigError(f"the checkpoint's weights do not match its config.json ({type(e).__name__}: {e}).") from e
+        raise ConfigError(f"the checkpoint's weights do not match its config.json "
+                          f"({type(e).__name__}: {e}).") from e
     return titan
 
 
+def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None):
+    """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped."""
+    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if suffix in FUSED:
+        prefix = name[: -len(suffix)]
+        pieces = tensor.split(fused_sizes(args)[suffix], dim=0)
+        titan = {prefix + part: piece for part, piece in zip(FUSED[suffix], pieces)}
+    else:
+        titan = {name: tensor}
+    return list((adapter or _adapter(args)).to_hf(titan).items())
+
+
 def trainer_to_hf(state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter to HF names."""
-    titan = dict(state)
-    sizes = {
-        "attention.wqkv.weight": [args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.n_kv_heads * args.head_dim],
-        "feed_forward.w13.weight": [args.hidden_dim, args.hidden_dim],
-    }
-    for i in range(args.n_layers):
-        for fused, parts in FUSED.items():
-            for name, piece in zip(parts, titan.pop(f"layers.{i}.{fused}").split(sizes[fused], dim=0)):
-                titan[f"layers.{i}.{name}"] = piece
-    return _adapter(args).to_hf(titan)
+    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter."""
+    adapter = _adapter(args)
+    return dict(item for name, t in state.items() for item in to_hf_items(name, t, args, adapter))
 
 
 def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Path) -> None:
@@ -292,9 +649,10 @@ def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Pat
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in hf_state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    tensors = {k: v.detach().contiguous().cpu() for k, v in hf_state.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
-    config["dtype"] = str(next(iter(hf_state.values())).dtype).removeprefix("torch.")  # what the file holds now
+    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # as saved
     config.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
@@ -315,127 +673,229 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 # ==========================================================================
 # Model: Qwen3 that computes exactly what vLLM computes
 # ==========================================================================
+# Each module owns its forward and calls the kernel vLLM's module of the same role calls.
+# Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
+# it computes with are exactly those pushed into vLLM. Under FSDP2 the all-gather already
+# produced that bf16 cast, and `.to` is a no-op.
 
 
-class Norm(nn.Module):
-    def __init__(self, dim: int):
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(vocab, dim))
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.weight[tokens].to(self.dtype)  # gather, then cast: the grad sums in fp32
+
+
+class Linear(nn.Module):
+    """y = x W^T (no bias), with the GEMM vLLM's linear layers run."""
+
+    def __init__(self, d_in: int, d_out: int, ops: bib.Kernels, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.ops, self.dtype = ops, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight.to(self.dtype))
+
+
+class RMSNorm(nn.Module):
+    """rms_norm(x) * w; given a residual, vLLM's fused (rms_norm(x + r) * w, x + r)."""
+
+    def __init__(self, dim: int, eps: float, ops: bib.Kernels, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps, self.ops, self.dtype = eps, ops, dtype
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        w = self.weight.to(self.dtype)
+        if residual is None:
+            return self.ops.rms_norm(x, w, self.eps)
+        return self.ops.add_rms_norm(x, residual, w, self.eps)
+
+
+class FlashAttention(nn.Module):
+    """Causal varlen attention over the packed batch (vLLM's `attn`: FA3, num_splits=1)."""
+
+    def __init__(self, scale: float, ops: bib.Kernels):
+        super().__init__()
+        self.scale, self.ops = scale, ops
+
+    def forward(self, q, k, v, batch: "Packed") -> torch.Tensor:
+        return self.ops.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, self.scale)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [gate; up] (vLLM's `act_fn`)."""
+
+    def __init__(self, ops: bib.Kernels):
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(x)
 
 
 class Attention(nn.Module):
-    def __init__(self, args):
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm, self.k_norm = Norm(args.head_dim), Norm(args.head_dim)
+        self.sizes = fused_sizes(args)["attention.wqkv.weight"]
+        self.wqkv = Linear(args.dim, sum(self.sizes), ops, dtype)  # vLLM's qkv_proj = [q; k; v]
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype)
+        self.attn = FlashAttention(args.head_dim**-0.5, ops)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, ops, dtype)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, batch: "Packed", rope: torch.Tensor) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)  # (T, Hq D), (T, Hk D), (T, Hk D)
+        q = self.q_norm(q.view(T, self.n_heads, D))  # (T, Hq, D)
+        k = self.k_norm(k.view(T, self.n_kv_heads, D))  # (T, Hk, D)
+        q, k = self.ops.rotary(q, k, batch.positions, rope)
+        o = self.attn(q, k, v.reshape(T, self.n_kv_heads, D).contiguous(), batch)  # (T, Hq, D)
+        return self.wo(o.reshape(T, -1))  # (T, dim)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args):
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # [gate; up], as vLLM's gate_up_proj
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.hidden_dim, ops, dtype)  # vLLM's gate_up_proj
+        self.act_fn = SiluAndMul(ops)
+        self.w2 = Linear(args.hidden_dim, args.dim, ops, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w13(x)))  # (T, 2I) -> (T, I) -> (T, dim)
 
 
 class Block(nn.Module):
-    def __init__(self, args):
+    """One decoder layer, as vLLM runs it: the residual add is fused into the next norm."""
+
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
-        self.attention_norm, self.ffn_norm = Norm(args.dim), Norm(args.dim)
-        self.attention, self.feed_forward = Attention(args), FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
+        self.attention = Attention(args, ops, dtype)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
+        self.feed_forward = FeedForward(args, ops, dtype)
+
+    def forward(self, x, residual, batch: "Packed", rope) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: no residual to add yet
+            h, residual = self.attention_norm(x), x
+        else:
+            h, residual = self.attention_norm(x, residual)
+        h = self.attention(h, batch, rope)
+        h, residual = self.ffn_norm(h, residual)
+        return self.feed_forward(h), residual
 
 
-class Qwen3VLLMCompatModel(nn.Module):
-    """Qwen3 with TorchTitan names and vLLM's fused layout, run op by op as vLLM runs it.
+class Qwen3(nn.Module):
+    """Qwen3 with TorchTitan names and vLLM's fused layout, run op by op as vLLM runs it."""
 
-    Parameters are fp32 masters; each forward casts them to the compute dtype, so
-    the bf16 weights it computes with are exactly those pushed into vLLM.
-    """
-
-    def __init__(self, args, kernels: bib.Kernels, compute_dtype: torch.dtype):
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
-        self.args, self.kernels, self.compute_dtype = args, kernels, compute_dtype
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = Norm(args.dim)
-        self.output = None if args.enable_weight_tying else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.cos_sin = None  # (max_seq_len, head_dim), built by init_buffers once weights are on a device
-        self.trace: dict[str, list[torch.Tensor]] | None = None  # set by the parity debugger
+        self.args, self.ops, self.dtype = args, ops, dtype
+        self.tok_embeddings = Embedding(args.vocab_size, args.dim, dtype)
+        self.layers = nn.ModuleList(Block(args, ops, dtype) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
+        tied = args.enable_weight_tying
+        self.output = None if tied else Linear(args.dim, args.vocab_size, ops, dtype)
+        self.rope: torch.Tensor | None = None  # (max_seq_len, head_dim) cos|sin, see init_rope
 
-    def record(self, name: str, *tensors: torch.Tensor) -> None:
-        if self.trace is not None:
-            self.trace[name] = [t.detach() for t in tensors]
+    def init_rope(self, device) -> None:
+        """The rotary cos/sin cache, built on the GPU as vLLM builds its own (same bits)."""
+        a = self.args
+        self.rope = bib.rope_cos_sin_cache(a.head_dim, a.rope_theta, a.max_seq_len, device,
+                                           self.dtype)
 
-    def init_buffers(self, device) -> None:
-        self.cos_sin = bib.rope_cos_sin_cache(self.args.head_dim, self.args.rope_theta, self.args.max_seq_len, device, self.compute_dtype)
-
-    def w(self, p: torch.Tensor) -> torch.Tensor:
-        return p.to(self.compute_dtype)
-
-    def attention(self, i: int, a: Attention, x, positions, cu_seqlens, max_seqlen):
-        k, T, D = self.kernels, x.shape[0], a.head_dim
-        qkv = k.linear(x, self.w(a.wqkv.weight))  # (T, (Hq + 2 Hk) D)
-        q, kk, v = qkv.split([a.n_heads * D, a.n_kv_heads * D, a.n_kv_heads * D], dim=-1)
-        q = k.rms_norm(q.view(T, a.n_heads, D), self.w(a.q_norm.weight), self.args.norm_eps)  # (T, Hq, D)
-        kk = k.rms_norm(kk.view(T, a.n_kv_heads, D), self.w(a.k_norm.weight), self.args.norm_eps)  # (T, Hk, D)
-        self.record(f"layers.{i}.qkv_proj", qkv), self.record(f"layers.{i}.q_norm", q), self.record(f"layers.{i}.k_norm", kk)
-        q, kk = k.rotary(q, kk, positions, self.cos_sin)
-        o = k.attention(q, kk, v.reshape(T, a.n_kv_heads, D).contiguous(), cu_seqlens, max_seqlen, D**-0.5)  # (T, Hq, D)
-        out = k.linear(o.reshape(T, -1), self.w(a.wo.weight))  # (T, dim)
-        self.record(f"layers.{i}.attn", o), self.record(f"layers.{i}.o_proj", out)
-        return out
-
-    def forward(self, tokens, positions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        """Packed varlen forward: tokens/positions (T,), cu_seqlens (B+1,) -> final hidden states (T, dim)."""
-        k, eps = self.kernels, self.args.norm_eps
-        h = self.w(self.tok_embeddings.weight[tokens])  # (T, dim); gather first: its grad accumulates in fp32
-        residual = None
-        for i, layer in enumerate(self.layers):  # vLLM's order: the residual add is fused into the next norm
-            if residual is None:
-                h, residual = k.rms_norm(h, self.w(layer.attention_norm.weight), eps), h
-                self.record(f"layers.{i}.input_layernorm", h)
-            else:
-                h, residual = k.add_rms_norm(h, residual, self.w(layer.attention_norm.weight), eps)
-                self.record(f"layers.{i}.input_layernorm", h, residual)
-            h = self.attention(i, layer.attention, h, positions, cu_seqlens, max_seqlen)
-            h, residual = k.add_rms_norm(h, residual, self.w(layer.ffn_norm.weight), eps)
-            ff = layer.feed_forward
-            gate_up = k.linear(h, self.w(ff.w13.weight))  # (T, 2 I)
-            act = k.silu_and_mul(gate_up)  # (T, I)
-            self.record(f"layers.{i}.post_attention_layernorm", h, residual)
-            h = k.linear(act, self.w(ff.w2.weight))
-            self.record(f"layers.{i}.gate_up_proj", gate_up), self.record(f"layers.{i}.act_fn", act), self.record(f"layers.{i}.down_proj", h)
-        h, _ = k.add_rms_norm(h, residual, self.w(self.norm.weight), eps)
-        self.record("norm", h)
+    def hidden(self, batch: "Packed") -> torch.Tensor:
+        """Packed varlen forward: tokens (T,) -> final hidden states (T, dim)."""
+        h, residual = self.tok_embeddings(batch.tokens), None  # (T, dim)
+        for block in self.layers:
+            h, residual = block(h, residual, batch, self.rope)
+        h, _ = self.norm(h, residual)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(N, dim) -> (N, V) in the compute dtype, through the tied or untied head."""
-        head = self.tok_embeddings if self.output is None else self.output
-        return self.kernels.linear(h, self.w(head.weight))
+        if self.output is None:
+            return self.ops.linear(h, self.tok_embeddings.weight.to(self.dtype))
+        return self.output(h)
 
-    def token_logprobs(self, h, targets, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N, dim) -> log softmax(logits / T)[target] and entropy, fp32 (N,), as vLLM's sampler computes them."""
-        return self.kernels.logprobs_entropy(self.logits(h), targets, temperature)
+    def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
+        h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states that predict the targets
+        return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
 
 
-def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device) -> Qwen3VLLMCompatModel:
-    """Build on the meta device and load fp32 masters with assign=True: never materialised twice."""
+def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device,
+                world: int = 1) -> Qwen3:
+    """Build on the meta device, then load the fp32 masters: never materialised twice.
+
+    One process: `assign=True` adopts the loaded tensors. Several: FSDP2 shards every block and
+    the root; rank 0 holds `state` and set_model_state_dict broadcasts each rank its shard.
+    """
     with torch.device("meta"):
-        model = Qwen3VLLMCompatModel(args, kernels, dtype)
+        model = Qwen3(args, kernels, dtype)
     try:
-        model.load_state_dict({k: v.to(device=device, dtype=torch.float32, copy=True) for k, v in state.items()}, strict=True, assign=True)
+        if world == 1:
+            masters = {k: v.to(device=device, dtype=torch.float32, copy=True)
+                       for k, v in state.items()}
+            model.load_state_dict(masters, strict=True, assign=True)
+        else:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_model_state_dict)
+
+            shard_model(model, dtype)
+            model.to_empty(device=device)
+            masters = {k: v.float() for k, v in state.items()}
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, masters, options=options)
     except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
-        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3])
-        raise ConfigError(f"the checkpoint's weights do not match its config.json: {detail}") from e
-    model.init_buffers(device)
+        detail = " ".join(line.strip() for line in str(e).splitlines()[1:3]) or str(e)
+        raise ConfigError(f"the checkpoint's weights do not match its config.json: "
+                          f"{detail}") from e
+    model.init_rope(device)
     return model
 
 
-def model_hf_state(model: Qwen3VLLMCompatModel) -> dict[str, torch.Tensor]:
-    """The weights the trainer computes with (compute dtype), under HF names."""
-    return trainer_to_hf({k: model.w(v.detach()) for k, v in model.state_dict().items()}, model.args)
+def shard_model(model: Qwen3, dtype) -> None:
+    """FSDP2: every block, then the root (embeddings, final norm, head), sharded over the ranks.
+
+    The forward sees the bf16 cast of the fp32 master (param_dtype); gradients are reduced in
+    fp32, averaged over the ranks (train_step scales the loss by the world size to undo that).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    for block in model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather for FSDP's DTensor shards)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def hf_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, weight in the compute dtype) for every weight, one trainer tensor at a time.
+
+    Under FSDP every rank gathers each bf16 cast in turn (so every rank must run this to the
+    end, in the same order); peak memory is one full tensor.
+    """
+    adapter = _adapter(model.args)
+    for name, p in model.named_parameters():
+        yield from to_hf_items(name, full_tensor(p.detach().to(model.dtype)), model.args, adapter)
+
+
+def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
+    """Every weight in the compute dtype, on CPU, under HF names; on rank 0 ({} elsewhere)."""
+    keep = is_main()
+    return {k: v.cpu() for k, v in hf_weights(model) if keep}
 
 
 # ==========================================================================
@@ -447,18 +907,18 @@ def model_hf_state(model: Qwen3VLLMCompatModel) -> dict[str, torch.Tensor]:
 class Rollout:
     prompts: list[list[int]]  # one per sample (each prompt repeated G times)
     completions: list[list[int]]  # sampled token ids
-    logprobs: torch.Tensor  # (N,) fp32, vLLM's logprob of every generated token, samples concatenated
+    logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
 
 
 def route_vllm_add_rms_norm_through_row_chunks() -> None:
-    """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's are.
+    """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's.
 
     vLLM 0.26's batch-invariant RMSNorm hands a residual add to a CUDA kernel whose reduction
     order changes at 256 rows (bib.ADD_RMS_NORM_ROWS). The engine runs in this process, so
-    replacing the function its RMSNorm layers call is enough: every row is then normalised by a
-    call of at most 255 rows, whatever the batch, and the engine may schedule as many tokens per
-    step as it likes. Without this its budget had to stay under 256 tokens per step.
+    replacing the function its RMSNorm layers call is enough: every row is then normalised by
+    a call of at most 255 rows, whatever the batch, and the engine may schedule as many tokens
+    per step as it likes.
     """
     from vllm.model_executor.layers import layernorm
 
@@ -476,25 +936,51 @@ def route_vllm_add_rms_norm_through_row_chunks() -> None:
     layernorm.rms_norm_batch_invariant = rms_norm_rows
 
 
-class VLLMEngine:
-    """One vLLM engine for the whole run, in this process (its model is reachable for weight pushes)."""
+def samples_per_rank(cfg: Config, world: int) -> int:
+    return -(-cfg.num_prompts // world) * cfg.group_size
 
-    def __init__(self, cfg: Config, path: Path, eos_ids: list[int]):
+
+def kv_cache_bytes(cfg: Config, args, world: int) -> int:
+    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption).
+
+    KV bytes per token = 2 (K and V) x layers x kv heads x head_dim x 2 (bf16).
+    """
+    if cfg.kv_cache_gib > 0:
+        return int(cfg.kv_cache_gib * 2**30)
+    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+    return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * per_token
+
+
+class VLLMEngine:
+    """This rank's vLLM engine, in this process, so its model is reachable for weight pushes.
+
+    Tensor parallel 1: each rank generates its own share of the prompts. Under torchrun the
+    engine joins the existing process group (vLLM's external launcher).
+    """
+
+    def __init__(self, cfg: Config, files: ModelFiles, ranks: Ranks):
         from vllm import LLM
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
         route_vllm_add_rms_norm_through_row_chunks()
-        self.cfg, self.eos_ids = cfg, eos_ids
-        samples = cfg.num_prompts * cfg.group_size
-        graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger's hooks see only eager steps
+        self.cfg, self.eos_ids, self.asleep = cfg, files.eos_ids, False
+        samples = samples_per_rank(cfg, ranks.world)
+        graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
+        kv = kv_cache_bytes(cfg, files.args, ranks.world)
+        total = torch.cuda.get_device_properties(ranks.device).total_memory
+        weights = 2 * count_params(files.args)
         self.llm = LLM(
-            model=str(path),
+            model=str(files.path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
             dtype=cfg.dtype,
             seed=cfg.seed,
             max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T), what was sampled from
+            kv_cache_memory_bytes=kv,
+            # vLLM still checks at start that this fraction is free; ask for what it will use
+            gpu_memory_utilization=min(0.9, max(0.05, (weights + kv + 6 * 2**30) / total)),
+            enable_sleep_mode=cfg.engine_sleep,
+            distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+            logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
             max_num_seqs=samples,  # every sample decodes in every step
             max_num_batched_tokens=max(samples, 8192),
             attention_backend="FLASH_ATTN",
@@ -502,37 +988,49 @@ class VLLMEngine:
             # CUDA graphs only replay the same kernels, so decode steps may use them.
             enforce_eager=not graphs,
             compilation_config=CompilationConfig(
-                mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY, max_cudagraph_capture_size=min(samples, 512),
-            ) if graphs else None,
+                mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
+                max_cudagraph_capture_size=min(samples, 512)) if graphs else None,
         )
 
-    def rollout(self, prompts: list[list[int]], step: int) -> Rollout:
-        """group_size samples per prompt, each with its own seed; keeps vLLM's logprob of every token."""
+    def rollout(self, prompts: list[list[int]], indices: list[int], step: int) -> Rollout:
+        """G samples of each prompt; prompt j has the seed of its index in the whole step."""
         from vllm import SamplingParams, TokensPrompt
 
         cfg = self.cfg
-        params = [
-            SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, logprobs=0,
-                           seed=sample_seed(cfg, step, i), stop_token_ids=self.eos_ids, detokenize=False)
-            for i in range(len(prompts))
-        ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        samples = [(o.prompt_token_ids, c) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+        params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, logprobs=0,
+                                 max_tokens=cfg.max_new_tokens, seed=sample_seed(cfg, step, i),
+                                 stop_token_ids=self.eos_ids, detokenize=False)
+                  for i in indices]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        samples = [(o.prompt_token_ids, c) for o in outs
+                   for c in sorted(o.outputs, key=lambda c: c.index)]
         logprobs = [lp[t].logprob for _, c in samples for t, lp in zip(c.token_ids, c.logprobs)]
         return Rollout(
             prompts=[list(p) for p, _ in samples],
             completions=[list(c.token_ids) for _, c in samples],
-            logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 values exactly
+            logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
             stopped=[c.finish_reason == "stop" for _, c in samples],
         )
 
-    def push(self, model: "Qwen3VLLMCompatModel") -> None:
-        push_weights(self.llm, model)
+    def sleep(self) -> None:
+        """Free the KV cache and the weights while the trainer runs (the push refills them)."""
+        if self.cfg.engine_sleep and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        push_weights(self, weights)
 
 
 def sample_seed(cfg: Config, step: int, prompt: int) -> int:
-    """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching."""
+    """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching or ranks."""
     return (cfg.seed * 1_000_003 + step * 10_007 + prompt) % (2**31)
+
+
+def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
+    """The step's prompts this rank generates and trains on: i mod world == rank."""
+    return list(range(ranks.rank, num_prompts, ranks.world))
 
 
 @dataclass
@@ -541,16 +1039,19 @@ class Packed:
     positions: torch.Tensor  # (T,) position within its sample
     cu_seqlens: torch.Tensor  # (B+1,) int32 sample boundaries
     max_seqlen: int
-    gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each generated token
+    gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
     targets: torch.Tensor  # (N,) the generated tokens
     sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
 
     def to(self, device) -> "Packed":
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "max_seqlen"})
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if f.name != "max_seqlen"}
+        return dataclasses.replace(self, **moved)
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]]) -> Packed:
-    """Concatenate samples without padding; token t of completion b is predicted at start_b + P_b - 1 + t."""
+    """Samples back to back, no padding; token t of completion b is predicted at
+    start_b + P_b - 1 + t."""
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
     L = P + C
@@ -558,11 +1059,11 @@ def pack(prompts: list[list[int]], completions: list[list[int]]) -> Packed:
     tokens = torch.tensor([t for p, c in zip(prompts, completions) for t in p + c])
     positions = torch.arange(len(tokens)) - torch.repeat_interleave(starts, L)
     sample = torch.repeat_interleave(torch.arange(len(C)), C)
-    offset = torch.arange(int(C.sum())) - torch.repeat_interleave(torch.cumsum(C, 0) - C, C)  # t within completion
+    offset = torch.arange(int(C.sum())) - torch.repeat_interleave(torch.cumsum(C, 0) - C, C)
     return Packed(
         tokens=tokens,
         positions=positions,
-        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(L, 0)]).to(torch.int32),
+        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(L, 0)]).int(),
         max_seqlen=int(L.max()),
         gen_index=(starts + P - 1)[sample] + offset,
         targets=tokens[(starts + P)[sample] + offset],
@@ -571,7 +1072,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]]) -> Packed:
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
-    """Consecutive sample ranges whose total length fits max_tokens (each sample fits on its own)."""
+    """Consecutive sample ranges whose total length fits max_tokens (each sample fits alone)."""
     out, start, total = [], 0, 0
     for i, n in enumerate(lengths):
         assert n <= max_tokens, f"a sample of {n} tokens exceeds micro_batch_tokens={max_tokens}"
@@ -583,6 +1084,24 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
     return out
 
 
+def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
+    """Samples [start, stop) as their own packed batch, and the slice of targets (N,) they own."""
+    t0, t1 = int(packed.cu_seqlens[samples.start]), int(packed.cu_seqlens[samples.stop])
+    per_sample = torch.bincount(packed.sample, minlength=samples.stop + 1)  # targets per sample
+    n0, n1 = int(per_sample[: samples.start].sum()), int(per_sample[: samples.stop].sum())
+    cu = packed.cu_seqlens[samples.start : samples.stop + 1] - t0
+    part = Packed(
+        tokens=packed.tokens[t0:t1],
+        positions=packed.positions[t0:t1],
+        cu_seqlens=cu,
+        max_seqlen=int((cu[1:] - cu[:-1]).max()),
+        gen_index=packed.gen_index[n0:n1] - t0,
+        targets=packed.targets[n0:n1],
+        sample=packed.sample[n0:n1] - samples.start,
+    )
+    return part, slice(n0, n1)
+
+
 # ==========================================================================
 # Reward: tasks with verifiable answers
 # ==========================================================================
@@ -590,15 +1109,23 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
 
 @dataclass
 class Problem:
-    prompt: str
+    question: str  # what the user asks, with the instruction on how to end the answer
     answer: str
 
 
+@dataclass
+class Task:
+    problems: list[Problem]
+    prompt_ids: list[list[int]]  # each problem as the model sees it (chat template or Q:/A:)
+
+
 ARITH = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+ANSWER_FORMAT = "End with 'Answer: <number>'."
+ARITHMETIC_POOL = 16_384  # problems drawn for a run; steps walk through them epoch by epoch
 
 
 def arithmetic_problems(n: int, seed: int) -> list[Problem]:
-    """n procedurally generated problems "a op1 b op2 c" with exact integer answers.
+    """n generated problems "a op1 b op2 c" with exact integer answers.
 
     op1 is one of + - *, op2 one of + -, so the value is always (a op1 b) op2 c.
     """
@@ -608,28 +1135,97 @@ def arithmetic_problems(n: int, seed: int) -> list[Problem]:
         a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(1, 9)
         op1, op2 = rng.choice("+-*"), rng.choice("+-")
         value = ARITH[op2](ARITH[op1](a, b), c)
-        out.append(Problem(f"Q: What is {a} {op1} {b} {op2} {c}? End with 'Answer: <number>'.\nA:", str(value)))
+        out.append(Problem(f"What is {a} {op1} {b} {op2} {c}? {ANSWER_FORMAT}", str(value)))
     return out
 
 
-def gsm8k_problems(n: int, seed: int) -> list[Problem]:
-    """n GSM8K train problems (needs `datasets` and network); answers follow '####'."""
-    from datasets import load_dataset
+def gsm8k_problems(data_files: str) -> list[Problem]:
+    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
 
-    data = load_dataset("openai/gsm8k", "main", split="train")
-    rng = random.Random(seed)
-    rows = [data[rng.randrange(len(data))] for _ in range(n)]
-    return [Problem(f"Q: {r['question']} End with 'Answer: <number>'.\nA:", r["answer"].split("####")[-1].strip()) for r in rows]
+    Each row has `question` and `answer`; the final answer follows '####'.
+    """
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError("--task gsm8k needs the `datasets` package: pip install datasets.") from e
+    try:
+        if data_files:
+            need(Path(data_files).expanduser().is_file(), f"--data-files {data_files!r} is not "
+                 "a file.")
+            kind = "parquet" if data_files.endswith(".parquet") else "json"
+            rows = datasets.load_dataset(kind, data_files=str(Path(data_files).expanduser()),
+                                         split="train")
+        else:
+            rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
+    except ConfigError:
+        raise
+    except Exception as e:
+        where = data_files or "the hub (openai/gsm8k)"
+        raise ConfigError(f"could not load GSM8K from {where} ({type(e).__name__}); offline, "
+                          "download it and pass --data-files.") from e
+    need({"question", "answer"} <= set(rows.column_names), f"{data_files or 'GSM8K'} has columns "
+         f"{rows.column_names}; GSM8K rows need 'question' and 'answer'.")
+    need(len(rows) > 0, f"{data_files or 'GSM8K'} has no rows.")
+    out = []
+    for q, a in zip(rows["question"], rows["answer"]):
+        need(isinstance(a, str) and "####" in a, f"{data_files or 'GSM8K'}: an answer without "
+             f"'#### <number>': {str(a)[:60]!r}.")
+        out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
+    return out
 
 
-TASKS: dict[str, Callable[[int, int], list[Problem]]] = {"arithmetic": arithmetic_problems, "gsm8k": gsm8k_problems}
+def uses_chat_template(cfg: Config, tokenizer) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    need(has or cfg.chat_template != "on", "--chat-template on, but the tokenizer has no chat "
+         "template.")
+    return has and cfg.chat_template != "off"
+
+
+def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list[int]]:
+    """Token ids of each prompt: the chat template's user turn, or a plain 'Q: ...\\nA:'."""
+    if uses_chat_template(cfg, tokenizer):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                               tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=cfg.enable_thinking)
+                 for p in problems]
+    else:
+        texts = [f"Q: {p.question}\nA:" for p in problems]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def load_task(cfg: Config, tokenizer) -> Task:
+    """The problems of the whole run, tokenized once; their lengths are checked here."""
+    if cfg.task == "gsm8k":
+        problems = gsm8k_problems(cfg.data_files)
+    else:
+        problems = arithmetic_problems(max(ARITHMETIC_POOL, cfg.num_prompts), cfg.seed)
+    prompt_ids = format_prompts(problems, tokenizer, cfg)
+    longest = max(map(len, prompt_ids))
+    need(longest + cfg.max_new_tokens <= cfg.max_model_len, f"the longest prompt has {longest} "
+         f"tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds --max-model-len "
+         f"{cfg.max_model_len}.")
+    need(min(map(len, prompt_ids)) > 0, "a prompt encodes to no tokens.")
+    return Task(problems, prompt_ids)
+
+
+def step_problems(n_problems: int, num_prompts: int, step: int, seed: int) -> list[int]:
+    """Indices of the step's prompts: a fresh shuffle of all problems per epoch, walked in order."""
+    out = []
+    for i in range(step * num_prompts, (step + 1) * num_prompts):
+        epoch, at = divmod(i, n_problems)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(n_problems, generator=g)
+        out.append(int(order[at]))
+    return out
+
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def parse_answer(text: str) -> Decimal | None:
-    """The number after the last 'Answer:' (else the last number), before the model starts a new 'Q:'."""
-    text = text.split("\nQ:")[0]
+    """The number after the last 'Answer:' (else the last number) of the final answer: after
+    any </think> block, before the model starts a new 'Q:'."""
+    text = text.rsplit("</think>", 1)[-1].split("\nQ:")[0]
     tail = text.rsplit("Answer:", 1)[-1] if "Answer:" in text else text
     found = _NUMBER.findall(tail.replace("**", "").replace("$", ""))
     if not found:
@@ -651,25 +1247,32 @@ def reward(completion: str, answer: str) -> float:
 # ==========================================================================
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool, eps: float) -> torch.Tensor:
-    """A_i = (r_i - mean_g r) / (std_g r + eps), or r_i - mean_g r. rewards: (B*G,) grouped consecutively."""
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool,
+                     eps: float) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps), or r_i - mean_g r.
+
+    rewards: (B*G,) grouped consecutively.
+    """
     assert rewards.numel() % group_size == 0, "rewards must come in whole groups"
     r = rewards.view(-1, group_size)  # (B, G)
     a = r - r.mean(-1, keepdim=True)
     if std_normalize:
-        a = a / (r.std(-1, keepdim=True) + eps)  # unbiased std; a group of equal rewards gives A = 0
+        a = a / (r.std(-1, keepdim=True) + eps)  # unbiased std; equal rewards give A = 0
     return a.view(-1)
 
 
-def ppo_clip_loss(logp, old_logp, adv, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per token: rho = exp(logp - old), pg = -min(rho A, clip(rho, 1-eps, 1+eps) A). Returns (pg, rho, clipped)."""
+def ppo_clip_loss(logp, old_logp, adv, clip_eps: float):
+    """Per token: rho = exp(logp - old), pg = -min(rho A, clip(rho, 1-eps, 1+eps) A).
+
+    Returns (pg, rho, clipped), each (N,).
+    """
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).float()
 
 
 def kl_k3(logp, ref_logp) -> torch.Tensor:
-    """k3 estimator of KL(pi || pi_ref) per token: exp(q) - q - 1, q = ref_logp - logp (>= 0, unbiased)."""
+    """k3 estimator of KL(pi || pi_ref) per token: exp(q) - q - 1, q = ref_logp - logp (>= 0)."""
     q = ref_logp - logp
     return torch.exp(q) - q - 1
 
@@ -687,52 +1290,106 @@ class Parity:
     table: str
 
 
-def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor, rows: int) -> Parity:
-    """Compare int32 views of two fp32 vectors (N,): bitwise equal means the same float, -0/NaN included."""
+def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
+                  rows: int) -> Parity:
+    """Compare int32 views of two fp32 vectors (N,): equal bits are the same float (-0, NaN)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
-    diff = a.view(torch.int32) != b.view(torch.int32)
+    bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
+    bad = (bits_a != bits_b).nonzero()[:, 0]
     delta = (a - b).abs()
-    lines = [f"{'token':>8} {'vllm':>14} {'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
-    bad = diff.nonzero()[:, 0]
-    show = bad[:rows].tolist() if len(bad) else range(min(rows, len(a)))  # the first differing tokens, if any
+    head = f"{'token':>8} {'vllm':>14} {'trainer':>14} {'vllm bits':>10} {'trainer bits':>12}"
+    lines = [head + f" {'delta':>10}"]
+    show = bad[:rows].tolist() if len(bad) else range(min(rows, len(a)))  # the first that differ
     for i in show:
-        bits_a, bits_b = a[i : i + 1].view(torch.int32).item() & 0xFFFFFFFF, b[i : i + 1].view(torch.int32).item() & 0xFFFFFFFF
-        lines.append(f"{int(tokens[i]):>8} {a[i].item():>14.8f} {b[i].item():>14.8f} {bits_a:>10x} {bits_b:>12x} {delta[i].item():>10.3g}")
-    return Parity(len(a), len(bad), float(delta.max()) if len(a) else 0.0, "\n".join(lines))
+        lines.append(f"{int(tokens[i]):>8} {a[i].item():>14.8f} {b[i].item():>14.8f} "
+                     f"{bits_a[i].item() & 0xFFFFFFFF:>10x} {bits_b[i].item() & 0xFFFFFFFF:>12x} "
+                     f"{delta[i].item():>10.3g}")
+    max_abs = float(delta.max()) if len(a) else 0.0
+    return Parity(len(a), len(bad), max_abs, "\n".join(lines))
+
+
+def parity_over_ranks(p: Parity, device) -> Parity:
+    """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
+    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch], device=device))
+    # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
+    worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
+                       dist.ReduceOp.MAX)
+    return Parity(int(counts[0]), int(counts[1]), float(worst[0]), p.table)
+
+
+def parity_line(p: Parity) -> str:
+    return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
+            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}")
 
 
 # ==========================================================================
 # Parity debugger: trainer vs vLLM's own model, op by op, on one sequence
 # ==========================================================================
 
-# Trainer trace names -> vLLM module names (`layers.{i}.` -> `model.layers.{i}.`), in execution order.
-# (vLLM shares one rotary module across layers, so the rotation is checked through `attn`.)
-TRACE_OPS = ["input_layernorm", "qkv_proj", "q_norm", "k_norm", "attn", "o_proj",
-             "post_attention_layernorm", "gate_up_proj", "act_fn", "down_proj"]
-VLLM_MODULES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-                "qkv_proj": "self_attn.qkv_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                "attn": "self_attn.attn", "o_proj": "self_attn.o_proj",
-                "gate_up_proj": "mlp.gate_up_proj", "act_fn": "mlp.act_fn", "down_proj": "mlp.down_proj"}
+# Trainer module (per layer) -> the vLLM module of the same role, in execution order. Both
+# sides are recorded by forward hooks. vLLM shares one rotary module across layers, so the
+# rotation is checked through `attn`.
+TRACED = {"attention_norm": "input_layernorm", "attention.wqkv": "self_attn.qkv_proj",
+          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+          "attention.attn": "self_attn.attn", "attention.wo": "self_attn.o_proj",
+          "ffn_norm": "post_attention_layernorm", "feed_forward.w13": "mlp.gate_up_proj",
+          "feed_forward.act_fn": "mlp.act_fn", "feed_forward.w2": "mlp.down_proj"}
 
 
 def trace_names(n_layers: int) -> list[tuple[str, str]]:
-    """(trainer name, vLLM module name) for every traced op, in execution order."""
-    names = [(f"layers.{i}.{op}", f"model.layers.{i}.{VLLM_MODULES[op]}") for i in range(n_layers) for op in TRACE_OPS]
+    """(trainer module, vLLM module) for every traced op, in execution order."""
+    names = [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}")
+             for i in range(n_layers) for ours, theirs in TRACED.items()]
     return names + [("norm", "model.norm")]
 
 
-def compare_traces(ours: dict[str, list[torch.Tensor]], theirs: dict[str, list[torch.Tensor]], order: list[str]) -> list[dict]:
-    """Per op: how many elements differ bitwise, and the max |delta|. Tensors are compared as (rows, -1)."""
+@contextlib.contextmanager
+def recording(model: nn.Module, names: dict[str, str]):
+    """Forward hooks on the named modules: every call appends its output tensors.
+
+    Yields {key: [[tensors of call 1], [tensors of call 2], ...]}; names maps module -> key.
+    """
+    calls: dict[str, list[list[torch.Tensor]]] = {}
+
+    def hook_for(key):
+        def hook(_module, _inputs, out):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            tensors = [o.detach().clone() for o in outs if isinstance(o, torch.Tensor)]
+            calls.setdefault(key, []).append(tensors)
+        return hook
+
+    handles = [module.register_forward_hook(hook_for(names[name]))
+               for name, module in model.named_modules() if name in names]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def concat_calls(calls: dict[str, list[list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
+    """Rows of every call (prefill, then each decode step) joined: one trace per op."""
+    return {k: [torch.cat(parts) for parts in zip(*v)] for k, v in calls.items()}
+
+
+def compare_traces(ours: dict[str, list[torch.Tensor]], theirs: dict[str, list[torch.Tensor]],
+                   order: list[str]) -> list[dict]:
+    """Per op: elements that differ bitwise, and the max |delta| (tensors seen as (rows, -1))."""
     rows = []
     for name in (n for n in order if n in ours and n in theirs):
-        pairs = [(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)) for a, b in zip(ours[name], theirs[name])]
+        pairs = [(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+                 for a, b in zip(ours[name], theirs[name])]
         if any(a.shape != b.shape for a, b in pairs):
             shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in pairs]
-            rows.append(dict(op=name, n_diff=-1, numel=0, max_abs=float("nan"), note=f"shapes differ: {shapes}"))
+            rows.append(dict(op=name, n_diff=-1, numel=0, max_abs=float("nan"),
+                             note=f"shapes differ: {shapes}"))
             continue
-        rows.append(dict(op=name, n_diff=sum(int((a != b).sum()) for a, b in pairs), numel=sum(a.numel() for a, _ in pairs),
+        differ = [(a != b) for a, b in pairs]
+        rows.append(dict(op=name, n_diff=sum(int(d.sum()) for d in differ),
+                         numel=sum(a.numel() for a, _ in pairs),
                          max_abs=max(float((a.float() - b.float()).abs().max()) for a, b in pairs),
-                         rows=sorted({int(i) for a, b in pairs for i in (a != b).any(-1).nonzero()[:, 0].tolist()})[:8]))
+                         rows=sorted({int(i) for d in differ
+                                      for i in d.any(-1).nonzero()[:, 0].tolist()})[:8]))
     return rows
 
 
@@ -740,70 +1397,51 @@ def first_divergence(rows: list[dict]) -> str | None:
     return next((r["op"] for r in rows if r["n_diff"] != 0), None)
 
 
-def vllm_trace(llm, prompt: list[int], params, names: list[tuple[str, str]]) -> tuple[dict[str, list[torch.Tensor]], list[int], list[float]]:
-    """Generate from `prompt` with forward hooks on vLLM's modules.
-
-    Every call (the prefill, then one decode step per token) appends its rows, so
-    the trace covers prompt + completion[:-1], row for row, as the trainer sees it.
-    """
-    from vllm import TokensPrompt
-
-    calls: dict[str, list[list[torch.Tensor]]] = {}
-    by_module = {v: k for k, v in names}
-
-    def attach(model):
-        handles = []
-        for mod_name, module in model.named_modules():
-            if mod_name in by_module:
-                def hook(_m, _inp, out, key=by_module[mod_name]):
-                    outs = out if isinstance(out, (tuple, list)) else (out,)
-                    calls.setdefault(key, []).append([o.detach().clone() for o in outs if isinstance(o, torch.Tensor)])
-                handles.append(module.register_forward_hook(hook))
-        return handles
-
-    llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
-    handles = llm.apply_model(attach)[0]
-    try:
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
-    finally:
-        for h in handles:
-            h.remove()
-    trace = {k: [torch.cat(parts) for parts in zip(*v)] for k, v in calls.items()}
-    return trace, list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
-
-
-def debug_parity(llm, model: Qwen3VLLMCompatModel, prompt: list[int], max_tokens: int, temperature: float, seed: int) -> tuple[list[dict], int]:
+def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperature: float,
+                 seed: int) -> tuple[list[dict], int]:
     """Trainer vs vLLM on one generated sequence, op by op over prefill and decode rows.
 
-    Returns the per-op rows (print with `format_debug`) and the number of generated
-    tokens whose logprobs differ.
+    Returns the per-op rows (print with `format_debug`) and how many generated tokens'
+    logprobs differ.
     """
-    from vllm import SamplingParams
+    from vllm import SamplingParams, TokensPrompt
 
     names = trace_names(model.args.n_layers)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0, detokenize=False)
-    theirs, completion, vllm_lp = vllm_trace(llm, prompt, params, names)
-    packed = pack([prompt], [completion]).to(model.norm.weight.device)
-    fed = Packed(**{**packed.__dict__, "tokens": packed.tokens[:-1], "positions": packed.positions[:-1],
-                    "cu_seqlens": packed.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32, device=packed.tokens.device),
-                    "max_seqlen": packed.max_seqlen - 1})  # vLLM never feeds the last sampled token
-    model.trace = {}
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                            logprobs=0, detokenize=False)
+    llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
+    theirs_by_module = {v: k for k, v in names}
+    stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
+    calls = llm.apply_model(lambda m: stack.enter_context(recording(m, theirs_by_module)))[0]
     try:
-        with torch.no_grad():
-            h = model(fed.tokens, fed.positions, fed.cu_seqlens, fed.max_seqlen)
-            logp, _ = model.token_logprobs(h[fed.gen_index], fed.targets, temperature)
-        ours = model.trace
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                           use_tqdm=False)[0].outputs[0]
     finally:
-        model.trace = None
-    n_bad = int((torch.tensor(vllm_lp, dtype=torch.float32).view(torch.int32) != logp.cpu().view(torch.int32)).sum())
+        stack.close()
+    theirs = concat_calls(calls)
+    vllm_lp = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+    full = pack([prompt], [list(out.token_ids)])
+    # vLLM never feeds the last sampled token: drop it from the trainer's input too
+    fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],
+                              cu_seqlens=full.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32),
+                              max_seqlen=full.max_seqlen - 1)
+    fed = fed.to(model.norm.weight.device)
+    with recording(model, {ours: ours for ours, _ in names}) as ours_calls, torch.no_grad():
+        logp, _ = model(fed, temperature)
+    ours = concat_calls(ours_calls)
+    want = torch.tensor(vllm_lp, dtype=torch.float32).view(torch.int32)
+    n_bad = int((want != logp.cpu().view(torch.int32)).sum())
     return compare_traces(ours, theirs, [n for n, _ in names]), n_bad
 
 
 def format_debug(rows: list[dict]) -> str:
     lines = [f"{'op':<36} {'differ':>10} {'of':>10} {'max |delta|':>12}"]
-    lines += [f"{r['op']:<36} {r['n_diff']:>10} {r['numel']:>10} {r['max_abs']:>12.3g} {r.get('note', '')}{r.get('rows') or ''}" for r in rows]
+    for r in rows:
+        lines.append(f"{r['op']:<36} {r['n_diff']:>10} {r['numel']:>10} {r['max_abs']:>12.3g} "
+                     f"{r.get('note', '')}{r.get('rows') or ''}")
     first = first_divergence(rows)
-    lines.append(f"first divergence: {first}" if first else "no divergence: every traced op is bitwise equal")
+    lines.append(f"first divergence: {first}" if first else
+                 "no divergence: every traced op is bitwise equal")
     return "\n".join(lines)
 
 
@@ -812,15 +1450,20 @@ def format_debug(rows: list[dict]) -> str:
 # ==========================================================================
 
 
-def push_weights(llm, model: Qwen3VLLMCompatModel) -> None:
+def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
 
-    The loader fuses q/k/v and gate/up itself and copies in place; no file is written.
-    Then the prefix cache is dropped: its KV was computed with the old weights.
+    The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
+    sleeping engine gets its weight memory back first and its KV cache after; then the prefix
+    cache is dropped, since its KV was computed with the old weights.
     """
-    hf = model_hf_state(model)
-    llm.apply_model(lambda m: m.load_weights(hf.items()))
-    llm.reset_prefix_cache()
+    if engine.asleep:
+        engine.llm.wake_up(tags=["weights"])
+    engine.llm.apply_model(lambda m: m.load_weights(weights))
+    if engine.asleep:
+        engine.llm.wake_up(tags=["kv_cache"])
+        engine.asleep = False
+    engine.llm.reset_prefix_cache()
 
 
 # ==========================================================================
@@ -828,243 +1471,589 @@ def push_weights(llm, model: Qwen3VLLMCompatModel) -> None:
 # ==========================================================================
 
 
-def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
-    """Samples [start, stop) as their own packed batch, and the slice of generated tokens (N,) they own."""
-    t0, t1 = int(packed.cu_seqlens[samples.start]), int(packed.cu_seqlens[samples.stop])
-    n_before = torch.bincount(packed.sample, minlength=samples.stop + 1)  # generated tokens per sample
-    n0, n1 = int(n_before[: samples.start].sum()), int(n_before[: samples.stop].sum())
-    cu = packed.cu_seqlens[samples.start : samples.stop + 1] - t0
-    mb = Packed(
-        tokens=packed.tokens[t0:t1], positions=packed.positions[t0:t1], cu_seqlens=cu,
-        max_seqlen=int((cu[1:] - cu[:-1]).max()), gen_index=packed.gen_index[n0:n1] - t0,
-        targets=packed.targets[n0:n1], sample=packed.sample[n0:n1] - samples.start,
-    )
-    return mb, slice(n0, n1)
-
-
 class NonFiniteError(RuntimeError):
-    """A loss, gradient norm or logprob is NaN/Inf: raised before the optimizer step."""
+    """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
 
-    def __init__(self, quantity: str, samples: list[int]):
+    def __init__(self, quantity: str, samples: list[int], update: int, updates: int):
         super().__init__(f"non-finite {quantity}")
-        self.quantity, self.samples = quantity, samples
+        self.quantity, self.samples, self.update, self.updates = quantity, samples, update, updates
+
+    def applied(self) -> str:
+        """What the in-memory weights already took, in words."""
+        if self.quantity == "weights after the optimizer step":
+            return f"update {self.update + 1} of {self.updates} produced them; nothing was saved"
+        if self.update == 0:
+            return "nothing was applied"
+        return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
+                "none saved")
 
 
-def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config) -> tuple[dict, torch.Tensor]:
-    """`updates_per_batch` optimizer steps over all micro-batches of one rollout batch.
+def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
+    lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
+    return micro_batches(lengths, cfg.micro_batch_tokens)
 
-    old_logp (N,) and adv (B,) live on the model's device. Returns the metrics of the
-    first update and its logprobs (N,): these are what the parity check compares.
-    Raises NonFiniteError, before the optimizer step, if a logprob, the loss or the
-    gradient norm is not finite.
+
+def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
+               n_micro: int | None = None, n_tokens: int | None = None):
+    """`updates_per_batch` optimizer steps over all micro-batches of this rank's samples.
+
+    old_logp (N,) and adv (B,) live on the model's device. n_micro: micro-batches every rank
+    runs (FSDP's collectives need the same count on every rank; a rank with fewer runs
+    zero-weight ones); n_tokens: generated tokens over all ranks, the loss's denominator.
+    Returns this rank's token sums of (pg, kl, entropy, ratio, clipped), the global grad norm
+    of the first update, and its logprobs (N,): what the parity check compares. Raises
+    NonFiniteError (on every rank at once) if a logprob, the loss or the gradient norm is not
+    finite before an optimizer step, or a weight after it.
     """
     device = old_logp.device
-    lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
-    parts = [(*sub_pack(packed, g), g) for g in micro_batches(lengths, cfg.micro_batch_tokens)]
-    parts = [(mb.to(device), tok, g) for mb, tok, g in parts]
-    n_tok = len(packed.targets)
-    first_logp = torch.empty(n_tok, dtype=torch.float32, device=device)
-    sums = torch.zeros(6, device=device)  # pg, kl, entropy, ratio, clipped (token sums), grad norm
+    n_tokens = len(packed.targets) if n_tokens is None else n_tokens
+    parts = [(*sub_pack(packed, g), g, 1.0) for g in plan_micro_batches(packed, cfg)]
+    n_micro = len(parts) if n_micro is None else n_micro
+    parts += [(*sub_pack(packed, range(0, 1)), range(0, 1), 0.0)] * (n_micro - len(parts))
+    parts = [(mb.to(device), tok, g, weight) for mb, tok, g, weight in parts]
+    # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
+    # rank's part is scaled by the world size (a power of two: exact).
+    scale = (dist.get_world_size() if dist.is_initialized() else 1) / n_tokens
+    first_logp = torch.empty(len(packed.targets), dtype=torch.float32, device=device)
+    sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
+    grad_norm = torch.zeros((), device=device)
     for update in range(cfg.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), device=device)
         logp_finite = torch.ones((), dtype=torch.bool, device=device)
-        for mb, tok, g in parts:
-            h = model(mb.tokens, mb.positions, mb.cu_seqlens, mb.max_seqlen)  # (T_mb, dim)
-            logp, ent = model.token_logprobs(h[mb.gen_index], mb.targets, cfg.temperature)  # (N_mb,)
-            pg, ratio, clipped = ppo_clip_loss(logp, old_logp[tok], adv[mb.sample + g.start], cfg.clip_eps)
+        for mb, tok, g, weight in parts:
+            logp, ent = model(mb, cfg.temperature)  # (N_mb,) each
+            pg, ratio, clipped = ppo_clip_loss(logp, old_logp[tok], adv[mb.sample + g.start],
+                                               cfg.clip_eps)
             kl = torch.zeros_like(logp)
             if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref_h = ref_model(mb.tokens, mb.positions, mb.cu_seqlens, mb.max_seqlen)
-                    ref_logp, _ = ref_model.token_logprobs(ref_h[mb.gen_index], mb.targets, cfg.temperature)
+                    ref_logp, _ = ref_model(mb, cfg.temperature)
                 kl = kl_k3(logp, ref_logp)
-            loss = (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum() / n_tok
+            loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
             loss.backward()
+            if weight == 0:
+                continue  # a padding micro-batch: its collectives ran, its numbers do not count
             loss_total += loss.detach()
             logp_finite &= torch.isfinite(logp).all()
             if update == 0:
                 first_logp[tok] = logp.detach()
-                sums[:5] += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(), clipped.sum()]).detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        finite = torch.stack([logp_finite, torch.isfinite(loss_total), torch.isfinite(norm)]).tolist()  # one host sync
+                sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
+                                     clipped.sum()]).detach()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        finite = torch.stack([logp_finite, torch.isfinite(loss_total), torch.isfinite(norm)])
+        finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()  # one host sync
         if not all(finite):
-            quantity = ["logprobs", "loss", "gradient norm"][finite.index(False)]
-            bad = packed.sample[~torch.isfinite(first_logp.cpu())].unique().tolist() if quantity == "logprobs" else []
-            raise NonFiniteError(quantity, bad or sorted(set(packed.sample.tolist())))
+            quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
+            bad = packed.sample[~torch.isfinite(first_logp.cpu())].unique().tolist()
+            all_samples = sorted(set(packed.sample.tolist()))
+            raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
+                                 update, cfg.updates_per_batch)
         if update == 0:
-            sums[5] = norm
+            grad_norm = norm.detach()
         optimizer.step()
-    sums[:5] /= max(n_tok, 1)
-    pg, kl, ent, ratio, clipped, grad_norm = sums.tolist()  # one host sync
-    metrics = dict(loss=pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, pg_loss=pg, kl_div=kl, entropy=ent,
-                   ratio_mean=ratio, ratio_clipped_frac=clipped, grad_norm=grad_norm)
-    return metrics, first_logp
+        if not weights_finite(model, device):
+            raise NonFiniteError("weights after the optimizer step", [], update,
+                                 cfg.updates_per_batch)
+    optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the rollout's until next step
+    return sums, grad_norm, first_logp
 
 
-def weight_delta_metrics(before: dict[str, torch.Tensor], model: nn.Module) -> dict[str, float]:
-    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| per parameter, with one host sync."""
-    params = dict(model.named_parameters())
-    stats = torch.stack([torch.stack([(params[n].detach() - w).norm(), w.norm()]) for n, w in before.items()])  # (P, 2)
+def weights_finite(model: nn.Module, device) -> bool:
+    """Every (local shard of every) parameter finite, on every rank: one fused pass, one sync."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+             for p in model.parameters()]
+    norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
+    ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
+    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+
+
+def layer_of(name: str) -> str:
+    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
+                  per_param: bool) -> dict[str, float]:
+    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
+
+    Reconstructed from the optimizer's state, without a copy of the old weights:
+        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
+    One parameter's temporaries at a time; local shards summed over ranks.
+    """
+    group = optimizer.param_groups[0]
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    b1, b2 = group["betas"]
+    if not optimizer.state:
+        return {}
+    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
+    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
+    index = {k: i for i, k in enumerate(keys)}
+    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
+    for name, p in named.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        local = [t.to_local() if hasattr(t, "to_local") else t
+                 for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"])]
+        w, m, v = local
+        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+        old = (w + step) / (1 - lr * wd)
+        row = torch.stack([(w - old).square().sum(), old.square().sum()])
+        sq[index[layer_of(name)]] += row
+        if per_param:
+            sq[index[name]] += row
+    sq = all_reduce(sq).sqrt().tolist()  # one host sync
     out = {}
-    for n, (mag, ref) in zip(before, stats.tolist()):
-        out[f"weight_delta/{n}/magnitude"] = mag
-        out[f"weight_delta/{n}/relative_change"] = mag / max(ref, 1e-30)
+    for key, (delta, old) in zip(keys, sq):
+        out[f"weight_delta/{key}/magnitude"] = delta
+        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
     return out
 
 
 @dataclass
 class Trainer:
-    """Everything a step touches, built once by `run` (or by a test, with a stand-in engine)."""
+    """Everything a step touches, built once by `setup` (or by a test, with a stand-in engine)."""
 
     cfg: Config
-    engine: object  # .rollout(prompts, step) -> Rollout and .push(model), e.g. VLLMEngine
+    engine: object  # .rollout(prompts, indices, step) -> Rollout, .sleep(), .push(weights)
     tokenizer: object
-    model: Qwen3VLLMCompatModel
-    ref_model: Qwen3VLLMCompatModel | None
+    model: Qwen3
+    ref_model: Qwen3 | None
     optimizer: torch.optim.Optimizer
-    writer: object  # TensorBoard SummaryWriter
+    task: Task
+    ranks: Ranks
+    writer: object = None  # TensorBoard SummaryWriter, on rank 0
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW on the fp32 masters; on CUDA its fused kernel (one launch set for all tensors, deterministic)."""
+    """AdamW on the fp32 masters (or their shards); fused on CUDA (deterministic)."""
     fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay, fused=fused)
+
+
+def in_prompt_order(per_rank: list[list], world: int) -> list:
+    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
+    out = []
+    for j in range(max(len(x) for x in per_rank)):
+        out += [x[j] for x in per_rank if j < len(x)]
+    return out
 
 
 def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
-    """rollout -> reward -> advantages -> update (+ parity check) -> weight push -> log."""
-    cfg, device = tr.cfg, tr.model.norm.weight.device
-    problems = TASKS[cfg.task](cfg.num_prompts, cfg.seed * 7919 + step)
-    prompt_ids = [tr.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems]
-    longest = max(map(len, prompt_ids))
-    if longest + cfg.max_new_tokens > cfg.max_model_len:
-        raise ConfigError(f"a prompt of {longest} tokens plus --max-new-tokens {cfg.max_new_tokens} exceeds --max-model-len {cfg.max_model_len}.")
+    """rollout -> reward -> advantages -> update (+ parity check) -> weight push -> metrics."""
+    cfg, ranks, device, G = tr.cfg, tr.ranks, tr.ranks.device, tr.cfg.group_size
 
+    # 1. Rollout: this rank's share of the step's prompts, G samples each, seeded by index.
+    chosen = step_problems(len(tr.task.problems), cfg.num_prompts, step, cfg.seed)
+    mine = my_prompts(cfg.num_prompts, ranks)
     t0 = time.perf_counter()
-    ro = tr.engine.rollout(prompt_ids, step)
+    rollout = tr.engine.rollout([tr.task.prompt_ids[chosen[i]] for i in mine], mine, step)
+    tr.engine.sleep()  # the trainer gets the KV cache's memory until the push
     t1 = time.perf_counter()
-    vocab = len(tr.tokenizer)  # a model's vocab may be larger than its tokenizer's: skip ids past it
-    texts = tr.tokenizer.batch_decode([[t for t in c if t < vocab] for c in ro.completions], skip_special_tokens=True)
-    rewards = torch.tensor([reward(t, problems[i // cfg.group_size].answer) for i, t in enumerate(texts)])
-    adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize, cfg.adv_eps).to(device)
-    packed = pack(ro.prompts, ro.completions)
 
-    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    # 2. Reward and advantages: a prompt's G samples are all on this rank.
+    vocab = len(tr.tokenizer)  # a model's vocab may exceed its tokenizer's: skip ids past it
+    texts = tr.tokenizer.batch_decode([[t for t in c if t < vocab] for c in rollout.completions],
+                                      skip_special_tokens=True)
+    answers = [tr.task.problems[chosen[i]].answer for i in mine for _ in range(G)]
+    rewards = torch.tensor([reward(t, a) for t, a in zip(texts, answers)])
+    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps).to(device)
+
+    # 3. Update. Its first forward is the trainer's side of the parity check.
+    packed = pack(rollout.prompts, rollout.completions)
+    n_micro = torch.tensor([len(plan_micro_batches(packed, cfg))], device=device)
+    n_micro = int(all_reduce(n_micro, dist.ReduceOp.MAX))  # FSDP: the same count on every rank
+    n_tokens = int(all_reduce(torch.tensor([len(packed.targets)], device=device)))
     try:
-        metrics, trainer_logp = train_step(tr.model, tr.ref_model, tr.optimizer, packed, ro.logprobs.to(device), adv, cfg)
-    except NonFiniteError as e:  # say which step and prompts, for the diagnostic
-        e.step, e.prompts = step, sorted({i // cfg.group_size for i in e.samples})
+        sums, grad_norm, trainer_logp = train_step(tr.model, tr.ref_model, tr.optimizer, packed,
+                                                   rollout.logprobs.to(device), adv, cfg,
+                                                   n_micro, n_tokens)
+    except NonFiniteError as e:  # name the step's prompts, for the diagnostic
+        e.step, e.prompts = step, sorted({mine[s // G] for s in e.samples})
         raise
-    parity = parity_report(ro.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
+    parity = parity_over_ranks(parity_report(rollout.logprobs, trainer_logp, packed.targets,
+                                             cfg.parity_rows), device)
     t2 = time.perf_counter()
-    tr.engine.push(tr.model)
+
+    # 4. Push: the engine now holds exactly the weights the trainer will compute with.
+    tr.engine.push(hf_weights(tr.model))
     if device.type == "cuda":
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
     t3 = time.perf_counter()
 
-    metrics.update(weight_delta_metrics(before, tr.model))
-    lens = torch.tensor([len(c) for c in ro.completions], dtype=torch.float32)
+    # 5. Metrics over every rank, in the step's prompt order.
+    deltas = weight_deltas(tr.optimizer, dict(tr.model.named_parameters()), cfg.log_param_deltas)
+    sums = all_reduce(sums).div(max(n_tokens, 1))
+    pg, kl, ent, ratio, clipped = sums.tolist()
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
+                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
+                   rollout.stopped[j * G:(j + 1) * G]) for j in range(len(mine))]
+    every = in_prompt_order(all_gather_objects(per_prompt), ranks.world)
+    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss in every for s in ss]
+    metrics = dict(loss=pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, pg_loss=pg, kl_div=kl,
+                   entropy=ent, ratio_mean=ratio, ratio_clipped_frac=clipped,
+                   grad_norm=float(grad_norm))
     metrics.update({
-        "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-        "completion_len_mean": lens.mean().item(), "completion_stopped_frac": sum(ro.stopped) / len(ro.stopped),
+        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        "completion_len_mean": lens.mean().item(),
+        "completion_stopped_frac": sum(stopped) / len(stopped),
         "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
         "determinism/max_abs_diff": parity.max_abs_diff,
         "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
     })
-    for k, v in metrics.items():
-        tr.writer.add_scalar(k, v, step)
-    tr.writer.flush()
+    metrics.update(deltas)
+    if tr.writer is not None:
+        for k, v in metrics.items():
+            tr.writer.add_scalar(k, v, step)
+        tr.writer.flush()
     return metrics, parity
 
 
-def format_step(step: int, m: dict[str, float]) -> str:
-    return (f"step {step:4d} | reward {m['reward_mean']:.3f} | loss {m['loss']:+.4f} | kl {m['kl_div']:.4f} | "
-            f"ent {m['entropy']:.3f} | len {m['completion_len_mean']:.1f} | mismatched {int(m['determinism/mismatched_tokens'])}"
-            f"/{int(m['determinism/tokens'])} | rollout {m['time/rollout_s']:.2f}s train {m['time/train_s']:.2f}s push {m['time/push_s']:.2f}s")
+def format_duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
+    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f} | loss {m['loss']:+.4f} | "
+            f"kl {m['kl_div']:.4f} | ent {m['entropy']:.3f} | len "
+            f"{m['completion_len_mean']:.1f} | mismatched "
+            f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
+            f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
+            f"{m['time/push_s']:.2f}s | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
+
+
+def tensorboard_layout() -> dict:
+    """The Custom Scalars dashboard: the charts to watch first, together on one screen."""
+    def chart(*tags):
+        return ["Multiline", list(tags)]
+
+    return {"simple_rl": {
+        "reward": chart("reward_mean", "reward_std"),
+        "loss": chart("loss", "pg_loss"),
+        "KL to the initial policy": chart("kl_div"),
+        "entropy": chart("entropy"),
+        "mismatched tokens (trainer vs vLLM)": chart("determinism/mismatched_tokens"),
+        "step time (s)": chart("time/rollout_s", "time/train_s", "time/push_s"),
+        "completions": chart("completion_len_mean"),
+        "grad norm": chart("grad_norm"),
+    }}
 
 
 # ==========================================================================
 # Checkpoints & resume
 # ==========================================================================
+# checkpoints/step_NNNNNN/ (NNNNNN: the step to run next) holds
+#   model/           the weights in HF format (bf16): loadable by transformers and vLLM
+#   trainer/         fp32 masters + AdamW state: torch.distributed.checkpoint, a shard per rank
+#   rng_rank{r}.pt   each rank's RNG states (tensors and ints: read with weights_only=True)
+#   state.json       next step, world size, the masters' shapes, the next step's sampler seeds
+#   run_config.json  the run's config
+# It is written to a temp dir and renamed; it counts only once all of these exist.
+CHECKPOINT = re.compile(r"step_(\d{6})")
+COMPLETE = ("state.json", "run_config.json", "trainer/.metadata", "model/model.safetensors",
+            "model/config.json")
+
+
+def is_complete(ckpt: Path) -> bool:
+    return CHECKPOINT.fullmatch(ckpt.name) is not None and \
+        all((ckpt / f).is_file() for f in COMPLETE)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest step first."""
+    found = [c for c in (run_dir / "checkpoints").glob("step_*") if is_complete(c)]
+    return sorted(found, key=lambda c: int(CHECKPOINT.fullmatch(c.name).group(1)))
+
+
+def os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind e, if any (DCP wraps each rank's failure in a CheckpointException)."""
+    seen = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        if isinstance(e, OSError):
+            return e
+        for failure in getattr(e, "failures", {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError):
+                return inner
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def root_cause(e: BaseException) -> str:
+    """'Type: first line' of the error behind e (DCP wraps each rank's own)."""
+    for failure in getattr(e, "failures", {}).values():
+        e = failure[0] if isinstance(failure, tuple) else failure
+        break
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def disk_error(path: Path, e: OSError) -> RunStopped:
+    """One sentence for a file-system error: which path, and what to free or change."""
+    where = Path(e.filename) if e.filename else path
+    if e.errno == errno.ENOSPC:
+        free = shutil.disk_usage(path.parent if path.parent.exists() else ".").free / 2**30
+        what = (f"no space left on the device holding {where} ({free:.1f} GiB free): free space "
+                "there, lower --keep-last, or point --log-dir at a larger disk")
+    elif e.errno == errno.EROFS:
+        what = f"{where} is on a read-only file system: choose another --log-dir/--output-dir"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        what = f"no permission to write {where}: fix its permissions or choose another --log-dir"
+    else:
+        what = f"could not write {where} ({e.strerror or e})"
+    return RunStopped(what + ".", EXIT_DISK)
+
+
+@contextlib.contextmanager
+def writing(path: Path, cleanup: Path | None = None):
+    """File-system errors under `path` become one sentence; `cleanup` is removed on failure."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        if cleanup is not None and is_main():
+            shutil.rmtree(cleanup, ignore_errors=True)
+        cause = os_error_in(e)
+        if cause is None:
+            raise
+        raise disk_error(path, cause) from e
+
+
+def model_shapes(model: nn.Module) -> dict[str, list[int]]:
+    return {n: list(p.shape) for n, p in model.named_parameters()}
 
 
 def save_checkpoint(run_dir: Path, tr: Trainer, next_step: int, source: Path) -> Path:
-    """checkpoints/step_XXXXXX: HF model (compute dtype), fp32 masters, optimizer, RNG, data position, config.
+    """checkpoints/step_XXXXXX, written to a temp dir and renamed, so a crash or a full disk
+    mid-write leaves the previous checkpoint whole; then all but the newest `keep_last` go.
 
-    Written to a temp dir and renamed, so a crash mid-write leaves the previous checkpoint
-    whole; then all but the newest `keep_last` are removed.
+    Every rank writes its shard of the masters and optimizer state (DCP) and gathers the HF
+    export; rank 0 writes the rest and renames.
     """
-    root = run_dir / "checkpoints"
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    cfg, root = tr.cfg, run_dir / "checkpoints"
     final, tmp = root / f"step_{next_step:06d}", root / f".tmp_step_{next_step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(tmp / "model", model_hf_state(tr.model), source)
-    torch.save({
-        "next_step": next_step,
-        "model": {k: v.detach().cpu() for k, v in tr.model.state_dict().items()},  # fp32 masters
-        "optimizer": tr.optimizer.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-        # prompts and sampler seeds are pure functions of (seed, step): the step is the data position
-        "data": {"task": tr.cfg.task, "seed": tr.cfg.seed, "next_step": next_step},
-        "sampler_seeds": [sample_seed(tr.cfg, next_step, i) for i in range(tr.cfg.num_prompts)],  # of the next step
-        "config": dataclasses.asdict(tr.cfg),
-    }, tmp / "trainer.pt")
-    (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(tr.cfg), indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in sorted(root.glob("step_*"))[: -tr.cfg.keep_last]:
-        shutil.rmtree(old)
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    with writing(tmp, cleanup=tmp):
+        model_state, optim_state = get_state_dict(tr.model, tr.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state["state"]},
+                 storage_writer=dcp.FileSystemWriter(str(tmp / "trainer")))
+        hf_state = gathered_hf_state(tr.model)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save(rng, tmp / f"rng_rank{tr.ranks.rank}.pt")
+        if is_main():
+            save_hf_checkpoint(tmp / "model", hf_state, source)
+            state = dict(next_step=next_step, world_size=tr.ranks.world,
+                         shapes=model_shapes(tr.model),
+                         # prompts and sampler seeds are pure functions of (seed, step)
+                         data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
+                         sampler_seeds=[sample_seed(cfg, next_step, i)
+                                        for i in range(cfg.num_prompts)])
+            (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        barrier()
+        if is_main():
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(run_dir)[: -cfg.keep_last]:
+                shutil.rmtree(old)
+            for leftover in root.glob(".tmp_step_*"):  # a save that died before its rename
+                shutil.rmtree(leftover, ignore_errors=True)
+    barrier()
     return final
 
 
+class CheckpointUnpickler(pickle.Unpickler):
+    """Reads DCP's `.metadata` (a pickle) building only DCP's own metadata types: a checkpoint
+    is data, so a crafted one cannot run code through this reader."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in self.ALLOWED and not dtype:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint")
+        return super().find_class(module, name)
+
+
+@contextlib.contextmanager
+def data_only_loading():
+    """Within: DCP's metadata goes through CheckpointUnpickler, and every torch.load (DCP's
+    tensor and byte items, the RNG files) is forced to weights_only=True."""
+    from torch.distributed.checkpoint import filesystem
+
+    class Restricted:
+        @staticmethod
+        def load(file):
+            return CheckpointUnpickler(file).load()
+
+    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",)}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    real_pickle, filesystem.pickle = filesystem.pickle, Restricted
+    try:
+        yield
+    finally:
+        filesystem.pickle = real_pickle
+        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+def read_checkpoint_state(ckpt: Path) -> dict:
+    """state.json of a checkpoint, checked for the fields restore needs."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        assert isinstance(state["next_step"], int) and state["next_step"] >= 0
+        assert isinstance(state["world_size"], int) and isinstance(state["shapes"], dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ConfigError(f"{ckpt / 'state.json'} is damaged ({type(e).__name__}); resume from "
+                          "an earlier checkpoint.") from e
+    return state
+
+
 def restore_checkpoint(tr: Trainer, ckpt: Path) -> int:
-    """Load masters, optimizer and RNG from `ckpt` into `tr`; returns the step to run next."""
-    state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
-    tr.model.load_state_dict(state["model"])
-    tr.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    """Load masters, optimizer state and RNG from `ckpt` into `tr` (resharded by DCP if the
+    world size changed); returns the step to run next."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state = read_checkpoint_state(ckpt)
+    want = model_shapes(tr.model)
+    need(state["shapes"] == want, f"{ckpt} was saved from another model ({len(state['shapes'])} "
+         f"weights; --model {tr.cfg.model} has {len(want)}, or their shapes differ).")
+    model_state, optim_state = get_state_dict(tr.model, tr.optimizer)
+    loaded = {"model": model_state, "optimizer": optim_state["state"]}
+    try:
+        with data_only_loading():
+            dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(ckpt / "trainer")))
+            rng_file = ckpt / f"rng_rank{tr.ranks.rank}.pt"
+            same_world = state["world_size"] == tr.ranks.world and rng_file.is_file()
+            rng = torch.load(rng_file, weights_only=True) if same_world else None
+    except (Exception, CheckpointException) as e:  # truncated, crafted or foreign files
+        raise ConfigError(f"{ckpt} cannot be restored ({root_cause(e)}); resume from an "
+                          "earlier checkpoint.") from e
+    set_state_dict(tr.model, tr.optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict={"state": loaded["optimizer"],
+                                     "param_groups": optim_state["param_groups"]})
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return state["next_step"]
 
 
 def find_checkpoint(cfg: Config) -> Path:
-    """--resume PATH (a checkpoint dir) or 'latest' (newest checkpoint of --run-name, else of any run)."""
+    """--resume PATH (a complete checkpoint dir) or 'latest': the highest complete step of
+    --run-name (or of the only run in --log-dir that has checkpoints)."""
     if cfg.resume != "latest":
         ckpt = Path(cfg.resume).expanduser()
-        if not all((ckpt / f).is_file() for f in ("trainer.pt", "run_config.json")):
-            raise ConfigError(f"--resume {cfg.resume!r} is not a checkpoint directory (no trainer.pt and run_config.json).")
+        need(ckpt.is_dir() and is_complete(ckpt), f"--resume {cfg.resume!r} is not a complete "
+             "checkpoint directory (checkpoints/step_NNNNNN with state.json, trainer/, model/).")
         return ckpt
-    runs = [Path(cfg.log_dir) / cfg.run_name] if cfg.run_name else [p for p in Path(cfg.log_dir).glob("*") if p.is_dir()]
-    found = sorted((c for r in runs for c in r.glob("checkpoints/step_*") if (c / "trainer.pt").is_file()), key=lambda c: c.stat().st_mtime)
-    if not found:
-        raise ConfigError(f"--resume latest: no checkpoint under {runs[0] if cfg.run_name else cfg.log_dir}.")
+    log_dir = Path(cfg.log_dir)
+    if cfg.run_name:
+        runs = [log_dir / cfg.run_name]
+    else:
+        runs = sorted(r for r in log_dir.glob("*") if r.is_dir() and complete_checkpoints(r))
+        need(len(runs) <= 1, f"--resume latest: {log_dir} holds several runs "
+             f"({', '.join(r.name for r in runs[:5])}); say which with --run-name.")
+    found = complete_checkpoints(runs[0]) if runs else []
+    need(bool(found), f"--resume latest: no complete checkpoint under "
+         f"{runs[0] if runs else log_dir}.")
     return found[-1]
 
 
-def resume_config(cfg: Config, ckpt: Path) -> Config:
-    """The checkpoint's config, with this invocation's --steps (so a run can be extended).
+def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
+    """The checkpoint's config, with the flags a resume may change; warns about the others.
 
-    Read from run_config.json: trainer.pt holds the masters and optimizer state, read once by restore.
+    The run directory is the checkpoint's own (LOG_DIR/RUN/checkpoints/step_N).
     """
-    saved = json.loads((ckpt / "run_config.json").read_text())
-    return dataclasses.replace(Config(**saved), steps=cfg.steps, resume=cfg.resume)
+    file = ckpt / "run_config.json"
+    try:
+        saved = json.loads(file.read_text())
+        assert isinstance(saved, dict)
+        resumed = Config(**saved)
+    except (OSError, ValueError, TypeError, AssertionError) as e:
+        raise ConfigError(f"{file} is damaged or from another version ({type(e).__name__}).") from e
+    try:
+        validate(dataclasses.replace(resumed, resume=""))
+    except ConfigError as e:
+        raise ConfigError(f"{file} holds an invalid config: {e}") from e
+    ignored = sorted(n for n in passed - RESUMABLE if getattr(cfg, n) != saved.get(n))
+    if ignored:
+        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+        print0(f"warning: --resume takes these from the checkpoint and ignores the command "
+               f"line's: {flags}.")
+    keep = {n: getattr(cfg, n) for n in RESUMABLE if n in passed}
+    run_dir = ckpt.parent.parent
+    keep.update(log_dir=str(run_dir.parent), run_name=run_dir.name, resume=str(ckpt))
+    return dataclasses.replace(resumed, **keep)
 
 
 def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
-    """<log_dir>/<run_name>: refuses to write into another run's directory unless told to."""
-    run_dir = Path(cfg.log_dir) / cfg.run_name
-    if run_dir.exists() and any(run_dir.iterdir()) and not resuming:
-        if not cfg.overwrite:
-            raise ConfigError(f"{run_dir} already holds a run; pass --resume latest --run-name {cfg.run_name} to continue it, or --overwrite to replace it.")
-        shutil.rmtree(run_dir)
-    out = Path(cfg.output_dir) if cfg.output_dir else None
-    if out and out.exists() and any(out.iterdir()) and not (cfg.overwrite or resuming):
-        raise ConfigError(f"--output-dir {out} is not empty; pick another or pass --overwrite.")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """LOG_DIR/RUN_NAME, a direct child of --log-dir; an old run there is replaced only with
+    --overwrite, which removes that one directory and nothing else."""
+    log_dir = Path(cfg.log_dir).expanduser()
+    run_dir = log_dir / cfg.run_name
+    need(RUN_NAME.fullmatch(cfg.run_name) is not None and cfg.run_name not in (".", ".."),
+         f"run name {cfg.run_name!r} is not a plain name.")
+    need(not run_dir.is_symlink(), f"{run_dir} is a symbolic link; a run directory must be a "
+         "real directory inside --log-dir.")
+    need(not run_dir.exists() or run_dir.is_dir(), f"{run_dir} exists and is not a directory.")
+    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else None
+    need(out is None or not out.exists() or (out.is_dir() and not any(out.iterdir())),
+         f"--output-dir {out} is not empty; pick another (simple_rl never deletes outside the "
+         "run directory).")
+    holds_run = run_dir.exists() and any(run_dir.iterdir())
+    if holds_run and not resuming:
+        need(cfg.overwrite, f"{run_dir} already holds a run; pass --resume latest --run-name "
+             f"{cfg.run_name} to continue it, or --overwrite to replace it.")
+        assert run_dir.resolve().parent == log_dir.resolve(), run_dir  # confined, see above
+        with writing(run_dir):
+            shutil.rmtree(run_dir)
+    with writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def export_final(tr: Trainer, run_dir: Path, source: Path) -> str:
+    """The final HF checkpoint, written to a temp dir and renamed; returns its weights' sha256."""
+    out = Path(tr.cfg.output_dir).expanduser() if tr.cfg.output_dir else run_dir / "final"
+    tmp = out.parent / f".tmp_{out.name}"
+    hf_state = gathered_hf_state(tr.model)
+    digest = ""
+    if is_main():
+        with writing(tmp, cleanup=tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf_checkpoint(tmp, hf_state, source)
+            if out.exists() and out.parent == run_dir:  # this run's own earlier export
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        digest = weights_sha256(hf_state)
+        print0(f"saved {out} | weights sha256 {digest}")
+    barrier()
+    return digest
 
 
 # ==========================================================================
@@ -1072,176 +2061,325 @@ def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
 # ==========================================================================
 
 
-def prepare_environment() -> None:
-    """Env vars vLLM reads at import: set them (saying so) or stop when they contradict parity."""
-    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def count_params(args) -> int:
+    """Parameters of a Qwen3 (the tied head counted once)."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    block = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.hidden_dim \
+        + 2 * args.dim + 2 * args.head_dim
+    head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
+    return args.vocab_size * args.dim + head + args.n_layers * block + args.dim
+
+
+def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
+    """Peak bytes per GPU, by holder (within ~15% of what was measured on an H200).
+
+    trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks;
+    bf16 weights: one process casts every weight (kept for the backward), FSDP two blocks;
+    activations: what the backward keeps per token and layer, plus the head's bf16 logits and
+    their gradient; engine: bf16 weights + KV cache, released while the trainer runs when
+    the engine sleeps.
+    """
+    n = count_params(args)
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
+    rows = cfg.micro_batch_tokens
+    block = n / max(args.n_layers, 1)
+    est = {
+        "trainer state": 16 * n / world,
+        "bf16 weights": 2 * n if world == 1 else 2 * (2 * block + 2 * args.vocab_size * args.dim),
+        "activations": rows * args.n_layers * per_token_layer + rows * args.vocab_size * 6,
+        "engine": 2 * n + kv_cache_bytes(cfg, args, world),
+    }
+    if cfg.kl_coef > 0:
+        est["reference model"] = 4 * n / world
+    train_phase = sum(v for k, v in est.items() if k != "engine" or not cfg.engine_sleep)
+    rollout_phase = 12 * n / world + est["engine"] + est.get("reference model", 0)
+    est["peak"] = max(train_phase, rollout_phase)
+    return est
+
+
+def check_memory(cfg: Config, args, ranks: Ranks) -> None:
+    """Stop before anything slow when the estimate cannot fit this GPU, naming what would."""
+    total = torch.cuda.get_device_properties(ranks.device).total_memory
+    usable = 0.94 * total - 2 * 2**30  # CUDA context, NCCL, cuBLAS workspaces, fragmentation
+    est = memory_estimate(cfg, args, ranks.world)
+    if est["peak"] <= usable:
+        return
+    gib = {k: v / 2**30 for k, v in est.items()}
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in gib.items() if k != "peak")
+    fits = [w for w in (2, 4, 8, 16, 32, 64)
+            if w > ranks.world and memory_estimate(cfg, args, w)["peak"] <= usable]
+    hint = (f"run `torchrun --nproc-per-node {fits[0]} simple_rl.py ...` (about "
+            f"{memory_estimate(cfg, args, fits[0])['peak'] / 2**30:.0f} GiB per GPU) or lower "
+            "--micro-batch-tokens" if fits else "lower --micro-batch-tokens and --num-prompts")
+    raise ConfigError(f"a Qwen3 of {count_params(args) / 1e9:.2f}B parameters needs about "
+                      f"{gib['peak']:.0f} GiB per GPU at this config ({parts} GiB) and this GPU "
+                      f"has {total / 2**30:.0f} GiB: {hint}.")
+
+
+def quiet_console(verbose: bool) -> None:
+    """vLLM and library logs at WARNING, and no warnings the user cannot act on (--verbose:
+    everything)."""
+    if verbose:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for module in ("torch", "vllm", "transformers", "torchtitan", "datasets", "triton"):
+        warnings.filterwarnings("ignore", module=module)
+    import logging
+
+    for name in ("torch.distributed", "torchtitan", "datasets", "httpx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def prepare_environment(cfg: Config) -> None:
+    """Before vLLM is imported: CUDA present, the environment parity needs, vLLM importable."""
+    need(torch.cuda.is_available(), "no CUDA GPU found; the training job needs one (the tests "
+         "run anywhere: see README.md).")
+    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "0",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for name, value in required.items():
         if name not in os.environ:
-            print(f"{name} is not set; setting {name}={value} before importing vLLM.")
+            if cfg.verbose:
+                print0(f"{name} is not set; setting {name}={value} before importing vLLM.")
             os.environ[name] = value
-        elif os.environ[name] != value:
-            raise ConfigError(f"{name}={os.environ[name]} breaks bitwise parity; unset it or set {name}={value}.")
-    if not torch.cuda.is_available():
-        raise ConfigError("no CUDA GPU found; the training job needs one (the tests run anywhere: see README.md).")
+        need(os.environ[name] == value, f"{name}={os.environ[name]} breaks bitwise parity; "
+             f"unset it or set {name}={value}.")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise ConfigError("vLLM is not installed; run `pip install -r requirements.txt` (vllm==0.26.0, torchtitan==0.2.2).") from e
+        raise ConfigError("vLLM is not installed; run `pip install -r requirements.txt` "
+                          "(vllm==0.26.0, torchtitan==0.2.2).") from e
 
 
-def load_model_files(cfg: Config):
-    """Path, TorchTitan args, tokenizer and eos id, after checking they fit together and the config."""
-    from transformers import AutoTokenizer
-
-    path = resolve_checkpoint(cfg.model)
-    hf_cfg = read_qwen3_config(path)
-    args = model_args_from_hf(hf_cfg)
-    if cfg.max_model_len > args.max_seq_len:
-        raise ConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings ({args.max_seq_len}).")
-    weight_files(path)  # fail now, before minutes of engine start, if there are no weights
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}); add tokenizer.json and tokenizer_config.json.") from e
-    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
-    if not eos_ids or len(tokenizer) > args.vocab_size or max(eos_ids) >= args.vocab_size:
-        raise ConfigError(f"the tokenizer ({len(tokenizer)} tokens, eos ids {eos_ids}) does not fit the model's vocab of {args.vocab_size}.")
-    return path, args, tokenizer, eos_ids
+def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None]:
+    """The config to run (a resume's comes from its checkpoint) and the checkpoint, if any."""
+    ckpt = find_checkpoint(cfg) if cfg.resume else None
+    if ckpt is not None:
+        cfg = resume_config(cfg, passed, ckpt)
+    validate(cfg)
+    if not cfg.run_name:
+        cfg = dataclasses.replace(cfg, run_name=time.strftime("%Y%m%d-%H%M%S"))
+    return cfg, ckpt
 
 
-def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos and config.json's / generation_config.json's eos ids
-    (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
-    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
-    if (path / "generation_config.json").is_file():
-        found.append(json.loads((path / "generation_config.json").read_text()).get("eos_token_id"))
-    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if i is not None]
-    return sorted(set(flat))
+def purge_after(metrics_log: Path, start: int) -> None:
+    """Drop what an interrupted run logged after its checkpoint (and a half-written line)."""
+    if not metrics_log.is_file():
+        return
+    kept = []
+    for line in metrics_log.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
+            if json.loads(line)["step"] < start:
+                kept.append(line)
+    metrics_log.write_text("".join(line + "\n" for line in kept))
+
+
+def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
+          device_type: str = "cuda"):
+    """Build (or rebuild from a checkpoint) everything `train` needs; returns
+    (trainer, first step, run dir, model dir).
+
+    Every check that needs only the config, the checkpoint and the tokenizer runs before the
+    run directory is made and before the engine starts. engine_factory(cfg, files, ranks)
+    makes the rollout engine: VLLMEngine by default (tests pass a CPU stand-in).
+    """
+    # 1. Ranks. The process group exists before vLLM starts: vLLM joins it.
+    if engine_factory is None:
+        prepare_environment(cfg)
+        engine_factory = VLLMEngine
+    ranks = init_ranks(device_type)
+
+    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
+    cfg, ckpt = on_rank0(lambda: resolve_run(cfg, passed))
+    need(ranks.world <= cfg.num_prompts, f"{ranks.world} ranks but --num-prompts "
+         f"{cfg.num_prompts}: every rank needs at least one prompt per step.")
+    need(not (cfg.debug_parity and ranks.world > 1), "--debug-parity runs in one process; "
+         "start it with python, not torchrun.")
+
+    # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
+    files = load_model_files(cfg, ranks)
+    task = load_task(cfg, files.tokenizer)
+    if device_type == "cuda":
+        check_memory(cfg, files.args, ranks)
+    loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
+    on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
+    hf_state = loaded.get("state", {})
+    run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, resuming=ckpt is not None))))
+
+    # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
+    kernels = bib.reference_kernels() if cfg.kernels == "reference" or device_type == "cpu" \
+        else bib.vllm_kernels()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if device_type == "cuda":
+        print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
+               "kernels: about 2 minutes)")
+    engine = engine_factory(cfg, files, ranks)
+    dtype, world = DTYPES[cfg.dtype], ranks.world
+    state = hf_to_trainer(hf_state, files.args) if hf_state else {}
+    model = build_model(files.args, state, kernels, dtype, ranks.device, world)
+    ref_model = None
+    if cfg.kl_coef > 0:
+        ref_model = build_model(files.args, state, kernels, dtype, ranks.device, world)
+        ref_model.requires_grad_(False)
+    del state, hf_state
+    optimizer = make_optimizer(model, cfg)
+    tr = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks)
+    start = restore_checkpoint(tr, ckpt) if ckpt else 0
+    engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
+
+    # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
+    if ranks.main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tr.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
+        tr.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
+        tr.writer.add_custom_scalars(tensorboard_layout())
+        if ckpt:
+            purge_after(run_dir / "metrics.jsonl", start)
+    if ckpt:
+        print0(f"resuming {ckpt} at step {start} (config from the checkpoint)")
+    n = count_params(files.args) / 1e9
+    print0(f"simple_rl | {files.path} | {n:.2f}B params | {world} rank(s) | kernels "
+           f"{kernels.name} | run {run_dir}")
+    return tr, start, run_dir, files.path
+
+
+class StopRequest:
+    """The first Ctrl-C or SIGTERM asks to stop after the current step (checkpoint, exit 130
+    or 143); a second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        again = " (Ctrl-C again aborts)" if signum == signal.SIGINT else ""
+        print0(f"\n{name}: finishing this step, then saving a checkpoint{again}.")
+        self.signal = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def train(tr: Trainer, start: int, run_dir: Path, source: Path) -> str:
-    """Steps start..cfg.steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
+    """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
 
-    Ctrl-C lets the current step finish, saves a checkpoint and closes TensorBoard (a second
-    Ctrl-C aborts at once). A non-finite loss, gradient norm or logprob stops the run before
-    its optimizer step, writes a diagnostic and keeps the last good checkpoint.
+    Ctrl-C or SIGTERM lets the current step finish, saves a checkpoint and closes TensorBoard.
+    A non-finite logprob, loss, gradient norm or weight stops the run before anything is saved
+    or pushed, writes a diagnostic and keeps the last good checkpoint.
     """
-    cfg = tr.cfg
-    stop = {"requested": False}
-
-    def on_sigint(signum, frame):
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again aborts).", flush=True)
-        stop["requested"] = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    metrics_log = (run_dir / "metrics.jsonl").open("a")
+    cfg, device = tr.cfg, tr.ranks.device
+    metrics_log = (run_dir / "metrics.jsonl").open("a") if tr.ranks.main else None
+    began, done = time.perf_counter(), 0
     try:
-        for step in range(start, cfg.steps):
-            try:
-                metrics, parity = rl_step(tr, step)
-            except NonFiniteError as e:
-                diag = run_dir / f"nonfinite_step_{step:06d}.json"
-                diag.write_text(json.dumps({"step": step, "quantity": e.quantity, "samples": e.samples, "prompts": e.prompts}, indent=1))
-                last = sorted((run_dir / "checkpoints").glob("step_*"))
-                raise RunStopped(f"step {step}: {e}; nothing was applied. Diagnostic: {diag}. Last good checkpoint: {last[-1] if last else 'none'}.", 3) from e
-            metrics_log.write(json.dumps({"step": step, **{k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}}) + "\n")
-            metrics_log.flush()
-            print(parity.table)
-            print(f"parity: identical={'yes' if parity.n_mismatch == 0 else 'no'} | {parity.n_mismatch}/{parity.n_tokens} tokens differ | max |delta| {parity.max_abs_diff:.3g}")
-            print(format_step(step, metrics), flush=True)
-            if cfg.strict_parity and parity.n_mismatch:
-                raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} mismatched tokens.", 4)
-            if stop["requested"] or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-                ckpt = save_checkpoint(run_dir, tr, step + 1, source)
-                if stop["requested"]:
-                    raise RunStopped(f"interrupted after step {step}; checkpoint {ckpt}; continue with --resume {ckpt}", 130)
+        with StopRequest() as stop:
+            for step in range(start, cfg.steps):
+                try:
+                    metrics, parity = rl_step(tr, step)
+                except NonFiniteError as e:
+                    raise nonfinite_stop(e, step, run_dir) from e
+                except torch.OutOfMemoryError as e:
+                    raise oom_stop(tr, step, run_dir) from e
+                done += 1
+                step_s = (time.perf_counter() - began) / done
+                if metrics_log is not None:
+                    row = {k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}
+                    metrics_log.write(json.dumps({"step": step, **row}) + "\n")
+                    metrics_log.flush()
+                if parity.n_mismatch or step % cfg.parity_every == 0 or step == start:
+                    print0(parity.table)
+                print0(parity_line(parity))
+                print0(format_step(step, cfg.steps, metrics, step_s,
+                                   step_s * (cfg.steps - step - 1)))
+                if cfg.strict_parity and parity.n_mismatch:
+                    raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
+                                     "mismatched tokens.", EXIT_PARITY)
+                asked = not agree(stop.signal is None, device)  # every rank stops together
+                if asked or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                    print0(f"saving checkpoint step_{step + 1:06d}")
+                    ckpt = save_checkpoint(run_dir, tr, step + 1, source)
+                    if asked:
+                        code = EXIT_INTERRUPTED if stop.signal in (None, signal.SIGINT) \
+                            else EXIT_TERMINATED
+                        raise RunStopped(f"stopped after step {step}; checkpoint {ckpt}; "
+                                         f"continue with --resume {ckpt}", code)
     finally:
-        signal.signal(signal.SIGINT, previous)
-        metrics_log.close()
-        tr.writer.close()
-
-    hf_state = model_hf_state(tr.model)
-    out = Path(cfg.output_dir) if cfg.output_dir else run_dir / "final"
-    save_hf_checkpoint(out, hf_state, source)
-    digest = weights_sha256(hf_state)
-    print(f"saved {out} | weights sha256 {digest}")
-    return digest
+        if metrics_log is not None:
+            metrics_log.close()
+        if tr.writer is not None:
+            tr.writer.close()
+    return export_final(tr, run_dir, source)
 
 
-class RunStopped(RuntimeError):
-    """The run stopped on purpose (interrupt, NaN guard, strict parity): a message and an exit code."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
+def last_good(run_dir: Path) -> str:
+    found = complete_checkpoints(run_dir)
+    return str(found[-1]) if found else "none"
 
 
-def setup(cfg: Config, engine_factory=None, device=None) -> tuple[Trainer, int, Path, Path]:
-    """Build (or rebuild from a checkpoint) everything `train` needs.
-
-    engine_factory(cfg, path, eos_ids) makes the rollout engine; the default is VLLMEngine
-    on CUDA (tests pass a CPU stand-in with the reference kernels).
-    """
-    from torch.utils.tensorboard import SummaryWriter
-
-    ckpt = find_checkpoint(cfg) if cfg.resume else None
-    if ckpt:
-        cfg = resume_config(cfg, ckpt)
-    path, args, tokenizer, eos_ids = load_model_files(cfg)
-    cfg.run_name = cfg.run_name or time.strftime("%Y%m%d-%H%M%S")
-    run_dir = prepare_run_dir(cfg, resuming=ckpt is not None)
-    if engine_factory is None:
-        prepare_environment()
-        engine_factory, device = VLLMEngine, torch.device("cuda")
-    kernels = bib.reference_kernels() if cfg.kernels == "reference" or device.type == "cpu" else bib.vllm_kernels()
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    engine = engine_factory(cfg, path, eos_ids)  # first: vLLM sizes its KV cache from the memory free now
-    state = hf_to_trainer(load_hf_state_dict(path), args)
-    model = build_model(args, state, kernels, DTYPES[cfg.dtype], device)
-    ref_model = build_model(args, state, kernels, DTYPES[cfg.dtype], device).requires_grad_(False) if cfg.kl_coef > 0 else None
-    del state
-    optimizer = make_optimizer(model, cfg)
-    tr = Trainer(cfg, engine, tokenizer, model, ref_model, optimizer, writer=None)
-    start = restore_checkpoint(tr, ckpt) if ckpt else 0
-    engine.push(model)  # from here on the engine holds exactly the trainer's weights (resumed ones too)
-    # On resume, drop what the interrupted run logged after its checkpoint (TensorBoard and metrics.jsonl).
-    tr.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
-    tr.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-    metrics_log = run_dir / "metrics.jsonl"
-    if ckpt and metrics_log.is_file():
-        kept = [line for line in metrics_log.read_text().splitlines() if json.loads(line)["step"] < start]
-        metrics_log.write_text("".join(line + "\n" for line in kept))
-    if ckpt:
-        print(f"resuming {ckpt} at step {start} (config from the checkpoint)")
-    print(f"simple_rl | {path} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params | kernels {kernels.name} | run {run_dir}")
-    return tr, start, run_dir, path
+def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
+    """The diagnostic file (rank 0, every rank's samples) and the stop, exit code 3."""
+    prompts = sorted({p for ps in all_gather_objects(getattr(e, "prompts", [])) for p in ps})
+    diag = run_dir / f"nonfinite_step_{step:06d}.json"
+    if is_main():
+        diag.write_text(json.dumps(dict(step=step, quantity=e.quantity, update=e.update,
+                                        samples=e.samples, prompts=prompts), indent=1))
+    return RunStopped(f"step {step}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
+                      f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
 
-def run(cfg: Config) -> str:
+def oom_stop(tr: Trainer, step: int, run_dir: Path) -> RunStopped:
+    est = memory_estimate(tr.cfg, tr.model.args, tr.ranks.world)["peak"] / 2**30
+    return RunStopped(f"out of GPU memory at step {step} (estimate {est:.0f} GiB per GPU); "
+                      "add GPUs with torchrun --nproc-per-node N or lower --micro-batch-tokens. "
+                      f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
+
+
+def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
+        device_type: str = "cuda") -> str:
     """The whole job; returns the sha256 of the final weights."""
-    tr, start, run_dir, path = setup(cfg)
-    if cfg.debug_parity:
-        prompt = tr.tokenizer.encode(TASKS[cfg.task](1, cfg.seed)[0].prompt, add_special_tokens=False)
-        rows, n_bad = debug_parity(tr.engine.llm, tr.model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed)
-        print(format_debug(rows))
-        print(f"generated-token logprobs that differ: {n_bad}")
+    tr, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
+    if tr.cfg.debug_parity:
+        problem = tr.task.prompt_ids[step_problems(len(tr.task.problems), 1, 0, tr.cfg.seed)[0]]
+        rows, n_bad = debug_parity(tr.engine.llm, tr.model, problem, tr.cfg.max_new_tokens,
+                                   tr.cfg.temperature, tr.cfg.seed)
+        print0(format_debug(rows))
+        print0(f"generated-token logprobs that differ: {n_bad}")
         return ""
     return train(tr, start, run_dir, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv)
+def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:
+    try:
+        cfg, passed = parse_config(argv)
+    except SystemExit as e:  # --help, or a flag argparse refused (said in one line)
+        return int(e.code or 0)
+    quiet_console(cfg.verbose)
     try:
         validate(cfg)
-        run(cfg)
+        run(cfg, passed, engine_factory, device_type)
     except ConfigError as e:
-        print(f"simple_rl: error: {e}", file=sys.stderr)
+        if is_main():
+            print(f"simple_rl: error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:
-        print(f"simple_rl: {e}", file=sys.stderr)
+        if is_main():
+            print(f"simple_rl: {e}", file=sys.stderr)
         return e.code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -1,21 +1,28 @@
-"""Time one RL step phase by phase, for three designs on the same model, data and token counts.
+"""Time one RL step phase by phase: simple_rl against the alternatives, on the same model,
+prompts and token counts.
 
-    (a) bitwise   simple_rl as it is: batch-invariant vLLM, the trainer on vLLM's kernels,
-                  packed micro-batches, in-memory weight push
-    (b) plain     the same engine settings with VLLM_BATCH_INVARIANT=0 (vLLM's default kernels),
-                  the trainer on plain PyTorch kernels (cuBLAS GEMMs, SDPA flash attention,
-                  autograd), packed micro-batches, in-memory push
-    (c) seed      the seed's design: bitwise kernels, one training forward per sample,
-                  weight sync by writing safetensors and calling vLLM's reload_weights
+    (a) bitwise  simple_rl as it is: batch-invariant vLLM, the trainer on vLLM's kernels,
+                 packed micro-batches, engine asleep while the trainer runs, in-memory push
+    (b) plain    the same engine settings with VLLM_BATCH_INVARIANT=0 (vLLM's default kernels),
+                 the trainer on plain PyTorch kernels (cuBLAS, SDPA on a padded batch, autograd)
+    (c) seed     the seed's design: bitwise kernels, one training forward per sample, weights
+                 synced by writing safetensors and calling vLLM's reload_weights
+    (d) user     what users run without bitwise parity: vLLM with its defaults (torch.compile,
+                 CUDA graphs, default model runner) in-process as TRL's colocate mode runs it,
+                 and a Hugging Face transformers Qwen3 trainer (fp32 master weights, bf16
+                 autocast, the best attention transformers offers, right-padded micro-batches
+                 as TRL pads them), in-memory push
 
-Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is imported):
+Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is imported);
+`--nproc N` runs design (a) under torchrun on N GPUs (FSDP2 trainer, one engine per GPU):
 
-    python benchmarks/bench_rl.py --model CKPT --out bench.json [--profile]
+    python benchmarks/bench_rl.py --model CKPT --out bench.json [--designs abcd] [--profile]
+    python benchmarks/bench_rl.py --model CKPT --out bench_n2.json --designs a --nproc 2
 
 Workload: 32 prompts x 8 samples, prompts of 128 random tokens, 256 new tokens, 1 warm-up
-step and 3 measured steps. MFU counts 6 * params * tokens for the GEMMs (the LM head only
-at generated positions, where the trainer computes it) plus 6 * layers * heads * head_dim *
-sum(L^2) for causal attention, over a peak of 989 TFLOP/s (H100/H200 SXM dense bf16).
+step and 3 measured steps. MFU counts 6 * params * tokens for the GEMMs (the LM head only at
+generated positions, where the trainer computes it) plus 6 * layers * heads * head_dim *
+sum(L^2) for causal attention, over N GPUs x 989 TFLOP/s (H100/H200 SXM dense bf16).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
-DESIGNS = {"a": "bitwise", "b": "plain", "c": "seed"}
+DESIGNS = {"a": "bitwise", "b": "plain", "c": "seed", "d": "user"}
 
 
 def flops_per_step(args, seq_lens: list[int], n_generated: int) -> float:
@@ -53,8 +60,8 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int) -> float:
 def plain_kernels():
     """(b): plain PyTorch forwards with autograd; attention by SDPA on the padded batch.
 
-    Right padding with is_causal=True is exact for every real token: token i attends to
-    keys 0..i, all of them real.
+    Right padding with is_causal=True is exact for every real token: token i attends to keys
+    0..i, all of them real.
     """
     import torch.nn.functional as F
 
@@ -64,7 +71,8 @@ def plain_kernels():
         qp, valid = bib._pad(q, cu_seqlens, max_seqlen)
         kp, _ = bib._pad(k, cu_seqlens, max_seqlen)
         vp, _ = bib._pad(v, cu_seqlens, max_seqlen)
-        o = F.scaled_dot_product_attention(qp.to(q.dtype), kp.to(q.dtype), vp.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qp.to(q.dtype), kp.to(q.dtype), vp.to(q.dtype),
+                                           is_causal=True, scale=scale, enable_gqa=True)
         return bib._unpad(o, valid).to(q.dtype)
 
     ref = bib.reference_kernels()
@@ -75,39 +83,155 @@ def workload_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[in
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (n, length), generator=g).tolist()  # id 0 is eos in our test tokenizers
+    return torch.randint(1, vocab, (n, length), generator=g).tolist()  # id 0: eos in tests
 
 
-def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int, group: int, prompt_len: int,
-            new_tokens: int, micro_batch_tokens: int, engine_factory=None, device=None, profile_to: Path | None = None) -> dict:
-    """Run warm-up + measured steps of one design in this process; per-phase seconds and rates."""
+def seed_engine_class():
+    import simple_rl as rl
+
+    class SeedEngine(rl.VLLMEngine):
+        """(c): weights go through safetensors on disk and vLLM's reload_weights, as in the seed."""
+
+        def push(self, weights):
+            out = self.__dict__.setdefault("push_dir", Path(tempfile.mkdtemp(prefix="seed_")))
+            if self.asleep:
+                self.llm.wake_up()
+                self.asleep = False
+            rl.save_hf_checkpoint(out, dict(weights), Path(self.cfg.model))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(out)})
+            self.llm.reset_prefix_cache()
+
+    return SeedEngine
+
+
+def user_engine_class():
+    """(d): vLLM with its defaults, in this process (as TRL's colocate mode runs it)."""
+    import simple_rl as rl
+
+    class UserEngine(rl.VLLMEngine):
+        def __init__(self, cfg, files, ranks):
+            from vllm import LLM
+
+            self.cfg = rl.dataclasses.replace(cfg, engine_sleep=False)  # TRL's default
+            self.eos_ids, self.asleep = files.eos_ids, False
+            samples = rl.samples_per_rank(cfg, ranks.world)
+            self.llm = LLM(model=str(files.path), skip_tokenizer_init=True, dtype=cfg.dtype,
+                           seed=cfg.seed, max_model_len=cfg.max_model_len,
+                           kv_cache_memory_bytes=rl.kv_cache_bytes(cfg, files.args, ranks.world),
+                           gpu_memory_utilization=0.5,
+                           logprobs_mode="processed_logprobs", max_num_seqs=samples)
+
+    return UserEngine
+
+
+class HFTrainer:
+    """(d)'s trainer: transformers' Qwen3 in fp32 with bf16 autocast, right-padded micro-batches,
+    the same GRPO loss, fused AdamW."""
+
+    def __init__(self, path, cfg, device):
+        import importlib.util
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=self.attn).to(device)
+        self.model.gradient_checkpointing_disable()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, fused=True)
+        self.cfg, self.device = cfg, device
+
+    def step(self, rollout, adv, n_tokens: int):
+        """One update over padded micro-batches; returns the logprobs (N,) of the first pass."""
+        import torch
+
+        import simple_rl as rl
+
+        cfg, dev = self.cfg, self.device
+        lens = [len(p) + len(c) for p, c in zip(rollout.prompts, rollout.completions)]
+        out = []
+        for group in rl.micro_batches(lens, cfg.micro_batch_tokens):
+            rows = [rollout.prompts[i] + rollout.completions[i] for i in group]
+            width = max(map(len, rows))
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.long)
+            gen = torch.zeros(len(rows), width, dtype=torch.bool)  # positions predicting a target
+            targets = []
+            for r, i in enumerate(group):
+                p, c = rollout.prompts[i], rollout.completions[i]
+                ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+                mask[r, : len(p) + len(c)] = 1
+                gen[r, len(p) - 1 : len(p) + len(c) - 1] = True
+                targets += c
+            ids, mask, gen = ids.to(dev), mask.to(dev), gen.to(dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, L, V)
+            z = logits[gen].float() / cfg.temperature  # (N_mb, V)
+            t = torch.tensor(targets, device=dev)
+            logp = z.gather(-1, t[:, None])[:, 0] - torch.logsumexp(z, -1)
+            sample = torch.tensor([j for j, i in enumerate(group)
+                                   for _ in rollout.completions[i]], device=dev)
+            n0 = sum(len(rollout.completions[i]) for i in range(group.start))
+            old = rollout.logprobs[n0 : n0 + len(targets)].to(dev)
+            pg, _, _ = rl.ppo_clip_loss(logp, old, adv[sample + group.start], cfg.clip_eps)
+            (pg.sum() / n_tokens).backward()
+            out.append(logp.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return torch.cat(out)
+
+    def weights(self):
+        import torch
+
+        return ((k, v.detach().to(torch.bfloat16)) for k, v in self.model.state_dict().items())
+
+
+def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int, group: int,
+            prompt_len: int, new_tokens: int, micro_batch_tokens: int, engine_factory=None,
+            device_type: str = "cuda", profile_to: Path | None = None) -> dict:
+    """Warm-up + measured steps of one design in this process (or this torchrun rank)."""
     import torch
 
     import batch_invariant_backward as bib
     import simple_rl as rl
 
-    cfg = rl.Config(model=model_dir, num_prompts=prompts_n, group_size=group, max_new_tokens=new_tokens,
-                    max_model_len=prompt_len + new_tokens + 1, micro_batch_tokens=max(micro_batch_tokens, prompt_len + new_tokens + 1),
-                    lr=1e-6, kernels="reference" if design == "b" else "vllm", dtype="bfloat16" if device is None else "float32")
-    path, args, tokenizer, eos_ids = rl.load_model_files(cfg)
-    device = device or torch.device("cuda")
-    if engine_factory is None:  # (b) is the same engine: VLLM_BATCH_INVARIANT=0 gives it vLLM's default kernels
-        engine_factory = seed_engine_class() if design == "c" else rl.VLLMEngine
-    engine = engine_factory(cfg, path, eos_ids)
-    kernels = plain_kernels() if design == "b" else bib.reference_kernels() if device.type == "cpu" else bib.vllm_kernels()
-    model = rl.build_model(args, rl.hf_to_trainer(rl.load_hf_state_dict(path), args), kernels, rl.DTYPES[cfg.dtype], device)
-    engine.push(model)
-    optimizer = rl.make_optimizer(model, cfg)
-    opt_time = wrap_timed(optimizer, device)
-    prompts = workload_prompts(prompts_n, prompt_len, min(args.vocab_size, len(tokenizer)), 0)
-    rows = []
+    ranks = rl.init_ranks(device_type)
+    cpu = device_type == "cpu"
+    cfg = rl.Config(model=model_dir, num_prompts=prompts_n, group_size=group,
+                    max_new_tokens=new_tokens, max_model_len=prompt_len + new_tokens + 1,
+                    micro_batch_tokens=max(micro_batch_tokens, prompt_len + new_tokens + 1),
+                    lr=1e-6, kernels="reference" if design == "b" else "vllm",
+                    dtype="float32" if cpu else "bfloat16")
+    files = rl.load_model_files(cfg, ranks)
+    if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
+        engine_factory = {"a": rl.VLLMEngine, "b": rl.VLLMEngine, "c": seed_engine_class(),
+                          "d": user_engine_class()}[design]
+    engine = engine_factory(cfg, files, ranks)
+    if design == "d":
+        trainer = HFTrainer(files.path, cfg, ranks.device)
+        engine.push(trainer.weights())
+        model = optimizer = None
+    else:
+        kernels = plain_kernels() if design == "b" else \
+            bib.reference_kernels() if cpu else bib.vllm_kernels()
+        state = rl.hf_to_trainer(rl.load_hf_state_dict(files.path), files.args) \
+            if ranks.main else {}
+        model = rl.build_model(files.args, state, kernels, rl.DTYPES[cfg.dtype], ranks.device,
+                               ranks.world)
+        engine.push(rl.hf_weights(model))
+        optimizer = rl.make_optimizer(model, cfg)
+        trainer = None
+    vocab = min(files.args.vocab_size, len(files.tokenizer))
+    prompts = workload_prompts(prompts_n, prompt_len, vocab, 0)
     packed_micro_batches = rl.micro_batches
     if design == "c":  # the seed trained one sample per forward
         rl.micro_batches = lambda lengths, max_tokens: [range(i, i + 1) for i in range(len(lengths))]
     try:
-        rows = [one_step(step, step < warmup, engine, model, optimizer, opt_time, prompts, cfg, device) for step in range(warmup + steps)]
-        if profile_to:
-            profile_train_step(model, optimizer, prompts, engine, cfg, device, profile_to)
+        rows = [one_step(step, step < warmup, design, engine, model, optimizer, trainer, prompts,
+                         cfg, ranks, files.args) for step in range(warmup + steps)]
+        if profile_to and design in "ab":
+            profile_train_step(model, optimizer, prompts, engine, cfg, ranks, profile_to)
     finally:
         rl.micro_batches = packed_micro_batches
     measured = [r for r in rows if not r["warmup"]]
@@ -115,49 +239,94 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
     def mean(key):
         return sum(r[key] for r in measured) / len(measured)
 
-    out = {k: mean(k) for k in ("rollout_s", "fwd_bwd_s", "optimizer_s", "push_s", "step_s", "generated_tokens", "trained_tokens", "flops")}
-    out.update(design=design, name=DESIGNS[design], mismatched=sum(r["mismatched"] for r in measured),
-               rollout_tok_s=out["generated_tokens"] / out["rollout_s"], trainer_tok_s=out["trained_tokens"] / out["fwd_bwd_s"],
-               mfu=out["flops"] / out["fwd_bwd_s"] / PEAK_FLOPS,
-               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0, steps=rows)
+    keys = ("rollout_s", "fwd_bwd_s", "optimizer_s", "push_s", "step_s", "generated_tokens",
+            "trained_tokens", "samples", "flops", "peak_gib")
+    out = {k: mean(k) for k in keys}
+    out.update(design=design, name=DESIGNS[design], nproc=ranks.world,
+               mismatched=sum(r["mismatched"] for r in measured),
+               rollout_tok_s=out["generated_tokens"] / out["rollout_s"],
+               trainer_tok_s=out["trained_tokens"] / out["fwd_bwd_s"],
+               samples_s=out["samples"] / out["step_s"],
+               mfu=out["flops"] / out["fwd_bwd_s"] / (PEAK_FLOPS * ranks.world),
+               peak_gib=max(r["peak_gib"] for r in rows), steps=rows,
+               attention=trainer.attn if trainer else "fa3-varlen")
+    if ranks.world > 1:
+        out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
     return out
 
 
-def one_step(step, warmup, engine, model, optimizer, opt_time, prompts, cfg, device) -> dict:
-    """rollout -> packed update with the parity check -> push, each phase timed on a synchronised clock."""
+def device_used_gib(ranks) -> float:
+    """Memory in use on this GPU right now (every allocator: PyTorch's and vLLM's), max over ranks."""
     import torch
 
     import simple_rl as rl
 
-    sync(device)
+    if ranks.device.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(ranks.device)
+    used = torch.tensor([(total - free) / 2**30], device=ranks.device)
+    return float(rl.all_reduce(used, rl.dist.ReduceOp.MAX))
+
+
+def one_step(step, warmup, design, engine, model, optimizer, trainer, prompts, cfg, ranks,
+             args) -> dict:
+    """rollout -> update with the parity check -> push, each phase on a synchronised clock.
+
+    Times are the slowest rank's; token counts are summed over ranks."""
+    import torch
+
+    import simple_rl as rl
+
+    dev = ranks.device
+    mine = rl.my_prompts(len(prompts), ranks)
+    sync(dev)
     t0 = time.perf_counter()
-    ro = engine.rollout(prompts, step)
-    sync(device)
+    ro = engine.rollout([prompts[i] for i in mine], mine, step)
+    sync(dev)
+    peak = device_used_gib(ranks)
+    engine.sleep()
     t1 = time.perf_counter()
     packed = rl.pack(ro.prompts, ro.completions)
-    rewards = torch.tensor([sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions])  # synthetic
-    adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).to(device)
-    opt_time["s"] = 0.0
-    _, logp = rl.train_step(model, None, optimizer, packed, ro.logprobs.to(device), adv, cfg)
-    parity = rl.parity_report(ro.logprobs, logp, packed.targets, 0)
-    sync(device)
+    rewards = torch.tensor([sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions])
+    adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).to(dev)
+    n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)], device=dev)))
+    opt_s = 0.0
+    if design == "d":
+        logp = trainer.step(ro, adv, n_tokens)
+    else:
+        n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=dev)
+        n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))
+        timed = time_optimizer(optimizer, dev)
+        _, _, logp = rl.train_step(model, None, optimizer, packed, ro.logprobs.to(dev), adv, cfg,
+                                   n_micro, n_tokens)
+        opt_s = timed["s"]
+    parity = rl.parity_over_ranks(rl.parity_report(ro.logprobs, logp, packed.targets, 0), dev)
+    sync(dev)
+    peak = max(peak, device_used_gib(ranks))
     t2 = time.perf_counter()
-    engine.push(model)
-    sync(device)
+    engine.push(trainer.weights() if design == "d" else rl.hf_weights(model))
+    sync(dev)
     t3 = time.perf_counter()
     lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
-    fwd_bwd = t2 - t1 - opt_time["s"]
-    row = dict(step=step, warmup=warmup, rollout_s=t1 - t0, fwd_bwd_s=fwd_bwd, optimizer_s=opt_time["s"],
-               push_s=t3 - t2, step_s=t3 - t0, generated_tokens=parity.n_tokens, trained_tokens=sum(lens),
-               mismatched=parity.n_mismatch, flops=flops_per_step(model.args, lens, parity.n_tokens))
-    print(json.dumps(row), flush=True)
+    local = torch.tensor([t1 - t0, t2 - t1 - opt_s, opt_s, t3 - t2, t3 - t0], device=dev)
+    times = rl.all_reduce(local, rl.dist.ReduceOp.MAX).tolist()
+    counts = rl.all_reduce(torch.tensor([sum(lens), flops_per_step(args, lens, len(logp))],
+                                        device=dev, dtype=torch.float64)).tolist()
+    row = dict(step=step, warmup=warmup, rollout_s=times[0], fwd_bwd_s=times[1],
+               optimizer_s=times[2], push_s=times[3], step_s=times[4],
+               generated_tokens=parity.n_tokens, trained_tokens=int(counts[0]),
+               samples=len(prompts) * cfg.group_size, mismatched=parity.n_mismatch,
+               flops=counts[1], peak_gib=max(peak, device_used_gib(ranks)))
+    if ranks.main:
+        print(json.dumps(row), flush=True)
     return row
 
 
-def wrap_timed(optimizer, device) -> dict:
+def time_optimizer(optimizer, device) -> dict:
     """Time optimizer.step (synchronised) so it can be split from forward + backward."""
     spent = {"s": 0.0}
-    step = optimizer.step
+    step = optimizer.__dict__.get("_untimed_step", optimizer.step)
+    optimizer._untimed_step = step
 
     def timed(*a, **k):
         sync(device)
@@ -171,64 +340,90 @@ def wrap_timed(optimizer, device) -> dict:
     return spent
 
 
+def all_gather_bandwidth(ranks, mib: int = 512, repeats: int = 5) -> float:
+    """Bus bandwidth (GB/s) of an all-gather on the trainer's process group, as FSDP runs it:
+    `mib` MiB of bf16 per rank, after vLLM has started (so its NCCL settings would show)."""
+    import torch
+
+    import simple_rl as rl
+
+    n = mib * 2**20 // 2
+    shard = torch.randn(n, device=ranks.device).bfloat16()
+    full = torch.empty(n * ranks.world, device=ranks.device, dtype=torch.bfloat16)
+    rl.dist.all_gather_into_tensor(full, shard)
+    sync(ranks.device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        rl.dist.all_gather_into_tensor(full, shard)
+    sync(ranks.device)
+    seconds = (time.perf_counter() - t) / repeats
+    return full.numel() * 2 * (ranks.world - 1) / ranks.world / seconds / 1e9
+
+
 def sync(device) -> None:
     import torch
 
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
-def seed_engine_class():
-    import simple_rl as rl
-
-    class SeedEngine(rl.VLLMEngine):
-        """(c): weights go through safetensors on disk and vLLM's reload_weights, as in the seed."""
-
-        def push(self, model):
-            out = self.__dict__.setdefault("push_dir", Path(tempfile.mkdtemp(prefix="seed_push_")))  # rewritten each push
-            rl.save_hf_checkpoint(out, rl.model_hf_state(model), Path(self.cfg.model))
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(out)})
-            self.llm.reset_prefix_cache()
-
-    return SeedEngine
-
-
-def profile_train_step(model, optimizer, prompts, engine, cfg, device, path: Path, rows: int = 30) -> None:
-    """One more step's update under torch.profiler: the ops that take the GPU time, to a text file."""
+def profile_train_step(model, optimizer, prompts, engine, cfg, ranks, path: Path,
+                       rows: int = 30) -> None:
+    """One more update under torch.profiler: the ops that take the GPU time, to a text file."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import simple_rl as rl
 
-    ro = engine.rollout(prompts, 10_000)
+    mine = rl.my_prompts(len(prompts), ranks)
+    ro = engine.rollout([prompts[i] for i in mine], mine, 10_000)
+    engine.sleep()
     packed = rl.pack(ro.prompts, ro.completions)
-    adv = torch.linspace(-1, 1, len(ro.completions), device=device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as prof:
-        rl.train_step(model, None, optimizer, packed, ro.logprobs.to(device), adv, cfg)
-        sync(device)
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total", row_limit=rows))
+    adv = torch.linspace(-1, 1, len(ro.completions), device=ranks.device)
+    cuda = ranks.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        rl.train_step(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg)
+        sync(ranks.device)
+    engine.push(rl.hf_weights(model))
+    if ranks.main:
+        key = "cuda_time_total" if cuda else "cpu_time_total"
+        path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows))
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'design':<9} {'step s':>8} {'rollout s':>9} {'fwd+bwd s':>9} {'optim s':>8} {'push s':>7} {'roll tok/s':>10} {'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'mismatch':>8}"
+    head = (f"{'design':<9} {'GPUs':>4} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
+            f"{'optim s':>7} {'push s':>6} {'samples/s':>9} {'roll tok/s':>10} "
+            f"{'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'mismatch':>8}")
     lines = [head]
     for r in results:
-        lines.append(f"{r['name']:<9} {r['step_s']:>8.2f} {r['rollout_s']:>9.2f} {r['fwd_bwd_s']:>9.2f} {r['optimizer_s']:>8.3f} {r['push_s']:>7.3f} "
-                     f"{r['rollout_tok_s']:>10.0f} {r['trainer_tok_s']:>11.0f} {r['mfu']:>6.1%} {r['peak_mem_gib']:>8.1f} {r['mismatched']:>8}")
-    by = {r["design"]: r for r in results}
-    if "a" in by and "b" in by:
-        lines.append(f"trainer penalty (b/a tokens/s): {by['b']['trainer_tok_s'] / by['a']['trainer_tok_s']:.2f}x (target <= 1.5x)")
-    if "a" in by:
-        lines.append(f"trainer MFU (a): {by['a']['mfu']:.1%} (target >= 35%); weight push (a): {by['a']['push_s']:.3f} s (target <= 0.3 s)")
-    if "a" in by and "c" in by:
-        lines.append(f"full step, seed design / ours: {by['c']['step_s'] / by['a']['step_s']:.1f}x (target >= 10x)")
+        lines.append(f"{r['name']:<9} {r['nproc']:>4} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} "
+                     f"{r['fwd_bwd_s']:>9.2f} {r['optimizer_s']:>7.3f} {r['push_s']:>6.3f} "
+                     f"{r['samples_s']:>9.1f} {r['rollout_tok_s']:>10.0f} "
+                     f"{r['trainer_tok_s']:>11.0f} {r['mfu']:>6.1%} {r['peak_gib']:>8.1f} "
+                     f"{r['mismatched']:>8}")
+    by = {(r["design"], r["nproc"]): r for r in results}
+    a, d = by.get(("a", 1)), by.get(("d", 1))
+    if a and d:
+        lines.append(f"bitwise / user's stack: step {a['step_s'] / d['step_s']:.2f}x, rollout "
+                     f"{a['rollout_s'] / d['rollout_s']:.2f}x, trainer "
+                     f"{a['fwd_bwd_s'] / d['fwd_bwd_s']:.2f}x (target: step <= 1.0x)")
+    if a:
+        lines.append(f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
+                     f"{a['push_s']:.3f} s")
+    for (design, n), r in sorted(by.items()):
+        if design == "a" and n > 1 and a:
+            lines.append(f"(a) on {n} GPUs: {r['samples_s'] / a['samples_s']:.2f}x the samples/s "
+                         f"of 1 GPU; all-gather {r.get('all_gather_gb_s', 0):.0f} GB/s")
     return "\n".join(lines)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF Qwen3 checkpoint directory (e.g. tests/make_checkpoint.py --preset qwen3-1.7b)")
-    p.add_argument("--designs", default="abc", help="which of a (bitwise), b (plain), c (seed) to run")
+    p.add_argument("--model", required=True,
+                   help="HF Qwen3 checkpoint directory (tests/make_checkpoint.py --preset ...)")
+    p.add_argument("--designs", default="abcd", help="which of a, b, c, d to run")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs for design (a), under torchrun")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", type=int, default=32)
@@ -237,22 +432,36 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--out", default="bench.json")
-    p.add_argument("--profile", action="store_true", help="also profile one more update of designs a and b (<out>.<design>.profile.txt)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one more update of designs a and b (<out>.profile.txt)")
     p.add_argument("--worker", choices=sorted(DESIGNS), help=argparse.SUPPRESS)
     a = p.parse_args()
-    knobs = dict(steps=a.steps, warmup=a.warmup, prompts_n=a.prompts, group=a.group, prompt_len=a.prompt_len,
-                 new_tokens=a.new_tokens, micro_batch_tokens=a.micro_batch_tokens)
+    knobs = dict(steps=a.steps, warmup=a.warmup, prompts_n=a.prompts, group=a.group,
+                 prompt_len=a.prompt_len, new_tokens=a.new_tokens,
+                 micro_batch_tokens=a.micro_batch_tokens)
     if a.worker:
-        profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile and a.worker != "c" else None  # c: 256 updates, too long a trace
-        Path(a.out).write_text(json.dumps(measure(a.worker, a.model, **knobs, profile_to=profile_to)))
+        profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile else None
+        result = measure(a.worker, a.model, **knobs, profile_to=profile_to)
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(a.out).write_text(json.dumps(result))
         return
+    assert a.nproc == 1 or a.designs == "a", "--nproc > 1 runs design a only"
     results = []
     for d in a.designs:
-        out = Path(a.out).with_suffix(f".{d}.json")
-        env = dict(os.environ, VLLM_BATCH_INVARIANT="0" if d == "b" else "1", VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", d, "--out", str(out)], check=True, env=env)
+        out = Path(a.out).with_suffix(f".{d}{a.nproc}.json")
+        env = dict(os.environ, VLLM_BATCH_INVARIANT="0" if d in "bd" else "1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if d != "d":  # (d) keeps vLLM's default model runner
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        launch = [sys.executable] if a.nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.nproc}"]
+        knob_args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                     if k not in ("nproc", "designs", "out", "worker", "profile")]
+        subprocess.run([*launch, __file__, *knob_args, *(["--profile"] if a.profile else []),
+                        "--worker", d, "--out", str(out)], check=True, env=env)
         results.append(json.loads(out.read_text()))
-    Path(a.out).write_text(json.dumps({"workload": knobs, "peak_flops": PEAK_FLOPS, "results": results}, indent=1))
+    Path(a.out).write_text(json.dumps({"workload": knobs, "peak_flops": PEAK_FLOPS,
+                                       "results": results}, indent=1))
     print(table(results))
 
 

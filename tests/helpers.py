@@ -7,12 +7,21 @@ from pathlib import Path
 
 import torch
 
+import batch_invariant_backward as bib
 import simple_rl as rl
 
-SPECIALS = ["<|endoftext|>", "<|im_end|>"]
+SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+# Qwen3's chat template, reduced to what the tests need: user turns, the generation prompt,
+# and the empty think block Qwen3 writes when thinking is off.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
 
 
-def make_tokenizer(out: Path, vocab_size: int = 320):
+def make_tokenizer(out: Path, vocab_size: int = 320, chat: bool = False):
     """A byte-level BPE trained locally on arithmetic text; eos = <|endoftext|> (id 0)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -20,24 +29,33 @@ def make_tokenizer(out: Path, vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [p.prompt + " " + p.answer + " Answer: " + p.answer for p in rl.arithmetic_problems(500, 0)]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"Q: {p.question}\nA: {p.answer} Answer: {p.answer}"
+              for p in rl.arithmetic_problems(500, 0)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
 
 
-def make_checkpoint(out: Path, *, tied: bool = True, layers: int = 2, vocab: int = 384, hidden: int = 256,
-                    heads: int = 4, kv_heads: int = 2, head_dim: int = 128, inter: int = 512, shard: str | None = None,
-                    seed: int = 0, dtype=torch.float32, max_pos: int = 2048, device: str = "cpu") -> Path:
-    """A random Qwen3ForCausalLM saved by transformers (GQA, head_dim 128 by default), plus tokenizer."""
+def make_checkpoint(out: Path, *, tied: bool = True, layers: int = 2, vocab: int = 384,
+                    hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 128,
+                    inter: int = 512, shard: str | None = None, seed: int = 0,
+                    dtype=torch.float32, max_pos: int = 2048, device: str = "cpu",
+                    chat: bool = False) -> Path:
+    """A random Qwen3ForCausalLM saved by transformers (GQA, head_dim 128 by default), plus
+    tokenizer (with a chat template if `chat`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
-                      tie_word_embeddings=tied, max_position_embeddings=max_pos, eos_token_id=0,
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      intermediate_size=inter, tie_word_embeddings=tied,
+                      max_position_embeddings=max_pos, eos_token_id=0,
                       rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
@@ -47,26 +65,30 @@ def make_checkpoint(out: Path, *, tied: bool = True, layers: int = 2, vocab: int
                 p.uniform_(0.5, 1.5)
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out, **kw)
-    make_tokenizer(out, vocab_size=min(vocab, 320))
+    make_tokenizer(out, vocab_size=min(vocab, 320), chat=chat)
     return out
 
 
 class TorchEngine:
     """CPU stand-in for VLLMEngine: samples from its own copy of the policy, no KV cache.
 
-    It recomputes the full prefix for each new token (fine for tiny models) and
-    returns processed logprobs of softmax(logits / T), like vLLM does.
+    It recomputes the full prefix for each new token (fine for tiny models), returns
+    processed logprobs of softmax(logits / T) as vLLM does, and takes pushed weights by HF
+    name, as vLLM's loader does.
     """
 
-    def __init__(self, cfg: rl.Config, path=None, eos_ids=(0,)):
-        self.model = None  # a copy of the policy, made by the first push
-        self.cfg, self.eos_ids = cfg, set(eos_ids)
+    def __init__(self, cfg: rl.Config, files=None, ranks=None):
+        self.model = None  # built from the first push
+        self.cfg, self.files = cfg, files
+        self.eos_ids = set(files.eos_ids if files else (0,))
+        self.sleeps = 0
 
     @torch.no_grad()
-    def rollout(self, prompts, step):
-        cfg = self.cfg
-        seqs = [list(p) for p in prompts for _ in range(cfg.group_size)]
-        gens = [torch.Generator().manual_seed(rl.sample_seed(cfg, step, i // cfg.group_size) * 97 + i % cfg.group_size) for i in range(len(seqs))]
+    def rollout(self, prompts, indices, step):
+        cfg, G = self.cfg, self.cfg.group_size
+        seqs = [list(p) for p in prompts for _ in range(G)]
+        gens = [torch.Generator().manual_seed(rl.sample_seed(cfg, step, indices[i // G]) * 97 + i % G)
+                for i in range(len(seqs))]
         comps = [[] for _ in seqs]
         lps = [[] for _ in seqs]
         live = list(range(len(seqs)))
@@ -75,7 +97,7 @@ class TorchEngine:
                 break
             full = [seqs[i] + comps[i] for i in live]
             packed = rl.pack(full, [[] for _ in full])
-            h = self.model(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen)
+            h = self.model.hidden(packed)
             last = h[packed.cu_seqlens[1:].long() - 1]  # (B_live, dim)
             z = self.model.logits(last).float() / cfg.temperature
             lp = torch.log_softmax(z, -1)
@@ -84,10 +106,51 @@ class TorchEngine:
                 comps[i].append(t)
                 lps[i].append(float(lp[row, t]))
             live = [i for i in live if comps[i][-1] not in self.eos_ids]
-        return rl.Rollout(prompts=seqs, completions=comps, logprobs=torch.tensor([x for l in lps for x in l]),
+        return rl.Rollout(prompts=seqs, completions=comps,
+                          logprobs=torch.tensor([x for l in lps for x in l]),
                           stopped=[c[-1] in self.eos_ids for c in comps])
 
-    def push(self, model):
+    def sleep(self):
+        self.sleeps += 1
+
+    def push(self, weights):
+        hf = {k: v.detach().float().cpu().clone() for k, v in weights}
+        args = self.files.args if self.files else self.model.args
+        state = rl.hf_to_trainer(hf, args)
         if self.model is None:
-            self.model = copy.deepcopy(model).requires_grad_(False)
-        self.model.load_state_dict(model.state_dict())
+            self.model = rl.build_model(args, state, bib.reference_kernels(), torch.float32, "cpu")
+            self.model.requires_grad_(False)
+        else:
+            self.model.load_state_dict(state)
+
+
+# The tiny CPU run most tests start from: 2 prompts x 3 samples, 5 new tokens, fp32.
+CPU_RUN = dict(dtype="float32", num_prompts=2, group_size=3, max_new_tokens=5, max_model_len=128,
+               micro_batch_tokens=128, lr=1e-2, entropy_coef=0.1, kl_coef=0.05, seed=3,
+               save_every=2, keep_last=3)
+
+
+def cpu_argv(path, log_dir, **overrides) -> list[str]:
+    """Command-line flags for a tiny CPU run of the checkpoint at `path`."""
+    argv = ["--model", str(path), "--log-dir", str(log_dir)]
+    for name, value in {**CPU_RUN, **overrides}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + name.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_cpu(argv, engine=None) -> str:
+    """simple_rl.run with the stand-in engine on CPU; returns the final weights' sha256."""
+    cfg, passed = rl.parse_config(argv)
+    rl.validate(cfg)
+    return rl.run(cfg, passed, engine or TorchEngine, "cpu")
+
+
+def main_cpu(argv, engine=None) -> int:
+    """simple_rl.main with the stand-in engine on CPU; returns the exit code."""
+    return rl.main(argv, engine or TorchEngine, "cpu")

@@ -35,14 +35,30 @@ def test_plain_attention_matches_reference():
 
 
 def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
-    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4, micro_batch_tokens=64,
-              engine_factory=TorchEngine, device=torch.device("cpu"))
+    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4,
+              micro_batch_tokens=64, engine_factory=TorchEngine, device_type="cpu")
     packed = rl.micro_batches
-    results = [bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt") for d in "ac"]
-    assert "aten::mm" in (tmp_path / "a.txt").read_text()  # the profile names the ops that took the time
+    results = [bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt")
+               for d in "ac"]
+    assert "aten::mm" in (tmp_path / "a.txt").read_text()  # the profile names the costly ops
     assert rl.micro_batches is packed  # design c's per-sample patch is undone
     for r in results:
         assert r["generated_tokens"] == 2 * 2 * 4 and r["trained_tokens"] == 4 * (6 + 4)
-        assert r["fwd_bwd_s"] > 0 and r["rollout_tok_s"] > 0 and r["mfu"] > 0 and len(r["steps"]) == 2
+        assert r["samples"] == 4 and r["samples_s"] > 0 and r["nproc"] == 1
+        assert r["fwd_bwd_s"] > 0 and r["rollout_tok_s"] > 0 and r["mfu"] > 0
+        assert len(r["steps"]) == 2
     table = bench_rl.table(results)
-    assert "bitwise" in table and "seed" in table and "full step, seed design / ours" in table
+    assert "bitwise" in table and "seed" in table and "trainer MFU (a)" in table
+
+
+def test_table_reports_ratios_against_the_users_stack():
+    row = dict(nproc=1, step_s=2.0, rollout_s=1.0, fwd_bwd_s=0.9, optimizer_s=0.01, push_s=0.03,
+               samples_s=10.0, rollout_tok_s=1.0, trainer_tok_s=1.0, mfu=0.4, peak_gib=1.0,
+               mismatched=0)
+    results = [dict(row, design="a", name="bitwise"),
+               dict(row, design="d", name="user", step_s=4.0, rollout_s=2.0, fwd_bwd_s=1.8),
+               dict(row, design="a", name="bitwise", nproc=2, samples_s=19.0,
+                    all_gather_gb_s=300.0)]
+    text = bench_rl.table(results)
+    assert "step 0.50x, rollout 0.50x, trainer 0.50x" in text
+    assert "(a) on 2 GPUs: 1.90x the samples/s of 1 GPU; all-gather 300 GB/s" in text

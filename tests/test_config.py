@@ -1,7 +1,8 @@
-"""Config, CLI and bad input: one clear sentence, exit code 2, nothing touched."""
+"""Config and CLI: grouped --help, choices, booleans, and bad input as one sentence (exit 2)."""
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,29 +12,53 @@ import pytest
 import torch
 
 import simple_rl as rl
+from helpers import cpu_argv, main_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def help_text():
+    return subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--help"],
+                          capture_output=True, text=True, check=True).stdout
+
+
 def error_of(argv, capsys):
-    assert rl.main(argv) == 2
-    err = capsys.readouterr().err.strip()
+    assert main_cpu(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("simple_rl: error: ") and "\n" not in err and "Traceback" not in err
     return err
 
 
-def test_help_lists_every_field_with_default():
-    out = subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--help"], capture_output=True, text=True, check=True).stdout
-    flat = " ".join(out.split())
-    for f in dataclasses.fields(rl.Config):
-        assert "--" + f.name.replace("_", "-") in out, f.name
+def test_help_is_grouped_by_config_section(help_text):
+    groups = [g for g in re.findall(r"^(\w+):$", help_text, flags=re.M) if g != "examples"]
+    assert groups == ["options", "model", "rollout", "grpo", "optim", "logging", "checkpoints"]
+    for f in dataclasses.fields(rl.Config):  # every field, in its section
+        section = help_text.split(f"\n{f.metadata['group']}:\n")[1].split("\n\n")[0]
+        assert "--" + f.name.replace("_", "-") in section, f.name
+
+
+def test_help_shows_defaults_once_choices_and_examples(help_text):
+    flat = " ".join(help_text.split())
     assert "(default: Qwen/Qwen3-1.7B)" in flat and "(default: 8)" in flat
+    assert "(default: )" not in flat and flat.count("(default:") == len(re.findall(
+        r"\(default: ", flat))
+    assert "{bfloat16,float32}" in flat and "{auto,vllm,reference}" in flat
+    assert "{arithmetic,gsm8k}" in flat and "{auto,on,off}" in flat
+    assert "--cuda-graphs, --no-cuda-graphs" in flat  # on by default: --no- means something
+    for flag in ("debug-parity", "strict-parity", "overwrite", "verbose", "enable-thinking"):
+        assert f"--{flag}" in flat and f"--no-{flag}" not in flat  # plain flags
+    examples = help_text.split("examples:")[1].strip().splitlines()
+    assert len(examples) == 4 and any("torchrun" in e for e in examples)
 
 
-def test_cli_parses_types_and_booleans():
-    cfg = rl.parse_config(["--group-size", "4", "--temperature", "0.7", "--no-std-normalize", "--model", "x"])
-    assert cfg.group_size == 4 and cfg.temperature == 0.7 and cfg.std_normalize is False and cfg.model == "x"
-    assert rl.parse_config([]) == rl.Config()
+def test_cli_parses_types_booleans_and_records_what_was_given():
+    cfg, given = rl.parse_config(["--group-size", "4", "--temperature", "0.7",
+                                  "--no-std-normalize", "--model", "x", "--strict-parity"])
+    assert cfg.group_size == 4 and cfg.temperature == 0.7 and cfg.std_normalize is False
+    assert cfg.model == "x" and cfg.strict_parity is True
+    assert given == {"group_size", "temperature", "std_normalize", "model", "strict_parity"}
+    assert rl.parse_config([]) == (rl.Config(), set())
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -41,76 +66,113 @@ def test_cli_parses_types_and_booleans():
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--max-new-tokens", "2000", "--max-model-len", "1024"], "leaves no room for a prompt"),
     (["--micro-batch-tokens", "100"], "must hold one full sequence"),
-    (["--kernels", "fast"], "--kernels must be auto, vllm or reference"),
-    (["--dtype", "float16"], "--dtype must be one of"),
+    (["--kernels", "fast"], "argument --kernels: invalid choice: 'fast'"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice"),
     (["--model", "/no/such/dir"], "is not a directory"),
+    (["--data-files", "x.jsonl"], "--data-files goes with --task gsm8k"),
+    (["--enable-thinking", "--chat-template", "off"], "--enable-thinking needs a chat template"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
 ])
 def test_config_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
 
 
 def test_non_qwen3_checkpoint_is_refused(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "architectures": ["LlamaForCausalLM"]}))
     err = error_of(["--model", str(tmp_path)], capsys)
     assert "'llama' model (LlamaForCausalLM)" in err and "Qwen3" in err
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"  # untouched
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
 
 
 def test_directory_without_config_or_weights(ckpt, tmp_path, capsys):
     assert "has no config.json" in error_of(["--model", str(tmp_path)], capsys)
     shutil.copy(ckpt() / "config.json", tmp_path / "config.json")
-    with pytest.raises(rl.ConfigError, match="no \\*.safetensors weights"):
-        rl.load_hf_state_dict(tmp_path)
+    assert "has no *.safetensors weights" in error_of(["--model", str(tmp_path)], capsys)
 
 
 def test_max_model_len_beyond_positions(ckpt, capsys):
-    assert "exceeds the model's max_position_embeddings (2048)" in error_of(["--model", str(ckpt()), "--max-model-len", "4096", "--micro-batch-tokens", "4096"], capsys)
+    err = error_of(["--model", str(ckpt()), "--max-model-len", "4096",
+                    "--micro-batch-tokens", "4096"], capsys)
+    assert "exceeds the model's max_position_embeddings (2048)" in err
 
 
 def test_tokenizer_larger_than_vocab(ckpt, tmp_path, capsys):
     shutil.copytree(ckpt(), tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["vocab_size"] = 100  # the tokenizer has 320 tokens
+    cfg["vocab_size"] = 300  # the tokenizer has 320 tokens; the weights say 384
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    assert "does not fit the model's vocab of 100" in error_of(["--model", str(tmp_path / "m")], capsys)
+    err = error_of(["--model", str(tmp_path / "m")], capsys)
+    assert "has shape [384, 256], config.json implies [300, 256]" in err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_missing_cuda_says_what_is_needed(ckpt, capsys):
-    err = error_of(["--model", str(ckpt())], capsys)
-    assert "no CUDA GPU found" in err
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_missing_cuda_says_what_is_needed(ckpt, tmp_path, capsys):
+    assert rl.main(["--model", str(ckpt()), "--log-dir", str(tmp_path / "runs")]) == 2
+    assert "no CUDA GPU found" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing left behind
 
 
-def test_contradicting_env_is_refused(ckpt, capsys, monkeypatch):
+def test_contradicting_env_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
-    err = error_of(["--model", str(ckpt())], capsys)
-    assert "VLLM_BATCH_INVARIANT=0 breaks bitwise parity" in err
+    with pytest.raises(rl.ConfigError, match="VLLM_BATCH_INVARIANT=0 breaks bitwise parity"):
+        rl.prepare_environment(rl.Config())
 
 
-def test_prompt_too_long_for_model_len(ckpt, tmp_path):
-    from test_loop import make_trainer
+def test_unset_env_is_set_and_missing_vllm_is_named(monkeypatch):
+    import os
 
-    tr = make_trainer(ckpt(), tmp_path / "tb", max_model_len=16, micro_batch_tokens=16)
-    with pytest.raises(rl.ConfigError, match="exceeds --max-model-len 16"):
-        rl.rl_step(tr, 0)
-
-
-def test_cli_error_is_one_line_without_traceback():
-    r = subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--model", "/no/such/dir"], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert r.stderr.strip() == "simple_rl: error: --model '/no/such/dir' is not a directory."
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(rl.ConfigError, match="vLLM is not installed; run `pip install -r"):
+        rl.prepare_environment(rl.Config())
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
 
 
-def test_readme_documents_every_option():
+def test_prompt_too_long_fails_before_the_run_directory(ckpt, tmp_path, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", max_model_len=24, micro_batch_tokens=24,
+                    max_new_tokens=8)
+    err = error_of(argv, capsys)
+    assert "the longest prompt has" in err and "exceeds --max-model-len 24" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_readme_documents_every_option_and_the_test_command():
     readme = (ROOT / "README.md").read_text()
     for f in dataclasses.fields(rl.Config):
-        assert f"| `--{f.name.replace('_', '-')}` |" in readme, f.name
-    assert "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q" in readme
-    assert "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+        assert f"`--{f.name.replace('_', '-')}`" in readme, f.name
+    command = "python -m pip install -q -r requirements-cpu.txt && python -m pytest -q"
+    assert command in readme and command in (ROOT / ".ci" / "run").read_text()
 
 
 def test_stop_ids_gather_every_eos(ckpt, tmp_path):
     shutil.copytree(ckpt(), tmp_path / "m")
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
-    cfg = rl.Config(model=str(tmp_path / "m"))
-    assert rl.load_model_files(cfg)[3] == [0, 1]  # tokenizer eos 0, config eos 0, generation config [0, 1]
+    assert rl.load_model_files(rl.Config(model=str(tmp_path / "m"))).eos_ids == [0, 1]
+
+
+def test_world_larger_than_the_prompts_is_refused(ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rl, "init_ranks", lambda device_type: rl.Ranks(0, 4, torch.device("cpu")))
+    err = error_of(cpu_argv(ckpt(), tmp_path / "runs", num_prompts=2), capsys)
+    assert "4 ranks but --num-prompts 2: every rank needs at least one prompt" in err
+
+
+def test_memory_estimate_and_the_advice_it_gives(monkeypatch):
+    from types import SimpleNamespace
+
+    qwen3_8b = SimpleNamespace(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                               hidden_dim=12288, vocab_size=151936, enable_weight_tying=False)
+    assert abs(rl.count_params(qwen3_8b) / 8.19e9 - 1) < 0.01
+    cfg = rl.Config(micro_batch_tokens=4096)
+    one, two = rl.memory_estimate(cfg, qwen3_8b, 1), rl.memory_estimate(cfg, qwen3_8b, 2)
+    assert one["trainer state"] == 2 * two["trainer state"] and one["peak"] > 140 * 2**30
+    assert two["peak"] < 130 * 2**30  # fits an H200 (measured on two: see README)
+    props = SimpleNamespace(total_memory=143 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    with pytest.raises(rl.ConfigError) as err:
+        rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 1, torch.device("cpu")))
+    assert "8.19B parameters needs about" in str(err.value)
+    assert "torchrun --nproc-per-node 2 simple_rl.py" in str(err.value)
+    rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 2, torch.device("cpu")))  # fits: no error

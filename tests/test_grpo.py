@@ -82,5 +82,6 @@ def test_debugger_names_the_first_differing_op():
     assert "first divergence: c" in rl.format_debug(rows)
     bad = rl.compare_traces({"a": [x]}, {"a": [x[:2]]}, ["a"])
     assert bad[0]["n_diff"] == -1 and rl.first_divergence(bad) == "a"
-    assert rl.trace_names(2)[0] == ("layers.0.input_layernorm", "model.layers.0.input_layernorm")
+    assert rl.trace_names(2)[0] == ("layers.0.attention_norm", "model.layers.0.input_layernorm")
+    assert rl.trace_names(2)[8] == ("layers.0.feed_forward.act_fn", "model.layers.0.mlp.act_fn")
     assert rl.trace_names(2)[-1] == ("norm", "model.norm")

@@ -29,7 +29,7 @@ def test_logits_match_transformers_fp32(ckpt, tied):
     ids = seqs([33, 7, 60])
     p = rl.pack(ids, [[] for _ in ids])
     with torch.no_grad():
-        ours = model.logits(model(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen))  # (T, V)
+        ours = model.logits(model.hidden(p))  # (T, V)
         for b, x in enumerate(ids):
             want = ref(torch.tensor([x])).logits[0]
             got = ours[p.cu_seqlens[b] : p.cu_seqlens[b + 1]]
@@ -41,10 +41,9 @@ def test_packed_forward_equals_per_sequence_forwards(ckpt):
     ids = seqs([1, 19, 5, 44])
     p = rl.pack(ids, [[] for _ in ids])
     with torch.no_grad():
-        packed = model(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
+        packed = model.hidden(p)
         for b, x in enumerate(ids):
-            one = rl.pack([x], [[]])
-            alone = model(one.tokens, one.positions, one.cu_seqlens, one.max_seqlen)
+            alone = model.hidden(rl.pack([x], [[]]))
             torch.testing.assert_close(packed[p.cu_seqlens[b] : p.cu_seqlens[b + 1]], alone, atol=1e-5, rtol=1e-5)
 
 
@@ -75,9 +74,8 @@ def test_token_logprobs_and_entropy(ckpt, temperature):
     ids = seqs([12, 8])
     p = rl.pack([x[:6] for x in ids], [x[6:] for x in ids])
     with torch.no_grad():
-        h = model(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
-        lp, ent = model.token_logprobs(h[p.gen_index], p.targets, temperature)
-        full = torch.log_softmax(model.logits(h[p.gen_index]) / temperature, -1)
+        lp, ent = model(p, temperature)
+        full = torch.log_softmax(model.logits(model.hidden(p)[p.gen_index]) / temperature, -1)
     torch.testing.assert_close(lp, full.gather(-1, p.targets[:, None])[:, 0])
     torch.testing.assert_close(ent, -(full.exp() * full).sum(-1))
     assert lp.shape == (8,) and (lp < 0).all() and (ent > 0).all()
@@ -91,8 +89,7 @@ def test_custom_backward_model_matches_autograd_model(ckpt):
     ids = seqs([17, 4, 29])
     p = rl.pack([x[:3] for x in ids], [x[3:] for x in ids])
     for m in (a, b):
-        h = m(p.tokens, p.positions, p.cu_seqlens, p.max_seqlen)
-        lp, ent = m.token_logprobs(h[p.gen_index], p.targets, 0.9)
+        lp, ent = m(p, 0.9)
         (lp.sum() + 0.1 * ent.sum()).backward()
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)

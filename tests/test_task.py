@@ -1,19 +1,32 @@
-"""The embedded task: generator and reward parser."""
+"""Tasks: the arithmetic generator, the reward parser, the chat template and GSM8K files."""
 
+import json
+import sys
 from decimal import Decimal
 
 import pytest
 
 import simple_rl as rl
+from helpers import cpu_argv, main_cpu, run_cpu
 
 
 def test_arithmetic_problems_are_seeded_and_exact():
     a, b = rl.arithmetic_problems(50, 3), rl.arithmetic_problems(50, 3)
     assert a == b and a != rl.arithmetic_problems(50, 4)
     for p in a:
-        expr = p.prompt.split("What is ")[1].split("?")[0]
-        assert str(eval(expr)) == p.answer and p.prompt.endswith("A:")  # Python's precedence agrees
-    assert {p.prompt.split()[4] for p in a} == {"+", "-", "*"}
+        expr = p.question.split("What is ")[1].split("?")[0]
+        assert str(eval(expr)) == p.answer  # Python's precedence agrees
+        assert p.question.endswith("End with 'Answer: <number>'.")
+    assert {p.question.split()[3] for p in a} == {"+", "-", "*"}
+
+
+def test_steps_walk_through_shuffled_epochs():
+    n, k = 10, 4
+    seen = [i for step in range(5) for i in rl.step_problems(n, k, step, seed=0)]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    assert seen[:10] != seen[10:20]  # each epoch in its own order
+    assert rl.step_problems(n, k, 3, 0) == rl.step_problems(n, k, 3, 0)  # a function of step
+    assert rl.step_problems(n, k, 3, 0) != rl.step_problems(n, k, 3, 1)
 
 
 @pytest.mark.parametrize("text,value", [
@@ -25,12 +38,13 @@ def test_arithmetic_problems_are_seeded_and_exact():
     (" Answer: 12.0", "12"),
     (" 7 then 8\nQ: What is 1 + 1?\nA: 2", "8"),  # ignores the model's next question
     (" Answer: 5 (not 6)", "5"),
+    ("<think>\nAnswer: 3? no, 9\n</think>\n\nAnswer: 4", "4"),  # the final answer, after thinking
+    ("<think>so 11</think>The result is 12", "12"),
     (" no idea", None),
     ("", None),
 ])
 def test_parse_answer(text, value):
-    got = rl.parse_answer(text)
-    assert got == (None if value is None else Decimal(value))
+    assert rl.parse_answer(text) == (None if value is None else Decimal(value))
 
 
 @pytest.mark.parametrize("text,answer,r", [
@@ -39,3 +53,85 @@ def test_parse_answer(text, value):
 ])
 def test_reward(text, answer, r):
     assert rl.reward(text, answer) == r
+
+
+def tokenizer_of(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def decoded(cfg, path):
+    tok = tokenizer_of(path)
+    problem = rl.Problem("What is 2 + 3? End with 'Answer: <number>'.", "5")
+    return tok.decode(rl.format_prompts([problem], tok, cfg)[0])
+
+
+def test_chat_template_auto_on_off(ckpt):
+    chat, plain = ckpt(chat=True), ckpt()
+    want_chat = ("<|im_start|>user\nWhat is 2 + 3? End with 'Answer: <number>'.<|im_end|>\n"
+                 "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert decoded(rl.Config(), chat) == want_chat  # auto: the template, thinking off
+    assert decoded(rl.Config(chat_template="on"), chat) == want_chat
+    assert decoded(rl.Config(chat_template="off"), chat).startswith("Q: What is 2 + 3?")
+    thinking = decoded(rl.Config(enable_thinking=True), chat)
+    assert thinking.endswith("<|im_start|>assistant\n") and "<think>" not in thinking
+    assert decoded(rl.Config(), plain) == "Q: What is 2 + 3? End with 'Answer: <number>'.\nA:"
+    with pytest.raises(rl.ConfigError, match="--chat-template on, but the tokenizer has no"):
+        decoded(rl.Config(chat_template="on"), plain)
+
+
+def test_a_run_with_the_chat_template_trains_and_stops_at_im_end(ckpt, tmp_path):
+    path = ckpt(chat=True)
+    files = rl.load_model_files(rl.Config(model=str(path)))
+    assert files.eos_ids == [0]  # the test tokenizer ends at <|endoftext|>
+    assert run_cpu(cpu_argv(path, tmp_path / "runs", steps=1, run_name="chat"))
+
+
+def write_gsm8k(path, rows):
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+GSM8K_ROWS = [{"question": f"Tom has {n} apples and buys {n + 1} more. How many now?",
+               "answer": f"He has {n} + {n + 1} = <<{n}+{n + 1}={2 * n + 1}>>{2 * n + 1}.\n"
+                         f"#### {2 * n + 1}"} for n in range(1, 7)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_gsm8k_from_local_files_trains_one_step(ckpt, tmp_path, suffix):
+    data = tmp_path / f"train{suffix}"
+    write_gsm8k(data, GSM8K_ROWS)
+    problems = rl.gsm8k_problems(str(data))
+    assert [p.answer for p in problems] == [str(2 * n + 1) for n in range(1, 7)]
+    assert problems[0].question.startswith("Tom has 1 apples") and "Answer: <number>" in \
+        problems[0].question
+    argv = cpu_argv(ckpt(), tmp_path / "runs", task="gsm8k", data_files=data, steps=1,
+                    max_model_len=160, micro_batch_tokens=512, run_name="g")
+    assert run_cpu(argv)
+    rows = (tmp_path / "runs" / "g" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["determinism/tokens"] == 2 * 3 * 5
+
+
+def test_gsm8k_errors_are_one_sentence(ckpt, tmp_path, capsys, monkeypatch):
+    def err(argv):
+        assert main_cpu(argv) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    base = cpu_argv(ckpt(), tmp_path / "runs", task="gsm8k", max_model_len=160,
+                    micro_batch_tokens=512)
+    assert "--data-files '/no/file.jsonl' is not a file" in err(base + ["--data-files",
+                                                                         "/no/file.jsonl"])
+    bad = tmp_path / "bad.jsonl"
+    write_gsm8k(bad, [{"q": "x", "a": "1"}])
+    assert "GSM8K rows need 'question' and 'answer'" in err(base + ["--data-files", str(bad)])
+    write_gsm8k(bad, [{"question": "x", "answer": "just 1"}])
+    assert "an answer without '#### <number>'" in err(base + ["--data-files", str(bad)])
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    assert "--task gsm8k needs the `datasets` package" in err(base + ["--data-files", str(bad)])
+    assert not (tmp_path / "runs").exists()
