@@ -53,7 +53,8 @@ class Kernels:
     rotary: Callable  # (q (T, Hq, D), k (T, Hk, D), positions (T,), cos_sin (P, D)) -> (q, k)
     silu_and_mul: Callable  # (x (T, 2I)) -> (T, I)
     linear: Callable  # (x (T, K), w (N, K)) -> (T, N)
-    # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> o (T, Hq, D); forward sets: (o, lse (Hq, T))
+    # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> o (T, Hq, D);
+    # a forward set's returns (o, lse (Hq, T))
     attention: Callable
     log_softmax: Callable  # (x (N, V) fp32) -> (N, V) fp32
     # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,)
@@ -66,7 +67,7 @@ class Kernels:
 
 
 def ref_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 and rounded once (as the Triton kernel)."""
+    """y = x / sqrt(mean(x^2) + eps) * w, in fp32, rounded once (as the Triton kernel)."""
     xf = _wide(x)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * r * _wide(w)).to(x.dtype)
@@ -80,7 +81,8 @@ def ref_add_rms_norm(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tupl
     return (sf * r).to(x.dtype) * w, s
 
 
-def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float, gs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def rms_norm_backward(x: Tensor, w: Tensor, gy: Tensor, eps: float,
+                      gs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Gradients of y = x_hat * w with x_hat = x * r, r = (mean(x^2) + eps)^-1/2.
 
     dx = r * (gy*w - x_hat * mean(gy*w*x_hat))  (+ gs, the gradient reaching x by another path)
@@ -112,7 +114,7 @@ class RMSNormFn(torch.autograd.Function):
 
 
 class AddRMSNormFn(torch.autograd.Function):
-    """(y, s) = (rms_norm(x + residual) * w, x + residual); ds collects both paths: dy->s and ds_out."""
+    """(y, s) = (rms_norm(x + residual) * w, x + residual); ds collects both paths (dy, ds)."""
 
     @staticmethod
     def forward(ctx, x, residual, w, eps, fwd, bwd):
@@ -134,19 +136,20 @@ class AddRMSNormFn(torch.autograd.Function):
 
 
 def rope_cos_sin_cache(head_dim: int, theta: float, max_positions: int, device, dtype) -> Tensor:
-    """cache[p] = [cos(p * f), sin(p * f)], f_i = theta^(-2i/D): built in fp32 on `device`, then cast.
+    """cache[p] = [cos(p * f), sin(p * f)], f_i = theta^(-2i/D): fp32 on `device`, then cast.
 
     vLLM builds its cache the same way on the GPU at model load; building ours on the
     same device with the same fp32 ops gives the same bits.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     t = torch.arange(max_positions, dtype=torch.float, device=device)
     freqs = torch.outer(t, inv_freq)  # (P, D/2)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)  # (P, D)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """NeoX rotation of x = [x1, x2]: [x1*cos - x2*sin, x2*cos + x1*sin] (each op rounds, as the kernel)."""
+    """NeoX rotation of x = [x1, x2]: [x1*cos - x2*sin, x2*cos + x1*sin] (each op rounds)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -156,7 +159,8 @@ def ref_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tupl
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def rotary_backward(gq: Tensor, gk: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+def rotary_backward(gq: Tensor, gk: Tensor, positions: Tensor,
+                    cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """The rotation R(p) is orthogonal, so dx = R(p)^T g = R(-p) g: rotate by -sin, in fp32."""
     cos, sin = _wide(cos_sin[positions]).unsqueeze(1).chunk(2, dim=-1)
     return tuple(_rotate(_wide(g), cos, -sin).to(g.dtype) for g in (gq, gk))
@@ -253,7 +257,7 @@ def _unpad(padded: Tensor, valid: Tensor) -> Tensor:
 
 
 def _masked_scores(q: Tensor, k: Tensor, valid: Tensor, scale: float) -> Tensor:
-    """S = q k^T * scale with causal + length mask; q (B, Hq, L, D), k (B, Hk, L, D) -> (B, Hq, L, L)."""
+    """S = q k^T * scale, masked: q (B, Hq, L, D), k (B, Hk, L, D) -> (B, Hq, L, L)."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: (B, Hq, L, D)
     s = q @ k.transpose(-1, -2) * scale
     L = q.shape[2]
@@ -262,7 +266,7 @@ def _masked_scores(q: Tensor, k: Tensor, valid: Tensor, scale: float) -> Tensor:
 
 
 def ref_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal varlen attention o = softmax(q k^T * scale) v per sequence, in fp32 (padded, one batched call)."""
+    """Causal varlen attention o = softmax(q k^T * scale) v per sequence, in fp32 (padded)."""
     qp, valid = _pad(q, cu_seqlens, max_seqlen)
     kp, _ = _pad(k, cu_seqlens, max_seqlen)
     vp, _ = _pad(v, cu_seqlens, max_seqlen)
@@ -305,7 +309,7 @@ def attention_backward(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, scale: 
 
 
 class AttentionFn(torch.autograd.Function):
-    """Runs a given forward and a given backward (the padded PyTorch one above, or the Triton one below)."""
+    """Runs a given forward and a given backward (the padded PyTorch one, or the Triton one)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, fwd, bwd):
@@ -342,7 +346,7 @@ def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, length, scale):
 
 @triton.jit
 def _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h, q_t, q_h, n_tok):
-    """q, dO (BM, D), lse and delta (BM,) of query rows offs_m of head h (rows past the sequence read 0)."""
+    """q, dO (BM, D), lse and delta (BM,) of query rows offs_m of head h (0 past the sequence)."""
     m_ok = offs_m < length
     qo = (start + offs_m)[:, None] * q_t + h * q_h + offs_d[None, :]
     q = tl.load(Q + qo, mask=m_ok[:, None], other=0.0)
@@ -371,7 +375,8 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale, q_t, q_h, k_t, k_h, 
             h = hk * GROUP + g
             for m0 in range((n0 // BM) * BM, length, BM):  # causal: queries at or after the keys
                 offs_m = m0 + tl.arange(0, BM)
-                q, do, lse, delta, _ = _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h, q_t, q_h, n_tok)
+                q, do, lse, delta, _ = _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d,
+                                                    length, h, q_t, q_h, n_tok)
                 p, ds = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, length, scale)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
@@ -388,7 +393,8 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, scale, q_t, q_h, k_t, k_h, n_tok,
     m0 = tl.program_id(0) * BM
     if m0 < length:
         offs_m, offs_d = m0 + tl.arange(0, BM), tl.arange(0, D)
-        q, do, lse, delta, qo = _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h, q_t, q_h, n_tok)
+        q, do, lse, delta, qo = _query_block(Q, DO, LSE, DELTA, start, offs_m, offs_d, length, h,
+                                             q_t, q_h, n_tok)
         dq = tl.zeros([BM, D], dtype=tl.float32)
         for n0 in range(0, tl.minimum(m0 + BM, length), BN):  # causal: keys up to the last query
             offs_n = n0 + tl.arange(0, BN)
@@ -401,7 +407,9 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, scale, q_t, q_h, k_t, k_h, n_tok,
 
 
 def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, scale: float):
-    """The math of `attention_backward`, tile by tile in Triton. q, o, go (T, Hq, D); k, v (T, Hk, D); lse (Hq, T).
+    """The math of `attention_backward`, tile by tile in Triton.
+
+    q, o, go (T, Hq, D); k, v (T, Hk, D); lse (Hq, T).
 
     delta = rowsum(dO * O) (Hq, T) is computed once up front, in fp32.
     """
@@ -413,8 +421,10 @@ def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, s
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     blocks = -(-max_seqlen // ATTN_BLOCK)
     common = dict(GROUP=Hq // Hk, D=D, BM=ATTN_BLOCK, BN=ATTN_BLOCK)
-    dkdv_kernel[(blocks, B, Hk)](q, k, v, go, lse, delta, dk, dv, cu_seqlens, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), T, **common)
-    dq_kernel[(blocks, B, Hq)](q, k, v, go, lse, delta, dq, cu_seqlens, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), T, **common)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), T)
+    dkdv_kernel[(blocks, B, Hk)](q, k, v, go, lse, delta, dk, dv, cu_seqlens, scale, *strides,
+                                 **common)
+    dq_kernel[(blocks, B, Hq)](q, k, v, go, lse, delta, dq, cu_seqlens, scale, *strides, **common)
     return dq, dk, dv
 
 
@@ -428,7 +438,8 @@ def ref_log_softmax(x: Tensor) -> Tensor:
     return torch.log_softmax(x, dim=-1)
 
 
-def tempered_log_softmax(logits: Tensor, temperature: float, log_softmax: Callable = ref_log_softmax) -> Tensor:
+def tempered_log_softmax(logits: Tensor, temperature: float,
+                         log_softmax: Callable = ref_log_softmax) -> Tensor:
     """lp = log_softmax(float(logits) / T), (N, V) fp32, as vLLM's sampler computes it.
 
     T is divided as a fp32 *device tensor*, as vLLM's sampler does (a Python scalar would
@@ -438,14 +449,16 @@ def tempered_log_softmax(logits: Tensor, temperature: float, log_softmax: Callab
     return log_softmax(z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device))
 
 
-def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float, log_softmax: Callable = ref_log_softmax) -> tuple[Tensor, Tensor]:
+def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float,
+                         log_softmax: Callable = ref_log_softmax) -> tuple[Tensor, Tensor]:
     """(lp[target], -sum exp(lp) * lp), both fp32 (N,), with lp = tempered_log_softmax(logits)."""
     lp = tempered_log_softmax(logits, temperature, log_softmax)
     return lp.gather(-1, targets[:, None])[:, 0], -(lp.exp() * lp).sum(-1)
 
 
-def logprobs_entropy_backward(lp: Tensor, targets: Tensor, entropy: Tensor, g_lp: Tensor, g_ent: Tensor, temperature: float, dtype) -> Tensor:
-    """Gradient w.r.t. the logits of (lp[t], H) with lp = log_softmax(z), z = logits / T, p = exp(lp):
+def logprobs_entropy_backward(lp: Tensor, targets: Tensor, entropy: Tensor, g_lp: Tensor,
+                              g_ent: Tensor, temperature: float, dtype) -> Tensor:
+    """Gradient w.r.t. the logits of (lp[t], H), lp = log_softmax(z), z = logits / T, p = exp(lp):
 
     d lp[t] / dz_j = [j = t] - p_j,   dH / dz_j = -p_j (lp_j + H),   d/dlogits = d/dz / T.
     """
@@ -526,8 +539,9 @@ def _rms_norm_bwd_kernel(X, W, GY, GS, DX, DW_PART, n_rows, D, eps, rows_per_pro
     tl.store(DW_PART + pid * D + cols, dw, mask=c_ok)
 
 
-def rms_norm_backward_triton(x: Tensor, w: Tensor, gy: Tensor, eps: float, gs: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`rms_norm_backward` in one pass over the rows (x, gy (..., D)); dw from per-program partial sums."""
+def rms_norm_backward_triton(x: Tensor, w: Tensor, gy: Tensor, eps: float,
+                             gs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`rms_norm_backward` in one pass over the rows (x, gy (..., D)); dw from per-program sums."""
     d = x.shape[-1]
     x2, g2 = x.reshape(-1, d).contiguous(), gy.reshape(-1, d).contiguous()
     n = x2.shape[0]
@@ -559,14 +573,16 @@ def _rotary_bwd_kernel(G, POS, CS, OUT, n_rows, H, HALF: tl.constexpr, BLOCK_R: 
     tl.store(OUT + at + HALF, (g2 * cos - g1 * sin).to(OUT.dtype.element_ty), mask=ok)
 
 
-def rotary_backward_triton(gq: Tensor, gk: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+def rotary_backward_triton(gq: Tensor, gk: Tensor, positions: Tensor,
+                           cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """`rotary_backward` (rotate by -sin), one pass per tensor; g (T, H, D) -> (T, H, D)."""
     out = []
     for g in (gq, gk):
         g = g.contiguous()
         rows, block_r = g.shape[0] * g.shape[1], 32
         dg = torch.empty_like(g)
-        _rotary_bwd_kernel[(-(-rows // block_r),)](g, positions, cos_sin, dg, rows, g.shape[1], HALF=g.shape[2] // 2, BLOCK_R=block_r)
+        _rotary_bwd_kernel[(-(-rows // block_r),)](g, positions, cos_sin, dg, rows, g.shape[1],
+                                                   HALF=g.shape[2] // 2, BLOCK_R=block_r)
         out.append(dg)
     return out[0], out[1]
 
@@ -605,13 +621,15 @@ def _logprobs_entropy_bwd_kernel(LP, TGT, ENT, GLP, GENT, DL, V, TEMP, BLOCK: tl
     tl.store(DL + row * V + j, (dz / tl.load(TEMP)).to(DL.dtype.element_ty), mask=ok)
 
 
-def logprobs_entropy_backward_triton(lp, targets, entropy, g_lp, g_ent, temperature: float, dtype) -> Tensor:
-    """`logprobs_entropy_backward` in one pass over lp (N, V): reads it once, writes d logits once."""
+def logprobs_entropy_backward_triton(lp, targets, entropy, g_lp, g_ent, temperature: float,
+                                     dtype) -> Tensor:
+    """`logprobs_entropy_backward` in one pass over lp (N, V): reads it, writes d logits, once."""
     n, v = lp.shape
     dl = torch.empty(n, v, dtype=dtype, device=lp.device)
     block = 4096
     t = torch.full((1,), temperature, dtype=torch.float32, device=lp.device)
-    _logprobs_entropy_bwd_kernel[(n, -(-v // block))](lp, targets, entropy, g_lp.contiguous(), g_ent.contiguous(), dl, v, t, BLOCK=block)
+    _logprobs_entropy_bwd_kernel[(n, -(-v // block))](lp, targets, entropy, g_lp.contiguous(),
+                                                      g_ent.contiguous(), dl, v, t, BLOCK=block)
     return dl
 
 
@@ -620,10 +638,13 @@ def logprobs_entropy_backward_triton(lp, targets, entropy, g_lp, g_ent, temperat
 # ---------------------------------------------------------------------------
 
 # The backward of each op, by name: the PyTorch ones (CPU, tests) and the Triton ones (GPU).
-TORCH_BACKWARDS = dict(rms_norm=rms_norm_backward, rotary=rotary_backward, silu_and_mul=silu_and_mul_backward,
-                       attention=attention_backward, logprobs_entropy=logprobs_entropy_backward)
-TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backward_triton, silu_and_mul=silu_and_mul_backward_triton,
-                        attention=attention_backward_tiled, logprobs_entropy=logprobs_entropy_backward_triton)
+TORCH_BACKWARDS = dict(rms_norm=rms_norm_backward, rotary=rotary_backward,
+                       silu_and_mul=silu_and_mul_backward, attention=attention_backward,
+                       logprobs_entropy=logprobs_entropy_backward)
+TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backward_triton,
+                        silu_and_mul=silu_and_mul_backward_triton,
+                        attention=attention_backward_tiled,
+                        logprobs_entropy=logprobs_entropy_backward_triton)
 
 
 def reference_kernels() -> Kernels:
@@ -646,13 +667,16 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
     return Kernels(
         name=fwd.name,
         rms_norm=lambda x, w, eps: RMSNormFn.apply(x, w, eps, fwd.rms_norm, bwd["rms_norm"]),
-        add_rms_norm=lambda x, r, w, eps: AddRMSNormFn.apply(x, r, w, eps, fwd.add_rms_norm, bwd["rms_norm"]),
+        add_rms_norm=lambda x, r, w, eps: AddRMSNormFn.apply(x, r, w, eps, fwd.add_rms_norm,
+                                                             bwd["rms_norm"]),
         rotary=lambda q, k, pos, cs: RotaryFn.apply(q, k, pos, cs, fwd.rotary, bwd["rotary"]),
         silu_and_mul=lambda x: SiluAndMulFn.apply(x, fwd.silu_and_mul, bwd["silu_and_mul"]),
         linear=lambda x, w: LinearFn.apply(x, w, fwd.linear),
-        attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention, bwd["attention"]),
+        attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention,
+                                                               bwd["attention"]),
         log_softmax=fwd.log_softmax,  # forward only: its backward is part of logprobs_entropy's
-        logprobs_entropy=lambda z, t, temp: LogprobsEntropyFn.apply(z, t, temp, fwd.log_softmax, bwd["logprobs_entropy"]),
+        logprobs_entropy=lambda z, t, temp: LogprobsEntropyFn.apply(z, t, temp, fwd.log_softmax,
+                                                                    bwd["logprobs_entropy"]),
     )
 
 
@@ -674,16 +698,17 @@ ADD_RMS_NORM_ROWS = 255
 
 def fused_add_rms_norm_rows(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> None:
     """vLLM's in-place fused_add_rms_norm (residual <- x + residual, x <- rms_norm(residual) * w),
-    called on row chunks of at most ADD_RMS_NORM_ROWS, so each row's result is independent of the batch."""
+    called on row chunks of at most ADD_RMS_NORM_ROWS: each row's result is batch-independent."""
     from vllm import _custom_ops as ops
 
     d = x.shape[-1]
-    for xs, rs in zip(x.view(-1, d).split(ADD_RMS_NORM_ROWS), residual.view(-1, d).split(ADD_RMS_NORM_ROWS)):
+    rows = ADD_RMS_NORM_ROWS
+    for xs, rs in zip(x.view(-1, d).split(rows), residual.view(-1, d).split(rows)):
         ops.fused_add_rms_norm(xs, rs, w, eps)
 
 
 def vllm_forwards() -> Kernels:
-    """Exactly the kernels vLLM 0.26's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
+    """The kernels vLLM 0.26's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers import batch_invariant as bi
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -694,8 +719,10 @@ def vllm_forwards() -> Kernels:
         return x, residual
 
     def rotary(q, k, positions, cos_sin):
-        q, k = q.contiguous().clone(), k.contiguous().clone()  # in place; heads flattened as vLLM passes them
-        ops.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), q.shape[-1], cos_sin, True)
+        q = q.contiguous().clone()  # the kernel works in place, on heads flattened as vLLM
+        k = k.contiguous().clone()  # passes them
+        ops.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
+                             q.shape[-1], cos_sin, True)
         return q, k
 
     def silu_and_mul(x):

@@ -71,8 +71,14 @@ def plain_kernels():
         qp, valid = bib._pad(q, cu_seqlens, max_seqlen)
         kp, _ = bib._pad(k, cu_seqlens, max_seqlen)
         vp, _ = bib._pad(v, cu_seqlens, max_seqlen)
-        o = F.scaled_dot_product_attention(qp.to(q.dtype), kp.to(q.dtype), vp.to(q.dtype),
-                                           is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qp.to(q.dtype),
+            kp.to(q.dtype),
+            vp.to(q.dtype),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
         return bib._unpad(o, valid).to(q.dtype)
 
     ref = bib.reference_kernels()
@@ -115,11 +121,17 @@ def user_engine_class():
             self.cfg = rl.dataclasses.replace(cfg, engine_sleep=False)  # TRL's default
             self.eos_ids, self.asleep = files.eos_ids, False
             samples = rl.samples_per_rank(cfg, ranks.world)
-            self.llm = LLM(model=str(files.path), skip_tokenizer_init=True, dtype=cfg.dtype,
-                           seed=cfg.seed, max_model_len=cfg.max_model_len,
-                           kv_cache_memory_bytes=rl.kv_cache_bytes(cfg, files.args, ranks.world),
-                           gpu_memory_utilization=0.5,
-                           logprobs_mode="processed_logprobs", max_num_seqs=samples)
+            self.llm = LLM(
+                model=str(files.path),
+                skip_tokenizer_init=True,
+                dtype=cfg.dtype,
+                seed=cfg.seed,
+                max_model_len=cfg.max_model_len,
+                kv_cache_memory_bytes=rl.kv_cache_bytes(cfg, files.args, ranks.world),
+                gpu_memory_utilization=0.5,
+                logprobs_mode="processed_logprobs",
+                max_num_seqs=samples,
+            )
 
     return UserEngine
 
@@ -136,7 +148,8 @@ class HFTrainer:
 
         self.attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=self.attn).to(device)
+            path, dtype=torch.float32, attn_implementation=self.attn
+        ).to(device)
         self.model.gradient_checkpointing_disable()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, fused=True)
         self.cfg, self.device = cfg, device
@@ -169,8 +182,9 @@ class HFTrainer:
             z = logits[gen].float() / cfg.temperature  # (N_mb, V)
             t = torch.tensor(targets, device=dev)
             logp = z.gather(-1, t[:, None])[:, 0] - torch.logsumexp(z, -1)
-            sample = torch.tensor([j for j, i in enumerate(group)
-                                   for _ in rollout.completions[i]], device=dev)
+            sample = torch.tensor(
+                [j for j, i in enumerate(group) for _ in rollout.completions[i]], device=dev
+            )
             n0 = sum(len(rollout.completions[i]) for i in range(group.start))
             old = rollout.logprobs[n0 : n0 + len(targets)].to(dev)
             pg, _, _ = rl.ppo_clip_loss(logp, old, adv[sample + group.start], cfg.clip_eps)
@@ -187,9 +201,20 @@ class HFTrainer:
         return ((k, v.detach().to(torch.bfloat16)) for k, v in self.model.state_dict().items())
 
 
-def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int, group: int,
-            prompt_len: int, new_tokens: int, micro_batch_tokens: int, engine_factory=None,
-            device_type: str = "cuda", profile_to: Path | None = None) -> dict:
+def measure(
+    design: str,
+    model_dir: str,
+    steps: int,
+    warmup: int,
+    prompts_n: int,
+    group: int,
+    prompt_len: int,
+    new_tokens: int,
+    micro_batch_tokens: int,
+    engine_factory=None,
+    device_type: str = "cuda",
+    profile_to: Path | None = None,
+) -> dict:
     """Warm-up + measured steps of one design in this process (or this torchrun rank)."""
     import torch
 
@@ -198,27 +223,42 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
 
     ranks = rl.init_ranks(device_type)
     cpu = device_type == "cpu"
-    cfg = rl.Config(model=model_dir, num_prompts=prompts_n, group_size=group,
-                    max_new_tokens=new_tokens, max_model_len=prompt_len + new_tokens + 1,
-                    micro_batch_tokens=max(micro_batch_tokens, prompt_len + new_tokens + 1),
-                    lr=1e-6, kernels="reference" if design == "b" else "vllm",
-                    dtype="float32" if cpu else "bfloat16")
+    cfg = rl.Config(
+        model=model_dir,
+        num_prompts=prompts_n,
+        group_size=group,
+        max_new_tokens=new_tokens,
+        max_model_len=prompt_len + new_tokens + 1,
+        micro_batch_tokens=max(micro_batch_tokens, prompt_len + new_tokens + 1),
+        lr=1e-6,
+        kernels="reference" if design == "b" else "vllm",
+        dtype="float32" if cpu else "bfloat16",
+    )
     files = rl.load_model_files(cfg, ranks)
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
-        engine_factory = {"a": rl.VLLMEngine, "b": rl.VLLMEngine, "c": seed_engine_class(),
-                          "d": user_engine_class()}[design]
+        engine_factory = {
+            "a": rl.VLLMEngine,
+            "b": rl.VLLMEngine,
+            "c": seed_engine_class(),
+            "d": user_engine_class(),
+        }[design]
     engine = engine_factory(cfg, files, ranks)
     if design == "d":
         trainer = HFTrainer(files.path, cfg, ranks.device)
         engine.push(trainer.weights())
         model = optimizer = None
     else:
-        kernels = plain_kernels() if design == "b" else \
-            bib.reference_kernels() if cpu else bib.vllm_kernels()
-        state = rl.hf_to_trainer(rl.load_hf_state_dict(files.path), files.args) \
-            if ranks.main else {}
-        model = rl.build_model(files.args, state, kernels, rl.DTYPES[cfg.dtype], ranks.device,
-                               ranks.world)
+        kernels = (
+            plain_kernels()
+            if design == "b"
+            else bib.reference_kernels() if cpu else bib.vllm_kernels()
+        )
+        state = (
+            rl.hf_to_trainer(rl.load_hf_state_dict(files.path), files.args) if ranks.main else {}
+        )
+        model = rl.build_model(
+            files.args, state, kernels, rl.DTYPES[cfg.dtype], ranks.device, ranks.world
+        )
         engine.push(rl.hf_weights(model))
         optimizer = rl.make_optimizer(model, cfg)
         trainer = None
@@ -226,10 +266,26 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
     prompts = workload_prompts(prompts_n, prompt_len, vocab, 0)
     packed_micro_batches = rl.micro_batches
     if design == "c":  # the seed trained one sample per forward
-        rl.micro_batches = lambda lengths, max_tokens: [range(i, i + 1) for i in range(len(lengths))]
+        rl.micro_batches = lambda lengths, max_tokens: [
+            range(i, i + 1) for i in range(len(lengths))
+        ]
     try:
-        rows = [one_step(step, step < warmup, design, engine, model, optimizer, trainer, prompts,
-                         cfg, ranks, files.args) for step in range(warmup + steps)]
+        rows = [
+            one_step(
+                step,
+                step < warmup,
+                design,
+                engine,
+                model,
+                optimizer,
+                trainer,
+                prompts,
+                cfg,
+                ranks,
+                files.args,
+            )
+            for step in range(warmup + steps)
+        ]
         if profile_to and design in "ab":
             profile_train_step(model, optimizer, prompts, engine, cfg, ranks, profile_to)
     finally:
@@ -239,24 +295,39 @@ def measure(design: str, model_dir: str, steps: int, warmup: int, prompts_n: int
     def mean(key):
         return sum(r[key] for r in measured) / len(measured)
 
-    keys = ("rollout_s", "fwd_bwd_s", "optimizer_s", "push_s", "step_s", "generated_tokens",
-            "trained_tokens", "samples", "flops", "peak_gib")
+    keys = (
+        "rollout_s",
+        "fwd_bwd_s",
+        "optimizer_s",
+        "push_s",
+        "step_s",
+        "generated_tokens",
+        "trained_tokens",
+        "samples",
+        "flops",
+        "peak_gib",
+    )
     out = {k: mean(k) for k in keys}
-    out.update(design=design, name=DESIGNS[design], nproc=ranks.world,
-               mismatched=sum(r["mismatched"] for r in measured),
-               rollout_tok_s=out["generated_tokens"] / out["rollout_s"],
-               trainer_tok_s=out["trained_tokens"] / out["fwd_bwd_s"],
-               samples_s=out["samples"] / out["step_s"],
-               mfu=out["flops"] / out["fwd_bwd_s"] / (PEAK_FLOPS * ranks.world),
-               peak_gib=max(r["peak_gib"] for r in rows), steps=rows,
-               attention=trainer.attn if trainer else "fa3-varlen")
+    out.update(
+        design=design,
+        name=DESIGNS[design],
+        nproc=ranks.world,
+        mismatched=sum(r["mismatched"] for r in measured),
+        rollout_tok_s=out["generated_tokens"] / out["rollout_s"],
+        trainer_tok_s=out["trained_tokens"] / out["fwd_bwd_s"],
+        samples_s=out["samples"] / out["step_s"],
+        mfu=out["flops"] / out["fwd_bwd_s"] / (PEAK_FLOPS * ranks.world),
+        peak_gib=max(r["peak_gib"] for r in rows),
+        steps=rows,
+        attention=trainer.attn if trainer else "fa3-varlen",
+    )
     if ranks.world > 1:
         out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
     return out
 
 
 def device_used_gib(ranks) -> float:
-    """Memory in use on this GPU right now (every allocator: PyTorch's and vLLM's), max over ranks."""
+    """Memory in use on this GPU now (every allocator: PyTorch's and vLLM's), max over ranks."""
     import torch
 
     import simple_rl as rl
@@ -268,8 +339,9 @@ def device_used_gib(ranks) -> float:
     return float(rl.all_reduce(used, rl.dist.ReduceOp.MAX))
 
 
-def one_step(step, warmup, design, engine, model, optimizer, trainer, prompts, cfg, ranks,
-             args) -> dict:
+def one_step(
+    step, warmup, design, engine, model, optimizer, trainer, prompts, cfg, ranks, args
+) -> dict:
     """rollout -> update with the parity check -> push, each phase on a synchronised clock.
 
     Times are the slowest rank's; token counts are summed over ranks."""
@@ -297,8 +369,9 @@ def one_step(step, warmup, design, engine, model, optimizer, trainer, prompts, c
         n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=dev)
         n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))
         timed = time_optimizer(optimizer, dev)
-        _, _, logp = rl.train_step(model, None, optimizer, packed, ro.logprobs.to(dev), adv, cfg,
-                                   n_micro, n_tokens)
+        _, _, logp = rl.train_step(
+            model, None, optimizer, packed, ro.logprobs.to(dev), adv, cfg, n_micro, n_tokens
+        )
         opt_s = timed["s"]
     parity = rl.parity_over_ranks(rl.parity_report(ro.logprobs, logp, packed.targets, 0), dev)
     sync(dev)
@@ -310,13 +383,26 @@ def one_step(step, warmup, design, engine, model, optimizer, trainer, prompts, c
     lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
     local = torch.tensor([t1 - t0, t2 - t1 - opt_s, opt_s, t3 - t2, t3 - t0], device=dev)
     times = rl.all_reduce(local, rl.dist.ReduceOp.MAX).tolist()
-    counts = rl.all_reduce(torch.tensor([sum(lens), flops_per_step(args, lens, len(logp))],
-                                        device=dev, dtype=torch.float64)).tolist()
-    row = dict(step=step, warmup=warmup, rollout_s=times[0], fwd_bwd_s=times[1],
-               optimizer_s=times[2], push_s=times[3], step_s=times[4],
-               generated_tokens=parity.n_tokens, trained_tokens=int(counts[0]),
-               samples=len(prompts) * cfg.group_size, mismatched=parity.n_mismatch,
-               flops=counts[1], peak_gib=max(peak, device_used_gib(ranks)))
+    counts = rl.all_reduce(
+        torch.tensor(
+            [sum(lens), flops_per_step(args, lens, len(logp))], device=dev, dtype=torch.float64
+        )
+    ).tolist()
+    row = dict(
+        step=step,
+        warmup=warmup,
+        rollout_s=times[0],
+        fwd_bwd_s=times[1],
+        optimizer_s=times[2],
+        push_s=times[3],
+        step_s=times[4],
+        generated_tokens=parity.n_tokens,
+        trained_tokens=int(counts[0]),
+        samples=len(prompts) * cfg.group_size,
+        mismatched=parity.n_mismatch,
+        flops=counts[1],
+        peak_gib=max(peak, device_used_gib(ranks)),
+    )
     if ranks.main:
         print(json.dumps(row), flush=True)
     return row
@@ -367,8 +453,9 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_train_step(model, optimizer, prompts, engine, cfg, ranks, path: Path,
-                       rows: int = 30) -> None:
+def profile_train_step(
+    model, optimizer, prompts, engine, cfg, ranks, path: Path, rows: int = 30
+) -> None:
     """One more update under torch.profiler: the ops that take the GPU time, to a text file."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -392,36 +479,49 @@ def profile_train_step(model, optimizer, prompts, engine, cfg, ranks, path: Path
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'design':<9} {'GPUs':>4} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
-            f"{'optim s':>7} {'push s':>6} {'samples/s':>9} {'roll tok/s':>10} "
-            f"{'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'mismatch':>8}")
+    head = (
+        f"{'design':<9} {'GPUs':>4} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
+        f"{'optim s':>7} {'push s':>6} {'samples/s':>9} {'roll tok/s':>10} "
+        f"{'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'mismatch':>8}"
+    )
     lines = [head]
     for r in results:
-        lines.append(f"{r['name']:<9} {r['nproc']:>4} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} "
-                     f"{r['fwd_bwd_s']:>9.2f} {r['optimizer_s']:>7.3f} {r['push_s']:>6.3f} "
-                     f"{r['samples_s']:>9.1f} {r['rollout_tok_s']:>10.0f} "
-                     f"{r['trainer_tok_s']:>11.0f} {r['mfu']:>6.1%} {r['peak_gib']:>8.1f} "
-                     f"{r['mismatched']:>8}")
+        lines.append(
+            f"{r['name']:<9} {r['nproc']:>4} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} "
+            f"{r['fwd_bwd_s']:>9.2f} {r['optimizer_s']:>7.3f} {r['push_s']:>6.3f} "
+            f"{r['samples_s']:>9.1f} {r['rollout_tok_s']:>10.0f} "
+            f"{r['trainer_tok_s']:>11.0f} {r['mfu']:>6.1%} {r['peak_gib']:>8.1f} "
+            f"{r['mismatched']:>8}"
+        )
     by = {(r["design"], r["nproc"]): r for r in results}
     a, d = by.get(("a", 1)), by.get(("d", 1))
     if a and d:
-        lines.append(f"bitwise / user's stack: step {a['step_s'] / d['step_s']:.2f}x, rollout "
-                     f"{a['rollout_s'] / d['rollout_s']:.2f}x, trainer "
-                     f"{a['fwd_bwd_s'] / d['fwd_bwd_s']:.2f}x (target: step <= 1.0x)")
+        lines.append(
+            f"bitwise / user's stack: step {a['step_s'] / d['step_s']:.2f}x, rollout "
+            f"{a['rollout_s'] / d['rollout_s']:.2f}x, trainer "
+            f"{a['fwd_bwd_s'] / d['fwd_bwd_s']:.2f}x (target: step <= 1.0x)"
+        )
     if a:
-        lines.append(f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
-                     f"{a['push_s']:.3f} s")
+        lines.append(
+            f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
+            f"{a['push_s']:.3f} s"
+        )
     for (design, n), r in sorted(by.items()):
         if design == "a" and n > 1 and a:
-            lines.append(f"(a) on {n} GPUs: {r['samples_s'] / a['samples_s']:.2f}x the samples/s "
-                         f"of 1 GPU; all-gather {r.get('all_gather_gb_s', 0):.0f} GB/s")
+            lines.append(
+                f"(a) on {n} GPUs: {r['samples_s'] / a['samples_s']:.2f}x the samples/s "
+                f"of 1 GPU; all-gather {r.get('all_gather_gb_s', 0):.0f} GB/s"
+            )
     return "\n".join(lines)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="HF Qwen3 checkpoint directory (tests/make_checkpoint.py --preset ...)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF Qwen3 checkpoint directory (tests/make_checkpoint.py --preset ...)",
+    )
     p.add_argument("--designs", default="abcd", help="which of a, b, c, d to run")
     p.add_argument("--nproc", type=int, default=1, help="GPUs for design (a), under torchrun")
     p.add_argument("--steps", type=int, default=3)
@@ -432,13 +532,22 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--out", default="bench.json")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile one more update of designs a and b (<out>.profile.txt)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one more update of designs a and b (<out>.profile.txt)",
+    )
     p.add_argument("--worker", choices=sorted(DESIGNS), help=argparse.SUPPRESS)
     a = p.parse_args()
-    knobs = dict(steps=a.steps, warmup=a.warmup, prompts_n=a.prompts, group=a.group,
-                 prompt_len=a.prompt_len, new_tokens=a.new_tokens,
-                 micro_batch_tokens=a.micro_batch_tokens)
+    knobs = dict(
+        steps=a.steps,
+        warmup=a.warmup,
+        prompts_n=a.prompts,
+        group=a.group,
+        prompt_len=a.prompt_len,
+        new_tokens=a.new_tokens,
+        micro_batch_tokens=a.micro_batch_tokens,
+    )
     if a.worker:
         profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile else None
         result = measure(a.worker, a.model, **knobs, profile_to=profile_to)
@@ -449,19 +558,41 @@ def main():
     results = []
     for d in a.designs:
         out = Path(a.out).with_suffix(f".{d}{a.nproc}.json")
-        env = dict(os.environ, VLLM_BATCH_INVARIANT="0" if d in "bd" else "1",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = dict(
+            os.environ,
+            VLLM_BATCH_INVARIANT="0" if d in "bd" else "1",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        )
         if d != "d":  # (d) keeps vLLM's default model runner
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        launch = [sys.executable] if a.nproc == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.nproc}"]
-        knob_args = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                     if k not in ("nproc", "designs", "out", "worker", "profile")]
-        subprocess.run([*launch, __file__, *knob_args, *(["--profile"] if a.profile else []),
-                        "--worker", d, "--out", str(out)], check=True, env=env)
+        launch = (
+            [sys.executable]
+            if a.nproc == 1
+            else [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.nproc}"]
+        )
+        knob_args = [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(a).items()
+            if k not in ("nproc", "designs", "out", "worker", "profile")
+        ]
+        subprocess.run(
+            [
+                *launch,
+                __file__,
+                *knob_args,
+                *(["--profile"] if a.profile else []),
+                "--worker",
+                d,
+                "--out",
+                str(out),
+            ],
+            check=True,
+            env=env,
+        )
         results.append(json.loads(out.read_text()))
-    Path(a.out).write_text(json.dumps({"workload": knobs, "peak_flops": PEAK_FLOPS,
-                                       "results": results}, indent=1))
+    Path(a.out).write_text(
+        json.dumps({"workload": knobs, "peak_flops": PEAK_FLOPS, "results": results}, indent=1)
+    )
     print(table(results))
 
 

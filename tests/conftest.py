@@ -18,8 +18,9 @@ def ckpt(tmp_path_factory):
     def get(tied=True, shard=None, layers=2, chat=False):
         key = (tied, shard, layers, chat)
         if key not in made:
-            made[key] = make_checkpoint(tmp_path_factory.mktemp("ckpt"), tied=tied, shard=shard,
-                                        layers=layers, chat=chat)
+            made[key] = make_checkpoint(
+                tmp_path_factory.mktemp("ckpt"), tied=tied, shard=shard, layers=layers, chat=chat
+            )
         return made[key]
 
     return get

@@ -1,8 +1,12 @@
-"""GPU parity experiments, one engine per process (vLLM keeps process-wide state).
+"""GPU parity experiments, one engine per process (vLLM keeps process-wide state); under
+torchrun, one engine per rank and the FSDP2 trainer.
 
     VLLM_BATCH_INVARIANT=1 python tests/gpu_driver.py parity --tied --temperature 1.0 --out r.json
+    VLLM_BATCH_INVARIANT=1 python -m torch.distributed.run --nproc-per-node 2 \\
+        tests/gpu_driver.py parity --ckpt CKPT --out r.json
+    VLLM_BATCH_INVARIANT=1 python tests/gpu_driver.py rollouts --ckpt CKPT --out r.json
 
-`tests/test_gpu.py` runs these and asserts on the JSON they write.
+`tests/test_gpu.py` runs these and asserts on the JSON that rank 0 writes.
 """
 
 from __future__ import annotations
@@ -28,10 +32,19 @@ import simple_rl as rl  # noqa: E402
 from helpers import make_checkpoint  # noqa: E402
 
 # trainer name fragment -> vLLM name fragment, for comparing the two models' weights
-TO_VLLM = [("tok_embeddings", "model.embed_tokens"), ("layers.", "model.layers."), ("attention.wqkv", "self_attn.qkv_proj"),
-           ("attention.wo", "self_attn.o_proj"), ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"),
-           ("attention_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-           ("feed_forward.w13", "mlp.gate_up_proj"), ("feed_forward.w2", "mlp.down_proj"), ("output.", "lm_head.")]
+TO_VLLM = [
+    ("tok_embeddings", "model.embed_tokens"),
+    ("layers.", "model.layers."),
+    ("attention.wqkv", "self_attn.qkv_proj"),
+    ("attention.wo", "self_attn.o_proj"),
+    ("attention.q_norm", "self_attn.q_norm"),
+    ("attention.k_norm", "self_attn.k_norm"),
+    ("attention_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("feed_forward.w13", "mlp.gate_up_proj"),
+    ("feed_forward.w2", "mlp.down_proj"),
+    ("output.", "lm_head."),
+]
 
 
 def vllm_name(name: str) -> str:
@@ -43,119 +56,247 @@ def vllm_name(name: str) -> str:
 
 
 def weights_equal(engine, model) -> tuple[bool, int]:
-    """Every trainer weight (compute dtype) equals vLLM's tensor of the same role, bitwise."""
-    ours = {vllm_name(n): model.w(p.detach()) for n, p in model.named_parameters()}
+    """Every trainer weight (compute dtype, gathered one at a time under FSDP) equals vLLM's
+    tensor of the same role, bitwise; on this rank."""
 
     def check(m):
         theirs = dict(m.named_parameters())
-        return [n for n, t in ours.items() if n not in theirs or not torch.equal(theirs[n], t)]
+        bad = []
+        for n, p in model.named_parameters():  # every rank gathers in the same order
+            ours = rl.full_tensor(p.detach().to(model.dtype))
+            if vllm_name(n) not in theirs or not torch.equal(theirs[vllm_name(n)], ours):
+                bad.append(n)
+        return bad
 
     bad = engine.llm.apply_model(check)[0]
-    return not bad, len(ours)
+    return not bad, len(list(model.parameters()))
 
 
 def setup(args):
-    work = Path(tempfile.mkdtemp())
-    path = make_checkpoint(work / "ckpt", tied=args.tied, layers=args.layers, vocab=args.vocab, hidden=args.hidden,
-                           heads=args.heads, kv_heads=args.kv_heads, inter=args.inter, dtype=torch.bfloat16, seed=args.seed)
-    cfg = rl.Config(model=str(path), num_prompts=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, max_model_len=1024, lr=args.lr, seed=args.seed,
-                    micro_batch_tokens=args.micro_batch_tokens, cuda_graphs=args.cuda_graphs)
+    ranks = rl.init_ranks("cuda")
+    path = Path(args.ckpt) if args.ckpt else None
+    if path is None:
+        path = make_checkpoint(
+            Path(tempfile.mkdtemp()) / "ckpt",
+            tied=args.tied,
+            layers=args.layers,
+            vocab=args.vocab,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            inter=args.inter,
+            dtype=torch.bfloat16,
+            seed=args.seed,
+        )
+    cfg = rl.Config(
+        model=str(path),
+        num_prompts=args.prompts,
+        group_size=args.group,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        max_model_len=1024,
+        lr=args.lr,
+        seed=args.seed,
+        micro_batch_tokens=args.micro_batch_tokens,
+        cuda_graphs=args.cuda_graphs,
+        engine_sleep=args.engine_sleep,
+    )
     rl.validate(cfg)
-    _, margs, tokenizer, eos_ids = rl.load_model_files(cfg)
+    files = rl.load_model_files(cfg, ranks)
     t0 = time.perf_counter()
-    engine = rl.VLLMEngine(cfg, path, eos_ids)
+    engine = rl.VLLMEngine(cfg, files, ranks)
     engine_s = time.perf_counter() - t0
-    model = rl.build_model(margs, rl.hf_to_trainer(rl.load_hf_state_dict(path), margs), bib.vllm_kernels(), torch.bfloat16, torch.device("cuda"))
-    return cfg, engine, model, eos_ids, engine_s
+    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), files.args) if ranks.main else {}
+    model = rl.build_model(
+        files.args, state, bib.vllm_kernels(), torch.bfloat16, ranks.device, ranks.world
+    )
+    return cfg, ranks, engine, model, engine_s
 
 
-def prompts_for(args) -> list[list[int]]:
+def prompts_for(args, vocab: int) -> list[list[int]]:
     """Prompt lengths spread from 1 to max_prompt tokens; ids avoid eos (0)."""
     g = torch.Generator().manual_seed(args.seed)
     lens = torch.linspace(1, args.max_prompt, args.prompts).round().long().tolist()
-    return [torch.randint(1, args.vocab, (n,), generator=g).tolist() for n in lens]
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def parity(args) -> dict:
-    cfg, engine, model, eos_ids, engine_s = setup(args)
+    cfg, ranks, engine, model, engine_s = setup(args)
     optimizer = rl.make_optimizer(model, cfg)
-    prompts = prompts_for(args)
-    out = dict(engine_start_s=engine_s, steps=[])
-    eq, n_w = weights_equal(engine, model)
-    out["weights_equal_at_start"] = eq
+    prompts = prompts_for(args, min(args.vocab, model.args.vocab_size))
+    mine = rl.my_prompts(len(prompts), ranks)
+    out = dict(
+        engine_start_s=engine_s,
+        world=ranks.world,
+        steps=[],
+        weights_equal_at_start=rl.agree(weights_equal(engine, model)[0], ranks.device),
+    )
     for step in range(args.steps):
         t0 = time.perf_counter()
-        ro = engine.rollout(prompts, step)
+        ro = engine.rollout([prompts[i] for i in mine], mine, step)
+        engine.sleep()
         t1 = time.perf_counter()
         packed = rl.pack(ro.prompts, ro.completions)
         # a synthetic verifiable reward: share of even token ids (gives nonzero advantages)
-        rewards = torch.tensor([sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions])
+        rewards = torch.tensor(
+            [sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions]
+        )
         adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).cuda()
-        metrics, logp = rl.train_step(model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg)
+        n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=ranks.device)
+        n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))
+        n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)], device=ranks.device)))
+        sums, _, logp = rl.train_step(
+            model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg, n_micro, n_tokens
+        )
         par = rl.parity_report(ro.logprobs, logp, packed.targets, 6)
         t2 = time.perf_counter()
-        engine.push(model)
+        engine.push(rl.hf_weights(model))
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         eq, n_w = weights_equal(engine, model)
         lens = [len(c) for c in ro.completions]
-        rec = dict(step=step, tokens=par.n_tokens, mismatched=par.n_mismatch, max_abs_diff=par.max_abs_diff,
-                   samples=len(lens), stopped_at_eos=sum(ro.stopped), hit_max_tokens=sum(not s for s in ro.stopped),
-                   max_completion=max(lens), prompt_lens=[min(map(len, prompts)), max(map(len, prompts))],
-                   weights_equal_after_push=eq, n_weights=n_w, rollout_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2,
-                   loss=metrics["loss"], ratio_mean=metrics["ratio_mean"])
-        print(par.table)
-        print(json.dumps(rec))
+        mine_rec = dict(
+            rank=ranks.rank,
+            tokens=par.n_tokens,
+            mismatched=par.n_mismatch,
+            max_abs_diff=par.max_abs_diff,
+            samples=len(lens),
+            stopped_at_eos=sum(ro.stopped),
+            hit_max_tokens=sum(not s for s in ro.stopped),
+            max_completion=max(lens),
+            weights_equal_after_push=eq,
+            n_weights=n_w,
+            prompt_lens=[min(len(prompts[i]) for i in mine), max(len(prompts[i]) for i in mine)],
+            rollout_s=t1 - t0,
+            train_s=t2 - t1,
+            push_s=t3 - t2,
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            device_used_gib=(lambda f, t: (t - f) / 2**30)(*torch.cuda.mem_get_info()),
+        )
+        per_rank = rl.all_gather_objects(mine_rec)
+        loss = float(rl.all_reduce(sums[:1].clone())) / n_tokens
+        rec = dict(
+            step=step,
+            per_rank=per_rank,
+            loss=loss,
+            tokens=sum(r["tokens"] for r in per_rank),
+            mismatched=sum(r["mismatched"] for r in per_rank),
+            max_abs_diff=max(r["max_abs_diff"] for r in per_rank),
+            samples=sum(r["samples"] for r in per_rank),
+            stopped_at_eos=sum(r["stopped_at_eos"] for r in per_rank),
+            hit_max_tokens=sum(r["hit_max_tokens"] for r in per_rank),
+            max_completion=max(r["max_completion"] for r in per_rank),
+            prompt_lens=[
+                min(r["prompt_lens"][0] for r in per_rank),
+                max(r["prompt_lens"][1] for r in per_rank),
+            ],
+            weights_equal_after_push=all(r["weights_equal_after_push"] for r in per_rank),
+        )
+        if ranks.main:
+            print(par.table)
+            print(json.dumps({k: v for k, v in rec.items() if k != "per_rank"}), flush=True)
         out["steps"].append(rec)
-        bad = ro.logprobs.view(torch.int32) != logp.cpu().view(torch.int32)
-        offset = torch.arange(len(packed.targets)) - torch.repeat_interleave(torch.cumsum(torch.bincount(packed.sample), 0) - torch.bincount(packed.sample), torch.bincount(packed.sample))
-        rec["mismatch_first_token"] = int(bad[offset == 0].sum())
-        rec["mismatch_later_tokens"] = int(bad[offset > 0].sum())
-        print("mismatch first/later", rec["mismatch_first_token"], rec["mismatch_later_tokens"])
     if args.debug:
-        for plen in (5, 120, 300):
-            rows, n_bad = rl.debug_parity(engine.llm, model, prompts_for(args)[0][:1] * plen, 40, cfg.temperature, 1)
-            print(f"--- debug: prompt {plen} tokens, 40 generated, {n_bad} logprobs differ")
-            print(rl.format_debug(rows))
-            out[f"debug_{plen}"] = dict(first=rl.first_divergence(rows), n_bad=n_bad)
-        # inject a one-ulp error into SiluAndMul of layer 1 and check the debugger names it
-        k = model.kernels
-        calls = {"n": 0}
-
-        def bumped(x):
-            y = k.silu_and_mul(x)
-            calls["n"] += 1
-            if calls["n"] == 2:  # layer 1 of the prefill: raise one element by one ulp
-                y.view(-1).view(torch.int16)[0] += 1
-            return y
-
-        model.kernels = bib.Kernels(**{**k.__dict__, "silu_and_mul": bumped})
-        rows, n_bad = rl.debug_parity(engine.llm, model, [5] * 10, 5, cfg.temperature, 1)
-        model.kernels = k
-        print(rl.format_debug(rows))
-        out["debug_injected"] = dict(first=rl.first_divergence(rows))
+        assert ranks.world == 1, "the debugger runs in one process"
+        debug(args, engine, model, prompts, cfg, out)
     return out
 
 
+def debug(args, engine, model, prompts, cfg, out) -> None:
+    for plen in (5, 120, 300):
+        rows, n_bad = rl.debug_parity(
+            engine.llm, model, prompts[0][:1] * plen, 40, cfg.temperature, 1
+        )
+        print(f"--- debug: prompt {plen} tokens, 40 generated, {n_bad} logprobs differ")
+        print(rl.format_debug(rows))
+        out[f"debug_{plen}"] = dict(first=rl.first_divergence(rows), n_bad=n_bad)
+    # a one-ulp error in layer 1's SiluAndMul (a forward hook changes its first output): the
+    # debugger must name that module
+    calls = {"n": 0}
+
+    def bump(module, inputs, output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            output = output.clone()
+            output.view(-1).view(torch.int16)[0] += 1
+        return output
+
+    handle = model.layers[1].feed_forward.act_fn.register_forward_hook(bump)
+    try:
+        rows, _ = rl.debug_parity(engine.llm, model, [5] * 10, 5, cfg.temperature, 1)
+    finally:
+        handle.remove()
+    print(rl.format_debug(rows))
+    out["debug_injected"] = dict(first=rl.first_divergence(rows))
+
+
+def rollouts(args) -> dict:
+    """Step 0's samples of every prompt (token ids and logprobs), in prompt order."""
+    cfg, ranks, engine, model, engine_s = setup(args)
+    prompts = prompts_for(args, min(args.vocab, model.args.vocab_size))
+    mine = rl.my_prompts(len(prompts), ranks)
+    ro = engine.rollout([prompts[i] for i in mine], mine, 0)
+    G = cfg.group_size
+    lps = torch.split(ro.logprobs, [len(c) for c in ro.completions])
+    per_prompt = [
+        [(ro.completions[j * G + g], lps[j * G + g].tolist()) for g in range(G)]
+        for j in range(len(mine))
+    ]
+    samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt), ranks.world)
+    return dict(
+        world=ranks.world,
+        engine_start_s=engine_s,
+        samples=samples,
+        tokens=sum(len(c) for p in samples for c, _ in p),
+    )
+
+
 # the experiment's knobs and their defaults (the tiny model: 3 layers, GQA 4/2, head_dim 128)
-OPTIONS = dict(temperature=1.0, steps=4, prompts=16, group=8, max_new_tokens=256, max_prompt=220, layers=3, vocab=384,
-               hidden=512, heads=4, kv_heads=2, inter=1024, lr=1e-3, seed=0, micro_batch_tokens=65536)  # one packed forward per step
+OPTIONS = dict(
+    temperature=1.0,
+    steps=4,
+    prompts=16,
+    group=8,
+    max_new_tokens=256,
+    max_prompt=220,
+    layers=3,
+    vocab=384,
+    hidden=512,
+    heads=4,
+    kv_heads=2,
+    inter=1024,
+    lr=1e-3,
+    seed=0,
+    micro_batch_tokens=65536,
+    ckpt="",
+)  # one packed forward per step by default
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["parity"])
+    p.add_argument("mode", choices=["parity", "rollouts"])
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--debug", action="store_true", help="also run the parity debugger (needs --no-cuda-graphs)")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="also run the parity debugger " "(needs --no-cuda-graphs)",
+    )
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--engine-sleep", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", required=True)
     for name, default in OPTIONS.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = p.parse_args()
     if args.debug and args.cuda_graphs:
-        p.error("the debugger hooks vLLM's modules, which CUDA graph replay skips: add --no-cuda-graphs")
-    Path(args.out).write_text(json.dumps(parity(args), indent=1))
+        p.error(
+            "the debugger hooks vLLM's modules, which CUDA graph replay skips: add "
+            "--no-cuda-graphs"
+        )
+    result = parity(args) if args.mode == "parity" else rollouts(args)
+    if rl.is_main():
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if rl.dist.is_initialized():
+        rl.dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,34 +29,60 @@ def make_tokenizer(out: Path, vocab_size: int = 320, chat: bool = False):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [f"Q: {p.question}\nA: {p.answer} Answer: {p.answer}"
-              for p in rl.arithmetic_problems(500, 0)]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [
+        f"Q: {p.question}\nA: {p.answer} Answer: {p.answer}" for p in rl.arithmetic_problems(500, 0)
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
     if chat:
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
 
 
-def make_checkpoint(out: Path, *, tied: bool = True, layers: int = 2, vocab: int = 384,
-                    hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 128,
-                    inter: int = 512, shard: str | None = None, seed: int = 0,
-                    dtype=torch.float32, max_pos: int = 2048, device: str = "cpu",
-                    chat: bool = False) -> Path:
+def make_checkpoint(
+    out: Path,
+    *,
+    tied: bool = True,
+    layers: int = 2,
+    vocab: int = 384,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    inter: int = 512,
+    shard: str | None = None,
+    seed: int = 0,
+    dtype=torch.float32,
+    max_pos: int = 2048,
+    device: str = "cpu",
+    chat: bool = False,
+) -> Path:
     """A random Qwen3ForCausalLM saved by transformers (GQA, head_dim 128 by default), plus
     tokenizer (with a chat template if `chat`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      intermediate_size=inter, tie_word_embeddings=tied,
-                      max_position_embeddings=max_pos, eos_token_id=0,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        tie_word_embeddings=tied,
+        max_position_embeddings=max_pos,
+        eos_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(dtype)
     with torch.no_grad():  # HF inits norms to 1; random norms make the tests see every weight
@@ -87,8 +113,10 @@ class TorchEngine:
     def rollout(self, prompts, indices, step):
         cfg, G = self.cfg, self.cfg.group_size
         seqs = [list(p) for p in prompts for _ in range(G)]
-        gens = [torch.Generator().manual_seed(rl.sample_seed(cfg, step, indices[i // G]) * 97 + i % G)
-                for i in range(len(seqs))]
+        gens = [
+            torch.Generator().manual_seed(rl.sample_seed(cfg, step, indices[i // G]) * 97 + i % G)
+            for i in range(len(seqs))
+        ]
         comps = [[] for _ in seqs]
         lps = [[] for _ in seqs]
         live = list(range(len(seqs)))
@@ -106,9 +134,12 @@ class TorchEngine:
                 comps[i].append(t)
                 lps[i].append(float(lp[row, t]))
             live = [i for i in live if comps[i][-1] not in self.eos_ids]
-        return rl.Rollout(prompts=seqs, completions=comps,
-                          logprobs=torch.tensor([x for l in lps for x in l]),
-                          stopped=[c[-1] in self.eos_ids for c in comps])
+        return rl.Rollout(
+            prompts=seqs,
+            completions=comps,
+            logprobs=torch.tensor([x for l in lps for x in l]),
+            stopped=[c[-1] in self.eos_ids for c in comps],
+        )
 
     def sleep(self):
         self.sleeps += 1
@@ -125,9 +156,20 @@ class TorchEngine:
 
 
 # The tiny CPU run most tests start from: 2 prompts x 3 samples, 5 new tokens, fp32.
-CPU_RUN = dict(dtype="float32", num_prompts=2, group_size=3, max_new_tokens=5, max_model_len=128,
-               micro_batch_tokens=128, lr=1e-2, entropy_coef=0.1, kl_coef=0.05, seed=3,
-               save_every=2, keep_last=3)
+CPU_RUN = dict(
+    dtype="float32",
+    num_prompts=2,
+    group_size=3,
+    max_new_tokens=5,
+    max_model_len=128,
+    micro_batch_tokens=128,
+    lr=1e-2,
+    entropy_coef=0.1,
+    kl_coef=0.05,
+    seed=3,
+    save_every=2,
+    keep_last=3,
+)
 
 
 def cpu_argv(path, log_dir, **overrides) -> list[str]:

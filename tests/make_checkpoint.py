@@ -1,4 +1,5 @@
-"""Write a random Qwen3 checkpoint (+ tiny tokenizer) to a directory, e.g. the exact Qwen3-1.7B shape:
+"""Write a random Qwen3 checkpoint (+ tiny tokenizer) to a directory, e.g. the exact
+Qwen3-1.7B shape:
 
     python tests/make_checkpoint.py OUT --preset qwen3-1.7b --device cuda
 """
@@ -13,10 +14,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import make_checkpoint  # noqa: E402
 
+# Published Qwen/Qwen3-* config.json shapes (head_dim 128, GQA, vocab 151936, 40960 positions).
+QWEN3 = dict(vocab=151936, head_dim=128, max_pos=40960)
 PRESETS = {
-    # published Qwen/Qwen3-1.7B config.json: 2048 hidden, 28 layers, 16 heads, 8 KV heads, head_dim 128, 6144 MLP
-    "qwen3-1.7b": dict(tied=True, layers=28, vocab=151936, hidden=2048, heads=16, kv_heads=8, head_dim=128, inter=6144, max_pos=40960),
-    "tiny": dict(tied=True, layers=2, vocab=384, hidden=256, heads=4, kv_heads=2, head_dim=128, inter=512),
+    "qwen3-0.6b": dict(QWEN3, tied=True, layers=28, hidden=1024, heads=16, kv_heads=8, inter=3072),
+    "qwen3-1.7b": dict(QWEN3, tied=True, layers=28, hidden=2048, heads=16, kv_heads=8, inter=6144),
+    "qwen3-4b": dict(QWEN3, tied=True, layers=36, hidden=2560, heads=32, kv_heads=8, inter=9728),
+    "qwen3-8b": dict(QWEN3, tied=False, layers=36, hidden=4096, heads=32, kv_heads=8, inter=12288),
+    "tiny": dict(
+        tied=True, layers=2, vocab=384, hidden=256, heads=4, kv_heads=2, head_dim=128, inter=512
+    ),
 }
 
 if __name__ == "__main__":
@@ -26,5 +33,7 @@ if __name__ == "__main__":
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    make_checkpoint(Path(a.out), **PRESETS[a.preset], dtype=torch.bfloat16, device=a.device, seed=a.seed)
+    make_checkpoint(
+        Path(a.out), **PRESETS[a.preset], dtype=torch.bfloat16, device=a.device, seed=a.seed
+    )
     print(f"wrote {a.out}")

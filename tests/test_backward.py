@@ -26,7 +26,9 @@ def grads(fn, inputs):
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator().manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outs)
+    loss = sum(
+        (o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outs
+    )
     return torch.autograd.grad(loss, [x for x in inputs if x.requires_grad])
 
 
@@ -45,7 +47,12 @@ REF = bib.reference_kernels()
 def packed_qkv(lens, hq=4, hk=2, d=16, dtype=torch.float64):
     t = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    return torch.randn(t, hq, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype), cu
+    return (
+        torch.randn(t, hq, d, dtype=dtype),
+        torch.randn(t, hk, d, dtype=dtype),
+        torch.randn(t, hk, d, dtype=dtype),
+        cu,
+    )
 
 
 def test_rms_norm_backward():
@@ -55,14 +62,20 @@ def test_rms_norm_backward():
 
 def test_add_rms_norm_backward_both_outputs():
     x, r, w = torch.randn(9, 32, **F64), torch.randn(9, 32, **F64), torch.rand(32, **F64) + 0.5
-    check(lambda *a: CUSTOM.add_rms_norm(*a, 1e-6), lambda *a: REF.add_rms_norm(*a, 1e-6), [x, r, w])
+    check(
+        lambda *a: CUSTOM.add_rms_norm(*a, 1e-6), lambda *a: REF.add_rms_norm(*a, 1e-6), [x, r, w]
+    )
 
 
 def test_rotary_backward():
     q, k, _, _ = packed_qkv([5, 3])
     pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     cs = bib.rope_cos_sin_cache(16, 10000.0, 32, "cpu", torch.float64)
-    check(lambda q, k, p: CUSTOM.rotary(q, k, p, cs), lambda q, k, p: REF.rotary(q, k, p, cs), [q, k, pos])
+    check(
+        lambda q, k, p: CUSTOM.rotary(q, k, p, cs),
+        lambda q, k, p: REF.rotary(q, k, p, cs),
+        [q, k, pos],
+    )
 
 
 def test_rotary_is_a_rotation():
@@ -81,22 +94,42 @@ def test_linear_backward():
     check(CUSTOM.linear, REF.linear, [torch.randn(6, 24, **F64), torch.randn(10, 24, **F64)])
 
 
-def test_logprobs_entropy_backward():
-    """Both outputs carry gradient: the sampled token's logprob and the entropy."""
+@pytest.mark.parametrize("rows", [1024, 2])
+def test_logprobs_entropy_backward(monkeypatch, rows):
+    """Both outputs carry gradient: the sampled token's logprob and the entropy; computed whole,
+    and in chunks of 2 rows (no (N, V) fp32 tensor alive)."""
+    monkeypatch.setattr(bib, "LOGPROB_ROWS", rows)
     targets = torch.tensor([3, 0, 49, 7, 7])
-    check(lambda z: CUSTOM.logprobs_entropy(z, targets, 0.7), lambda z: REF.logprobs_entropy(z, targets, 0.7), [torch.randn(5, 50, **F64) * 3])
+    check(
+        lambda z: CUSTOM.logprobs_entropy(z, targets, 0.7),
+        lambda z: REF.logprobs_entropy(z, targets, 0.7),
+        [torch.randn(5, 50, **F64) * 3],
+    )
+    z = torch.randn(5, 50) * 3
+    whole = CUSTOM.logprobs_entropy(z, targets, 0.7)
+    monkeypatch.setattr(bib, "LOGPROB_ROWS", 1)
+    chunked = CUSTOM.logprobs_entropy(z, targets, 0.7)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))  # row-wise: the same bits
 
 
 def test_add_rms_norm_backward_without_the_residual_gradient():
     x, r, w = torch.randn(4, 16, **F64), torch.randn(4, 16, **F64), torch.rand(16, **F64) + 0.5
-    check(lambda *a: CUSTOM.add_rms_norm(*a, 1e-6)[0], lambda *a: REF.add_rms_norm(*a, 1e-6)[0], [x, r, w])
+    check(
+        lambda *a: CUSTOM.add_rms_norm(*a, 1e-6)[0],
+        lambda *a: REF.add_rms_norm(*a, 1e-6)[0],
+        [x, r, w],
+    )
 
 
 @pytest.mark.parametrize("lens", [[7], [1, 9, 4], [16, 2, 11, 5]])
 def test_attention_backward_varlen_gqa(lens):
     q, k, v, cu = packed_qkv(lens)
     L = max(lens)
-    check(lambda q, k, v: CUSTOM.attention(q, k, v, cu, L, 0.25), lambda q, k, v: REF.attention(q, k, v, cu, L, 0.25), [q, k, v])
+    check(
+        lambda q, k, v: CUSTOM.attention(q, k, v, cu, L, 0.25),
+        lambda q, k, v: REF.attention(q, k, v, cu, L, 0.25),
+        [q, k, v],
+    )
 
 
 def test_reference_attention_matches_sdpa_per_sequence():
@@ -106,7 +139,10 @@ def test_reference_attention_matches_sdpa_per_sequence():
     for b in range(3):
         s, e = int(cu[b]), int(cu[b + 1])
         want = torch.nn.functional.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1).repeat_interleave(2, 0), v[s:e].transpose(0, 1).repeat_interleave(2, 0), is_causal=True
+            q[s:e].transpose(0, 1),
+            k[s:e].transpose(0, 1).repeat_interleave(2, 0),
+            v[s:e].transpose(0, 1).repeat_interleave(2, 0),
+            is_causal=True,
         ).transpose(0, 1)
         torch.testing.assert_close(o[s:e], want, atol=1e-5, rtol=1e-5)
 
@@ -148,14 +184,22 @@ print(json.dumps(dict(attention=out, others=checks)))
 
 
 def test_triton_backwards_match_the_pytorch_ones():
-    """The GPU backwards (Triton), run by Triton's CPU interpreter in fp32, against the PyTorch ones.
+    """The GPU backwards (Triton), run by Triton's CPU interpreter in fp32, against PyTorch's.
 
     Attention against the fp64 padded backward: a 1-token sequence, lengths on and off the
     64-row tile, GQA groups of 1, 2 and 4. RMSNorm with and without the residual's gradient,
     at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy.
     """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = json.loads(subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    out = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", TRITON_CHECK],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()[-1]
+    )
     for case in out["attention"]:
         assert max(case["err"]) < 1e-5, case  # fp32 tiles vs fp64
         assert case["same"]
@@ -190,25 +234,58 @@ def test_gpu_custom_backwards_match_reference_gradients():
     """
     vk = _vllm_or_skip()
     dev, bf = "cuda", torch.bfloat16
-    q, k, v, cu = (t.to(dev) for t in packed_qkv([37, 5, 120], hq=4, hk=2, d=128, dtype=torch.float32))
+    q, k, v, cu = (
+        t.to(dev) for t in packed_qkv([37, 5, 120], hq=4, hk=2, d=128, dtype=torch.float32)
+    )
     q, k, v = q.to(bf), k.to(bf), v.to(bf)
     tol = dict(atol=2e-2, rtol=2e-2)
     cs = bib.rope_cos_sin_cache(128, 1e6, 64, dev, bf)
-    for a, b in zip(grads(lambda q, k, v: vk.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v]),
-                    grads(lambda q, k, v: REF.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v])):
+    for a, b in zip(
+        grads(lambda q, k, v: vk.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v]),
+        grads(lambda q, k, v: REF.attention(q, k, v, cu, 120, 128**-0.5), [q, k, v]),
+    ):
         torch.testing.assert_close(a.float(), b.float(), **tol)
-    x, r, w = torch.randn(300, 512, device=dev, dtype=bf), torch.randn(300, 512, device=dev, dtype=bf), torch.rand(512, device=dev, dtype=bf) + 0.5
-    for a, b in zip(grads(lambda *t: vk.add_rms_norm(*t, 1e-6), [x, r, w]), grads(lambda *t: REF.add_rms_norm(*t, 1e-6), [x, r, w])):
+    x, r, w = (
+        torch.randn(300, 512, device=dev, dtype=bf),
+        torch.randn(300, 512, device=dev, dtype=bf),
+        torch.rand(512, device=dev, dtype=bf) + 0.5,
+    )
+    for a, b in zip(
+        grads(lambda *t: vk.add_rms_norm(*t, 1e-6), [x, r, w]),
+        grads(lambda *t: REF.add_rms_norm(*t, 1e-6), [x, r, w]),
+    ):
         torch.testing.assert_close(a.float(), b.float(), atol=0.5, rtol=2e-2)  # dw sums 300 rows
     for fv, fr, ins in [
         (vk.silu_and_mul, REF.silu_and_mul, [torch.randn(64, 256, device=dev, dtype=bf)]),
-        (vk.linear, REF.linear, [torch.randn(64, 256, device=dev, dtype=bf), torch.randn(128, 256, device=dev, dtype=bf)]),
-        (lambda z: vk.logprobs_entropy(z, torch.arange(16, device=dev) * 7, 0.7), lambda z: REF.logprobs_entropy(z, torch.arange(16, device=dev) * 7, 0.7),
-         [(torch.randn(16, 1000, device=dev) * 3).to(bf)]),
-        (lambda q, k: vk.rotary(q, k, torch.arange(64, device=dev), cs), lambda q, k: REF.rotary(q, k, torch.arange(64, device=dev), cs),
-         [torch.randn(64, 4, 128, device=dev, dtype=bf), torch.randn(64, 2, 128, device=dev, dtype=bf)]),
-        (lambda x, w: vk.rms_norm(x, w, 1e-6), lambda x, w: REF.rms_norm(x, w, 1e-6),
-         [torch.randn(64, 4, 128, device=dev, dtype=bf), torch.rand(128, device=dev, dtype=bf) + 0.5]),
+        (
+            vk.linear,
+            REF.linear,
+            [
+                torch.randn(64, 256, device=dev, dtype=bf),
+                torch.randn(128, 256, device=dev, dtype=bf),
+            ],
+        ),
+        (
+            lambda z: vk.logprobs_entropy(z, torch.arange(16, device=dev) * 7, 0.7),
+            lambda z: REF.logprobs_entropy(z, torch.arange(16, device=dev) * 7, 0.7),
+            [(torch.randn(16, 1000, device=dev) * 3).to(bf)],
+        ),
+        (
+            lambda q, k: vk.rotary(q, k, torch.arange(64, device=dev), cs),
+            lambda q, k: REF.rotary(q, k, torch.arange(64, device=dev), cs),
+            [
+                torch.randn(64, 4, 128, device=dev, dtype=bf),
+                torch.randn(64, 2, 128, device=dev, dtype=bf),
+            ],
+        ),
+        (
+            lambda x, w: vk.rms_norm(x, w, 1e-6),
+            lambda x, w: REF.rms_norm(x, w, 1e-6),
+            [
+                torch.randn(64, 4, 128, device=dev, dtype=bf),
+                torch.rand(128, device=dev, dtype=bf) + 0.5,
+            ],
+        ),
     ]:
         for a, b in zip(grads(fv, ins), grads(fr, ins)):
             torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=2e-2)
@@ -217,21 +294,31 @@ def test_gpu_custom_backwards_match_reference_gradients():
 @pytest.mark.gpu
 def test_gpu_backward_is_bitwise_deterministic():
     vk = _vllm_or_skip()
-    q, k, v, cu = (t.to("cuda") for t in packed_qkv([200, 33, 90], hq=8, hk=2, d=128, dtype=torch.float32))
+    q, k, v, cu = (
+        t.to("cuda") for t in packed_qkv([200, 33, 90], hq=8, hk=2, d=128, dtype=torch.float32)
+    )
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    run = lambda: grads(lambda q, k, v: vk.attention(q, k, v, cu, 200, 128**-0.5), [q, k, v])  # noqa: E731
+    run = lambda: grads(
+        lambda q, k, v: vk.attention(q, k, v, cu, 200, 128**-0.5), [q, k, v]
+    )  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(run(), run()))
 
 
 @pytest.mark.gpu
 def test_gpu_whole_model_backward_is_bitwise_deterministic(ckpt):
-    """Two forward + backward passes of the vLLM-kernel model over one packed batch: identical gradients."""
+    """Two forward + backward passes of the vLLM-kernel model over one batch: equal gradients."""
     import simple_rl as rl
 
     vk = _vllm_or_skip()
     path = ckpt(tied=False)
     args = rl.model_args_from_hf(rl.read_qwen3_config(path))
-    model = rl.build_model(args, rl.hf_to_trainer(rl.load_hf_state_dict(path), args), vk, torch.bfloat16, torch.device("cuda"))
+    model = rl.build_model(
+        args,
+        rl.hf_to_trainer(rl.load_hf_state_dict(path), args),
+        vk,
+        torch.bfloat16,
+        torch.device("cuda"),
+    )
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (3, 130, 47, 260)]
     p = rl.pack([s[:2] for s in seqs], [s[2:] for s in seqs]).to("cuda")

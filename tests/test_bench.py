@@ -1,4 +1,4 @@
-"""The benchmark harness on CPU: FLOP count by hand, and one small run of designs a and c with the stand-in engine."""
+"""The benchmark harness on CPU: FLOPs by hand, a small run of designs a and c (stand-in engine)."""
 
 import sys
 from pathlib import Path
@@ -13,14 +13,24 @@ from helpers import TorchEngine  # noqa: E402
 
 
 def test_flops_by_hand():
-    args = SimpleNamespace(dim=4, head_dim=2, n_heads=2, n_kv_heads=1, hidden_dim=8, n_layers=3, vocab_size=10)
+    args = SimpleNamespace(
+        dim=4, head_dim=2, n_heads=2, n_kv_heads=1, hidden_dim=8, n_layers=3, vocab_size=10
+    )
     per_layer = 4 * (2 + 2) * 2 + 2 * 2 * 4 + 3 * 4 * 8  # qkv 32, o 16, mlp 96 -> 144
     want = 6 * 3 * per_layer * (5 + 7) + 6 * 10 * 4 * 6 + 6 * 3 * 2 * 2 * (25 + 49)
     assert bench_rl.flops_per_step(args, [5, 7], 6) == want
 
 
 def test_qwen3_1p7b_flops_per_token_is_about_6n():
-    args = SimpleNamespace(dim=2048, head_dim=128, n_heads=16, n_kv_heads=8, hidden_dim=6144, n_layers=28, vocab_size=151936)
+    args = SimpleNamespace(
+        dim=2048,
+        head_dim=128,
+        n_heads=16,
+        n_kv_heads=8,
+        hidden_dim=6144,
+        n_layers=28,
+        vocab_size=151936,
+    )
     f = bench_rl.flops_per_step(args, [1], 1)  # one token: attention negligible
     assert abs(f / 6 - 1.72e9) / 1.72e9 < 0.02  # 1.72B parameters (tied head counted once)
 
@@ -31,15 +41,27 @@ def test_plain_attention_matches_reference():
     q, k, v = torch.randn(20, 4, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
     cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
     got = bench_rl.plain_kernels().attention(q, k, v, cu, 12, 0.25)
-    torch.testing.assert_close(got, bib.ref_attention(q, k, v, cu, 12, 0.25)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, bib.ref_attention(q, k, v, cu, 12, 0.25)[0], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
-    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4,
-              micro_batch_tokens=64, engine_factory=TorchEngine, device_type="cpu")
+    kw = dict(
+        steps=1,
+        warmup=1,
+        prompts_n=2,
+        group=2,
+        prompt_len=6,
+        new_tokens=4,
+        micro_batch_tokens=64,
+        engine_factory=TorchEngine,
+        device_type="cpu",
+    )
     packed = rl.micro_batches
-    results = [bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt")
-               for d in "ac"]
+    results = [
+        bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt") for d in "ac"
+    ]
     assert "aten::mm" in (tmp_path / "a.txt").read_text()  # the profile names the costly ops
     assert rl.micro_batches is packed  # design c's per-sample patch is undone
     for r in results:
@@ -52,13 +74,25 @@ def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
 
 
 def test_table_reports_ratios_against_the_users_stack():
-    row = dict(nproc=1, step_s=2.0, rollout_s=1.0, fwd_bwd_s=0.9, optimizer_s=0.01, push_s=0.03,
-               samples_s=10.0, rollout_tok_s=1.0, trainer_tok_s=1.0, mfu=0.4, peak_gib=1.0,
-               mismatched=0)
-    results = [dict(row, design="a", name="bitwise"),
-               dict(row, design="d", name="user", step_s=4.0, rollout_s=2.0, fwd_bwd_s=1.8),
-               dict(row, design="a", name="bitwise", nproc=2, samples_s=19.0,
-                    all_gather_gb_s=300.0)]
+    row = dict(
+        nproc=1,
+        step_s=2.0,
+        rollout_s=1.0,
+        fwd_bwd_s=0.9,
+        optimizer_s=0.01,
+        push_s=0.03,
+        samples_s=10.0,
+        rollout_tok_s=1.0,
+        trainer_tok_s=1.0,
+        mfu=0.4,
+        peak_gib=1.0,
+        mismatched=0,
+    )
+    results = [
+        dict(row, design="a", name="bitwise"),
+        dict(row, design="d", name="user", step_s=4.0, rollout_s=2.0, fwd_bwd_s=1.8),
+        dict(row, design="a", name="bitwise", nproc=2, samples_s=19.0, all_gather_gb_s=300.0),
+    ]
     text = bench_rl.table(results)
     assert "step 0.50x, rollout 0.50x, trainer 0.50x" in text
     assert "(a) on 2 GPUs: 1.90x the samples/s of 1 GPU; all-gather 300 GB/s" in text

@@ -14,12 +14,23 @@ def load(path):
     return args, rl.load_hf_state_dict(path)
 
 
-@pytest.mark.parametrize("tied,shard", [(True, None), (False, None), (True, "600KB"), (False, "600KB")])
+@pytest.mark.parametrize(
+    "tied,shard", [(True, None), (False, None), (True, "600KB"), (False, "600KB")]
+)
 def test_round_trip_is_exact(ckpt, tied, shard):
     path = ckpt(tied=tied, shard=shard)
     if shard:
         assert (path / "model.safetensors.index.json").is_file()
-        assert len(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+        assert (
+            len(
+                set(
+                    json.loads((path / "model.safetensors.index.json").read_text())[
+                        "weight_map"
+                    ].values()
+                )
+            )
+            > 1
+        )
     args, hf = load(path)
     assert args.enable_weight_tying == tied and ("lm_head.weight" in hf) != tied
     back = rl.trainer_to_hf(rl.hf_to_trainer(hf, args), args)
@@ -35,7 +46,9 @@ def test_trainer_layout_is_vllms_fused_layout(ckpt):
     qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
     assert torch.equal(st["layers.1.attention.wqkv.weight"], qkv)  # vLLM's qkv_proj = [q; k; v]
     gate_up = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-    assert torch.equal(st["layers.1.feed_forward.w13.weight"], gate_up)  # vLLM's gate_up_proj = [gate; up]
+    assert torch.equal(
+        st["layers.1.feed_forward.w13.weight"], gate_up
+    )  # vLLM's gate_up_proj = [gate; up]
     assert torch.equal(st["output.weight"], hf["lm_head.weight"])
     model = rl.build_model(args, st, bib.reference_kernels(), torch.float32, "cpu")
     assert {n for n, _ in model.named_parameters()} == set(st)
@@ -55,10 +68,14 @@ def test_saved_checkpoint_reloads_in_transformers_with_same_hash(ckpt, tmp_path)
 
     path = ckpt(tied=True)
     args, hf = load(path)
-    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(), torch.float32, "cpu")
+    model = rl.build_model(
+        args, rl.hf_to_trainer(hf, args), bib.reference_kernels(), torch.float32, "cpu"
+    )
     state = rl.gathered_hf_state(model)
     rl.save_hf_checkpoint(tmp_path / "out", state, path)
-    assert (tmp_path / "out" / "tokenizer.json").is_file() and (tmp_path / "out" / "config.json").is_file()
+    assert (tmp_path / "out" / "tokenizer.json").is_file() and (
+        tmp_path / "out" / "config.json"
+    ).is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     again = {k: v for k, v in reloaded.state_dict().items() if k != "lm_head.weight"}
     assert rl.weights_sha256(again) == rl.weights_sha256(state) == rl.weights_sha256(hf)
@@ -78,7 +95,9 @@ def test_weights_that_do_not_fit_the_config_are_refused(ckpt):
         rl.hf_to_trainer(missing, args)
     wrong = dict(hf, **{"model.norm.weight": torch.ones(7)})
     with pytest.raises(rl.ConfigError, match="weights do not match its config.json: .*norm.weight"):
-        rl.build_model(args, rl.hf_to_trainer(wrong, args), bib.reference_kernels(), torch.float32, "cpu")
+        rl.build_model(
+            args, rl.hf_to_trainer(wrong, args), bib.reference_kernels(), torch.float32, "cpu"
+        )
 
 
 def test_saved_config_names_the_saved_dtype(ckpt, tmp_path):

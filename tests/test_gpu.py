@@ -1,7 +1,8 @@
-"""GPU suite (pytest -m gpu): bitwise parity with vLLM, weight pushes, the debugger, run-to-run determinism.
+"""GPU suite (pytest -m gpu): bitwise parity with vLLM, weight pushes, the debugger, run-to-run
+determinism; on two GPUs (torchrun): the split rollout, Qwen3-8B, and N=2 determinism.
 
-Each experiment runs in its own process (tests/gpu_driver.py or simple_rl.py itself),
-since a vLLM engine holds process-wide state. Numbers land in the JSON each writes.
+Each experiment runs in its own process (tests/gpu_driver.py or simple_rl.py itself), since a
+vLLM engine holds process-wide state. Numbers land in the JSON each writes.
 """
 
 import json
@@ -18,16 +19,41 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
 
-def _need_gpu_stack():
+def _need_gpu_stack(gpus: int = 1):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     pytest.importorskip("vllm")
     pytest.importorskip("torchtitan")
 
 
-def _env():
-    env = dict(os.environ, VLLM_BATCH_INVARIANT="1", VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    return env
+def _env(**extra):
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, VLLM_BATCH_INVARIANT="1", VLLM_USE_V2_MODEL_RUNNER="0",
+                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path, **extra)
+
+
+def _launch(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}"]
+
+
+def driver(tmp, mode, *flags, nproc=1, timeout=900) -> dict:
+    out = tmp / f"{mode}_{nproc}_{abs(hash(flags))}.json"
+    cmd = [*_launch(nproc), str(ROOT / "tests" / "gpu_driver.py"), mode, *map(str, flags),
+           "--out", str(out)]
+    subprocess.run(cmd, check=True, env=_env(), timeout=timeout)
+    return json.loads(out.read_text())
+
+
+def make_checkpoint(out: Path, preset: str) -> Path:
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(out),
+                        "--preset", preset, "--device", "cuda"], check=True, timeout=900)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -37,76 +63,143 @@ def parity_runs(tmp_path_factory):
 
     def get(*flags):
         if flags not in cache:
-            out = tmp_path_factory.mktemp("parity") / "r.json"
-            cmd = [sys.executable, str(ROOT / "tests" / "gpu_driver.py"), "parity", *flags, "--out", str(out)]
-            subprocess.run(cmd, check=True, env=_env(), timeout=900)
-            cache[flags] = json.loads(out.read_text())
+            cache[flags] = driver(tmp_path_factory.mktemp("parity"), "parity", *flags)
             print(json.dumps({"flags": flags, "steps": cache[flags]["steps"]}))
         return cache[flags]
 
     return get
 
 
-# (tied head, T=1.0, eager engine) also serves the debugger test; the others replay decode steps as CUDA graphs
+# (tied head, T=1.0, eager engine) also serves the debugger; the others replay decode steps as
+# CUDA graphs; every run but one sleeps the engine while the trainer runs
 RUNS = {"tied-eager": ("--tied", "--temperature", "1.0", "--no-cuda-graphs", "--debug"),
         "untied-graphs": ("--no-tied", "--temperature", "0.7", "--cuda-graphs"),
-        "tied-graphs": ("--tied", "--temperature", "1.0", "--cuda-graphs")}
+        "tied-graphs-awake": ("--tied", "--temperature", "1.0", "--cuda-graphs",
+                              "--no-engine-sleep")}
+
+
+def check_parity_run(r, steps, samples, tokens_per_step):
+    assert r["weights_equal_at_start"]
+    assert len(r["steps"]) == steps
+    for s in r["steps"]:
+        assert s["samples"] == samples and s["tokens"] > tokens_per_step
+        assert s["mismatched"] == 0 and s["max_abs_diff"] == 0.0, s
+        assert s["weights_equal_after_push"], s
+        for rank in s["per_rank"]:  # every rank, every step
+            assert rank["mismatched"] == 0 and rank["weights_equal_after_push"], rank
+    assert any(s["loss"] != 0 for s in r["steps"])  # the weights really moved between pushes
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_every_token_bitwise_equal_across_weight_pushes(parity_runs, run):
-    """16 prompts (1..220 tokens) x 8 samples, up to 256 new tokens, 4 GRPO steps each followed by a push."""
+    """16 prompts (1..220 tokens) x 8 samples, up to 256 new tokens, 4 GRPO steps + pushes."""
     r = parity_runs(*RUNS[run], "--steps", "4")
-    assert r["weights_equal_at_start"]
-    assert len(r["steps"]) == 4
+    check_parity_run(r, 4, 128, 10_000)
     for s in r["steps"]:
-        assert s["samples"] == 128 and s["prompt_lens"] == [1, 220] and s["max_completion"] == 256
-        assert s["tokens"] > 10_000
-        assert s["mismatched"] == 0 and s["max_abs_diff"] == 0.0, s
-        assert s["weights_equal_after_push"], s
-    assert sum(s["stopped_at_eos"] for s in r["steps"]) > 0 and sum(s["hit_max_tokens"] for s in r["steps"]) > 0
-    assert any(s["loss"] != 0 for s in r["steps"])  # the weights really moved between pushes
+        assert s["prompt_lens"] == [1, 220] and s["max_completion"] == 256
+    assert sum(s["stopped_at_eos"] for s in r["steps"]) > 0
+    assert sum(s["hit_max_tokens"] for s in r["steps"]) > 0
 
 
 def test_debugger_finds_nothing_then_names_an_injected_ulp(parity_runs):
     r = parity_runs(*RUNS["tied-eager"], "--steps", "4")
     for plen in (5, 120, 300):
         assert r[f"debug_{plen}"] == {"first": None, "n_bad": 0}
-    assert r["debug_injected"]["first"] == "layers.1.act_fn"
+    assert r["debug_injected"]["first"] == "layers.1.feed_forward.act_fn"
 
 
-def _run(tmp, name, seed, steps, *extra):
-    """simple_rl.py itself on the tiny checkpoint; returns its step/parity lines, sha256 and metrics.jsonl rows."""
-    cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", str(tmp / "ckpt"), "--steps", str(steps), "--seed", str(seed),
-           "--lr", "1e-4", "--entropy-coef", "0.01", "--max-new-tokens", "64", "--log-dir", str(tmp / "runs"),
-           "--run-name", name, "--save-every", "2", *extra]
-    out = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True, timeout=600).stdout
-    lines = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines() if line.startswith(("step", "parity:"))]
+def simple_rl(tmp, name, seed, steps, *extra, nproc=1):
+    """simple_rl.py itself on the tiny checkpoint: its step/parity lines, sha256, metrics."""
+    cmd = [*_launch(nproc), str(ROOT / "simple_rl.py"), "--model", str(tmp / "ckpt"),
+           "--steps", str(steps), "--seed", str(seed), "--lr", "1e-4", "--entropy-coef", "0.01",
+           "--max-new-tokens", "64", "--log-dir", str(tmp / "runs"), "--run-name", name,
+           "--save-every", "2", *extra]
+    out = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
+                         timeout=900).stdout
+    lines = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines()
+             if line.startswith(("step", "parity:"))]
     digest = re.search(r"weights sha256 ([0-9a-f]{64})", out).group(1)
-    rows = [json.loads(r) for r in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    return lines, digest, [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    rows = [json.loads(r) for r in (tmp / "runs" / name / "metrics.jsonl").read_text().split("\n")
+            if r]
+    return lines, digest, [{k: v for k, v in r.items() if not k.startswith("time/")}
+                           for r in rows], out
+
+
+def determinism_runs(tmp, nproc):
+    make = [sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp / "ckpt")]
+    subprocess.run(make, check=True)
+    r = {k: simple_rl(tmp, k, seed, steps, nproc=nproc)
+         for k, seed, steps in (("a", 0, 4), ("b", 0, 4), ("c", 1, 4), ("part", 0, 2))}
+    saved = tmp / "runs" / "part" / "checkpoints" / "step_000002"
+    r["resumed"] = simple_rl(tmp, "part", 0, 4, "--resume", str(saved), nproc=nproc)
+    print(json.dumps({k: {"sha256": v[1], "lines": v[0]} for k, v in r.items()}, indent=1))
+    return r
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     _need_gpu_stack()
-    tmp = tmp_path_factory.mktemp("runs")
-    subprocess.run([sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp / "ckpt"), "--preset", "tiny"], check=True)
-    r = {"a": _run(tmp, "a", 0, 4), "b": _run(tmp, "b", 0, 4), "c": _run(tmp, "c", 1, 4), "part": _run(tmp, "d", 0, 2)}
-    r["resumed"] = _run(tmp, "d", 0, 4, "--resume", str(tmp / "runs" / "d" / "checkpoints" / "step_000002"))
-    print(json.dumps({k: {"sha256": v[1], "lines": v[0]} for k, v in r.items()}, indent=1))
-    return r
+    return determinism_runs(tmp_path_factory.mktemp("runs"), 1)
 
 
-def test_two_runs_same_seed_same_metrics_and_weights(runs):
-    (a_lines, a, a_rows), (b_lines, b, b_rows), (_, c, _) = runs["a"], runs["b"], runs["c"]
-    assert len(a_lines) == 8 and all("identical=yes" in s for s in a_lines if s.startswith("parity"))
+def check_determinism(r):
+    (a_lines, a, a_rows, _), (b_lines, b, b_rows, _), c = r["a"], r["b"], r["c"][1]
+    assert len(a_lines) == 8 and all("identical=yes" in s for s in a_lines
+                                     if s.startswith("parity"))
     assert a_lines == b_lines and a_rows == b_rows and a == b
     assert c != a  # another seed, other weights
-
-
-def test_resume_on_gpu_matches_the_uninterrupted_run(runs):
-    (_, a, a_rows), (_, part, _), (r_lines, resumed, r_rows) = runs["a"], runs["part"], runs["resumed"]
+    (_, part, _, _), (r_lines, resumed, r_rows, _) = r["part"], r["resumed"]
     assert part != a
     assert resumed == a and r_rows == a_rows
     assert all("identical=yes" in s for s in r_lines if s.startswith("parity"))
+
+
+def test_two_runs_same_seed_same_metrics_and_weights_and_resume(runs):
+    check_determinism(runs)
+
+
+def test_console_is_quiet(runs):
+    out = runs["a"][3].splitlines()
+    assert not [line for line in out if " INFO " in line or "Warning" in line], out[:20]
+    assert out[0].startswith("starting vLLM on 1 GPU(s)")
+
+
+# ---------------------------------------------------------------- two GPUs
+
+
+@pytest.fixture(scope="module")
+def two_gpu_runs(tmp_path_factory):
+    _need_gpu_stack(2)
+    return determinism_runs(tmp_path_factory.mktemp("runs2"), 2)
+
+
+def test_two_gpus_same_seed_same_weights_and_resume(two_gpu_runs):
+    check_determinism(two_gpu_runs)
+    assert "2 rank(s)" in two_gpu_runs["a"][3]
+
+
+def test_two_gpu_rollouts_equal_one_gpu_rollouts_at_qwen3_1p7b(tmp_path_factory):
+    """Step 0, random Qwen3-1.7B weights: every sample's tokens and logprobs, N=1 vs N=2."""
+    _need_gpu_stack(2)
+    tmp = tmp_path_factory.mktemp("r17")
+    ckpt = make_checkpoint(tmp / "ckpt", "qwen3-1.7b")
+    flags = ("--ckpt", ckpt, "--prompts", "16", "--group", "8", "--max-new-tokens", "128")
+    one = driver(tmp, "rollouts", *flags, nproc=1)
+    two = driver(tmp, "rollouts", *flags, nproc=2)
+    assert two["world"] == 2 and one["tokens"] == two["tokens"] > 10_000
+    assert two["samples"] == one["samples"]  # bitwise: the same ids, the same fp32 logprobs
+    print(json.dumps({"tokens": one["tokens"], "engine_start_s": [one["engine_start_s"],
+                                                                  two["engine_start_s"]]}))
+
+
+def test_qwen3_8b_on_two_gpus_every_token_bitwise_equal(tmp_path_factory):
+    """Qwen3-8B's exact shape, random weights, 2 GPUs: 5 steps of 16 prompts x 8 samples and
+    256 new tokens, weights changing: 0 mismatched tokens on every rank at every step."""
+    _need_gpu_stack(2)
+    tmp = tmp_path_factory.mktemp("q8b")
+    ckpt = make_checkpoint(tmp / "ckpt", "qwen3-8b")
+    r = driver(tmp, "parity", "--ckpt", ckpt, "--steps", "5", "--prompts", "16", "--group", "8",
+               "--max-new-tokens", "256", "--lr", "1e-5", "--micro-batch-tokens", "4096",
+               nproc=2, timeout=1200)
+    check_parity_run(r, 5, 128, 10_000)
+    print(json.dumps([{k: v for k, v in s.items()} for s in r["steps"]]))

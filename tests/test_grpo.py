@@ -19,7 +19,10 @@ def test_group_advantages_std_normalised():
 
 def test_group_advantages_mean_only_and_equal_rewards():
     r = torch.tensor([3.0, 3.0, 3.0, 1.0, 0.0, 2.0])
-    torch.testing.assert_close(rl.group_advantages(r, 3, std_normalize=False, eps=1e-6), torch.tensor([0.0, 0, 0, 0, -1, 1]))
+    torch.testing.assert_close(
+        rl.group_advantages(r, 3, std_normalize=False, eps=1e-6),
+        torch.tensor([0.0, 0, 0, 0, -1, 1]),
+    )
     a = rl.group_advantages(r, 3, std_normalize=True, eps=1e-6)
     assert torch.equal(a[:3], torch.zeros(3))  # all equal: no signal, no NaN
     assert torch.isfinite(a).all()
@@ -31,7 +34,7 @@ def test_ppo_clip_loss_hand_values():
     adv = torch.tensor([2.0, 1.0, 1.0, -1.0, -1.0])
     pg, ratio, clipped = rl.ppo_clip_loss(logp, old, adv, 0.2)
     torch.testing.assert_close(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5, 0.5]))
-    # A>0: min(rho A, clip A) -> 1.2 when rho=1.5 (clipped), 0.5 when rho=0.5 (unclipped, pessimistic)
+    # A>0: min(rho A, clip A) -> 1.2 at rho=1.5 (clipped), 0.5 at rho=0.5 (unclipped, pessimistic)
     # A<0: min(-1.5, -1.2) = -1.5 (unclipped); min(-0.5, -0.8) = -0.8 (clipped)
     torch.testing.assert_close(pg, torch.tensor([-2.0, -1.2, -0.5, 1.5, 0.8]))
     assert clipped.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
@@ -53,12 +56,16 @@ def test_kl_k3_hand_values():
     want = torch.exp(q) - q - 1
     torch.testing.assert_close(rl.kl_k3(logp, ref), want)
     assert rl.kl_k3(logp, ref)[0] == 0 and (rl.kl_k3(logp, ref) >= 0).all()
-    torch.testing.assert_close(rl.kl_k3(torch.tensor([0.0]), torch.tensor([math.log(2)])), torch.tensor([1 - math.log(2)]))
+    torch.testing.assert_close(
+        rl.kl_k3(torch.tensor([0.0]), torch.tensor([math.log(2)])), torch.tensor([1 - math.log(2)])
+    )
 
 
 def test_parity_report_compares_bits():
     a = torch.tensor([-1.0, -2.5, 0.0, -3.0])
-    b = torch.tensor([-1.0, -2.5, -0.0, float(torch.nextafter(torch.tensor(-3.0), torch.tensor(0.0)))])
+    b = torch.tensor(
+        [-1.0, -2.5, -0.0, float(torch.nextafter(torch.tensor(-3.0), torch.tensor(0.0)))]
+    )
     rep = rl.parity_report(a, b, torch.tensor([7, 8, 9, 10]), rows=4)
     assert rep.n_tokens == 4 and rep.n_mismatch == 2  # -0.0 vs 0.0 differs in bits; one ulp differs
     assert 0 < rep.max_abs_diff < 1e-6

@@ -25,7 +25,10 @@ def test_logits_match_transformers_fp32(ckpt, tied):
     path = ckpt(tied=tied)
     model = trainer(path)
     ref = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert ref.config.head_dim == 128 and ref.config.num_key_value_heads < ref.config.num_attention_heads  # GQA
+    assert (
+        ref.config.head_dim == 128
+        and ref.config.num_key_value_heads < ref.config.num_attention_heads
+    )  # GQA
     ids = seqs([33, 7, 60])
     p = rl.pack(ids, [[] for _ in ids])
     with torch.no_grad():
@@ -44,7 +47,9 @@ def test_packed_forward_equals_per_sequence_forwards(ckpt):
         packed = model.hidden(p)
         for b, x in enumerate(ids):
             alone = model.hidden(rl.pack([x], [[]]))
-            torch.testing.assert_close(packed[p.cu_seqlens[b] : p.cu_seqlens[b + 1]], alone, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                packed[p.cu_seqlens[b] : p.cu_seqlens[b + 1]], alone, atol=1e-5, rtol=1e-5
+            )
 
 
 def test_pack_indexes_generated_tokens():

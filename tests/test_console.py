@@ -1,0 +1,68 @@
+"""The console a user sees: one parity line and one step line per step, the table every
+--parity-every steps, quiet libraries, and warnings only when they can be acted on."""
+
+import logging
+import os
+import re
+
+import torch
+
+import simple_rl as rl
+from helpers import TorchEngine, cpu_argv, main_cpu
+
+
+class ExactEngine(TorchEngine):
+    """The stand-in engine, with its logprobs recomputed by one packed forward of its copy of
+    the policy: the same computation as the trainer's, so every token matches bit for bit."""
+
+    def rollout(self, prompts, indices, step):
+        ro = super().rollout(prompts, indices, step)
+        with torch.no_grad():
+            ro.logprobs, _ = self.model(rl.pack(ro.prompts, ro.completions), self.cfg.temperature)
+        return ro
+
+
+STEP_LINE = re.compile(
+    r"^step (\d+)/5 \| reward \d\.\d{3} \| loss [+-]\d\.\d{4} \| kl \d\.\d{4} \| ent \d+\.\d{3} \| "
+    r"len \d+\.\d \| mismatched 0/\d+ \| rollout \d+\.\ds train \d+\.\ds push \d\.\d\ds \| "
+    r"\d+\.\d s/step \| ETA \d+s$")
+
+
+def test_one_parity_line_and_one_step_line_per_step_and_the_table_every_n(ckpt, tmp_path, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=5, parity_every=2, kl_coef=0.0,
+                    micro_batch_tokens=4096, save_every=0)
+    assert main_cpu(argv, ExactEngine) == 0
+    out = capsys.readouterr().out.splitlines()
+    steps = [line for line in out if line.startswith("step ")]
+    assert [int(STEP_LINE.match(s).group(1)) for s in steps] == [1, 2, 3, 4, 5], steps
+    assert sum(line.startswith("parity: identical=yes | 0/") for line in out) == 5
+    tables = [i for i, line in enumerate(out) if line.split()[:2] == ["token", "vllm"]]
+    assert len(tables) == 3  # steps 0, 2 and 4 (--parity-every 2)
+    assert steps[-1].endswith("ETA 0s") and out[-1].startswith("saved ")
+    assert not [line for line in out if "warning" in line.lower()]
+
+
+def test_libraries_are_quiet_unless_verbose(monkeypatch):
+    for name in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "FLASHINFER_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    rl.quiet_console(verbose=True)
+    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    rl.quiet_console(verbose=False)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+    assert os.environ["FLASHINFER_LOGGING_LEVEL"] == "warning"
+
+
+def test_expected_vllm_warnings_are_dropped_and_others_kept():
+    def record(msg):
+        return logging.LogRecord("vllm.engine", logging.WARNING, "x.py", 1, msg, None, None)
+
+    assert not rl.ExpectedWarnings.filter(record("The global random seed is set to %d. ..."))
+    assert not rl.ExpectedWarnings.filter(
+        record("Triton kernel JIT compilation during inference: %s."))
+    assert rl.ExpectedWarnings.filter(record("Not enough memory for the KV cache"))
+
+
+def test_durations_read_like_a_clock():
+    assert [rl.format_duration(s) for s in (0, 9.6, 61, 3599, 3600 * 2 + 65)] == \
+        ["0s", "10s", "1m01s", "59m59s", "2h01m"]
