@@ -1537,51 +1537,56 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     """
     device = old_logp.device
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
+    # (batch, its targets' slice of the N, its samples' range of the B, loss weight)
     parts = [(*sub_pack(packed, g), g, 1.0) for g in plan_micro_batches(packed, cfg)]
     n_micro = len(parts) if n_micro is None else n_micro
-    parts += [(*sub_pack(packed, range(0, 1)), range(0, 1), 0.0)] * (n_micro - len(parts))
-    parts = [(mb.to(device), tok, g, weight) for mb, tok, g, weight in parts]
+    padding = (*sub_pack(packed, range(0, 1)), range(0, 1), 0.0)  # runs the collectives only
+    parts += [padding] * (n_micro - len(parts))
+    parts = [(batch.to(device), owned, samples, w) for batch, owned, samples, w in parts]
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
     # rank's part is scaled by the world size (a power of two: exact).
     scale = (dist.get_world_size() if dist.is_initialized() else 1) / n_tokens
-    first_logp = torch.empty(len(packed.targets), dtype=torch.float32, device=device)
+    logps = torch.empty(len(packed.targets), dtype=torch.float32, device=device)  # (N,)
     sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
     grad_norm = torch.zeros((), device=device)
+    first_logp = logps
     for update in range(cfg.updates_per_batch):
+        # forward + backward of every micro-batch; gradients accumulate in fp32
         optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), device=device)
-        logp_finite = torch.ones((), dtype=torch.bool, device=device)
-        for mb, tok, g, weight in parts:
-            logp, ent = model(mb, cfg.temperature)  # (N_mb,) each
-            pg, ratio, clipped = ppo_clip_loss(logp, old_logp[tok], adv[mb.sample + g.start],
-                                               cfg.clip_eps)
+        for batch, owned, samples, weight in parts:
+            logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
+            adv_tok = adv[batch.sample + samples.start]  # each token gets its sample's advantage
+            pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
             if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref_logp, _ = ref_model(mb, cfg.temperature)
+                    ref_logp, _ = ref_model(batch, cfg.temperature)
                 kl = kl_k3(logp, ref_logp)
             loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
             loss.backward()
             if weight == 0:
                 continue  # a padding micro-batch: its collectives ran, its numbers do not count
             loss_total += loss.detach()
-            logp_finite &= torch.isfinite(logp).all()
+            logps[owned] = logp.detach()
             if update == 0:
-                first_logp[tok] = logp.detach()
                 sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
                                      clipped.sum()]).detach()
+        # clip on the global norm; every rank agrees that all is finite before stepping
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        finite = torch.stack([logp_finite, torch.isfinite(loss_total), torch.isfinite(norm)])
+        finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
+                              torch.isfinite(norm)])
         finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()  # one host sync
         if not all(finite):
             quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
-            bad = packed.sample[~torch.isfinite(first_logp.cpu())].unique().tolist()
+            bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
             all_samples = sorted(set(packed.sample.tolist()))
             raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
                                  update, cfg.updates_per_batch)
         if update == 0:
             grad_norm = norm.detach()
+            first_logp = logps.clone() if cfg.updates_per_batch > 1 else logps
         optimizer.step()
         if not weights_finite(model, device):
             raise NonFiniteError("weights after the optimizer step", [], update,
@@ -1676,26 +1681,26 @@ def in_prompt_order(per_rank: list[list], world: int) -> list:
     return out
 
 
-def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
+def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     """rollout -> reward -> advantages -> update (+ parity check) -> weight push -> metrics."""
-    cfg = tr.cfg
-    ranks = tr.ranks
-    device = tr.ranks.device
-    G = tr.cfg.group_size
+    cfg = trainer.cfg
+    ranks = trainer.ranks
+    device = trainer.ranks.device
+    G = trainer.cfg.group_size
 
     # 1. Rollout: this rank's share of the step's prompts, G samples each, seeded by index.
-    chosen = step_problems(len(tr.task.problems), cfg.num_prompts, step, cfg.seed)
+    chosen = step_problems(len(trainer.task.problems), cfg.num_prompts, step, cfg.seed)
     mine = my_prompts(cfg.num_prompts, ranks)
     t0 = time.perf_counter()
-    rollout = tr.engine.rollout([tr.task.prompt_ids[chosen[i]] for i in mine], mine, step)
-    tr.engine.sleep()  # the trainer gets the KV cache's memory until the push
+    rollout = trainer.engine.rollout([trainer.task.prompt_ids[chosen[i]] for i in mine], mine, step)
+    trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
     t1 = time.perf_counter()
 
     # 2. Reward and advantages: a prompt's G samples are all on this rank.
-    vocab = len(tr.tokenizer)  # a model's vocab may exceed its tokenizer's: skip ids past it
-    texts = tr.tokenizer.batch_decode([[t for t in c if t < vocab] for c in rollout.completions],
-                                      skip_special_tokens=True)
-    answers = [tr.task.problems[chosen[i]].answer for i in mine for _ in range(G)]
+    vocab = len(trainer.tokenizer)  # a model's vocab may exceed its tokenizer's: skip ids past it
+    in_vocab = [[t for t in c if t < vocab] for c in rollout.completions]
+    texts = trainer.tokenizer.batch_decode(in_vocab, skip_special_tokens=True)
+    answers = [trainer.task.problems[chosen[i]].answer for i in mine for _ in range(G)]
     rewards = torch.tensor([reward(t, a) for t, a in zip(texts, answers)])
     adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps).to(device)
 
@@ -1705,9 +1710,9 @@ def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     n_micro = int(all_reduce(n_micro, dist.ReduceOp.MAX))  # FSDP: the same count on every rank
     n_tokens = int(all_reduce(torch.tensor([len(packed.targets)], device=device)))
     try:
-        sums, grad_norm, trainer_logp = train_step(tr.model, tr.ref_model, tr.optimizer, packed,
-                                                   rollout.logprobs.to(device), adv, cfg,
-                                                   n_micro, n_tokens)
+        sums, grad_norm, trainer_logp = train_step(
+            trainer.model, trainer.ref_model, trainer.optimizer, packed,
+            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.step = step
         e.prompts = sorted({mine[s // G] for s in e.samples})
@@ -1717,13 +1722,14 @@ def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
-    tr.engine.push(hf_weights(tr.model))
+    trainer.engine.push(hf_weights(trainer.model))
     if device.type == "cuda":
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
     t3 = time.perf_counter()
 
     # 5. Metrics over every rank, in the step's prompt order.
-    deltas = weight_deltas(tr.optimizer, dict(tr.model.named_parameters()), cfg.log_param_deltas)
+    named = dict(trainer.model.named_parameters())
+    deltas = weight_deltas(trainer.optimizer, named, cfg.log_param_deltas)
     sums = all_reduce(sums).div(max(n_tokens, 1))
     pg, kl, ent, ratio, clipped = sums.tolist()
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
@@ -1745,10 +1751,10 @@ def rl_step(tr: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
     })
     metrics.update(deltas)
-    if tr.writer is not None:
+    if trainer.writer is not None:
         for k, v in metrics.items():
-            tr.writer.add_scalar(k, v, step)
-        tr.writer.flush()
+            trainer.writer.add_scalar(k, v, step)
+        trainer.writer.flush()
     return metrics, parity
 
 
@@ -1868,7 +1874,7 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
     return {n: list(p.shape) for n, p in model.named_parameters()}
 
 
-def save_checkpoint(run_dir: Path, tr: Trainer, next_step: int, source: Path) -> Path:
+def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Path) -> Path:
     """checkpoints/step_XXXXXX, written to a temp dir and renamed, so a crash or a full disk
     mid-write leaves the previous checkpoint whole; then all but the newest `keep_last` go.
 
@@ -1878,7 +1884,7 @@ def save_checkpoint(run_dir: Path, tr: Trainer, next_step: int, source: Path) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    cfg = tr.cfg
+    cfg = trainer.cfg
     root = run_dir / "checkpoints"
     final = root / f"step_{next_step:06d}"
     tmp = root / f".tmp_step_{next_step:06d}"
@@ -1887,17 +1893,17 @@ def save_checkpoint(run_dir: Path, tr: Trainer, next_step: int, source: Path) ->
         tmp.mkdir(parents=True)
     barrier()
     with writing(tmp, cleanup=tmp):
-        model_state, optim_state = get_state_dict(tr.model, tr.optimizer)
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state["state"]},
                  storage_writer=dcp.FileSystemWriter(str(tmp / "trainer")))
-        hf_state = gathered_hf_state(tr.model)
+        hf_state = gathered_hf_state(trainer.model)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        torch.save(rng, tmp / f"rng_rank{tr.ranks.rank}.pt")
+        torch.save(rng, tmp / f"rng_rank{trainer.ranks.rank}.pt")
         if is_main():
             save_hf_checkpoint(tmp / "model", hf_state, source)
-            state = dict(next_step=next_step, world_size=tr.ranks.world,
-                         shapes=model_shapes(tr.model),
+            state = dict(next_step=next_step, world_size=trainer.ranks.world,
+                         shapes=model_shapes(trainer.model),
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
                          sampler_seeds=[sample_seed(cfg, next_step, i)
@@ -1970,28 +1976,28 @@ def read_checkpoint_state(ckpt: Path) -> dict:
     return state
 
 
-def restore_checkpoint(tr: Trainer, ckpt: Path) -> int:
-    """Load masters, optimizer state and RNG from `ckpt` into `tr` (resharded by DCP if the
+def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
+    """Load masters, optimizer state and RNG from `ckpt` into `trainer` (resharded by DCP if the
     world size changed); returns the step to run next."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = read_checkpoint_state(ckpt)
-    want = model_shapes(tr.model)
+    want = model_shapes(trainer.model)
     need(state["shapes"] == want, f"{ckpt} was saved from another model ({len(state['shapes'])} "
-         f"weights; --model {tr.cfg.model} has {len(want)}, or their shapes differ).")
-    model_state, optim_state = get_state_dict(tr.model, tr.optimizer)
+         f"weights; --model {trainer.cfg.model} has {len(want)}, or their shapes differ).")
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
     loaded = {"model": model_state, "optimizer": optim_state["state"]}
     try:
         with data_only_loading():
             dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(ckpt / "trainer")))
-            rng_file = ckpt / f"rng_rank{tr.ranks.rank}.pt"
-            same_world = state["world_size"] == tr.ranks.world and rng_file.is_file()
+            rng_file = ckpt / f"rng_rank{trainer.ranks.rank}.pt"
+            same_world = state["world_size"] == trainer.ranks.world and rng_file.is_file()
             rng = torch.load(rng_file, weights_only=True) if same_world else None
     except (Exception, CheckpointException) as e:  # truncated, crafted or foreign files
         raise ConfigError(f"{ckpt} cannot be restored ({root_cause(e)}); resume from an "
                           "earlier checkpoint.") from e
-    set_state_dict(tr.model, tr.optimizer, model_state_dict=loaded["model"],
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
                                      "param_groups": optim_state["param_groups"]})
     if rng is not None:
@@ -2076,11 +2082,11 @@ def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
     return run_dir
 
 
-def export_final(tr: Trainer, run_dir: Path, source: Path) -> str:
+def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     """The final HF checkpoint, written to a temp dir and renamed; returns its weights' sha256."""
-    out = Path(tr.cfg.output_dir).expanduser() if tr.cfg.output_dir else run_dir / "final"
+    out = Path(trainer.cfg.output_dir).expanduser() if trainer.cfg.output_dir else run_dir / "final"
     tmp = out.parent / f".tmp_{out.name}"
-    hf_state = gathered_hf_state(tr.model)
+    hf_state = gathered_hf_state(trainer.model)
     digest = ""
     if is_main():
         with writing(tmp, cleanup=tmp):
@@ -2315,17 +2321,17 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         ref_model.requires_grad_(False)
     del state, hf_state
     optimizer = make_optimizer(model, cfg)
-    tr = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks)
-    start = restore_checkpoint(tr, ckpt) if ckpt else 0
+    trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks)
+    start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
 
     # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
     if ranks.main:
         from torch.utils.tensorboard import SummaryWriter
 
-        tr.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
-        tr.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-        tr.writer.add_custom_scalars(tensorboard_layout())
+        trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
+        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
+        trainer.writer.add_custom_scalars(tensorboard_layout())
         if ckpt:
             purge_after(run_dir / "metrics.jsonl", start)
     if ckpt:
@@ -2334,7 +2340,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
            f"{kernels.name} | run {run_dir}")
-    return tr, start, run_dir, files.path
+    return trainer, start, run_dir, files.path
 
 
 class StopRequest:
@@ -2363,26 +2369,26 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def train(tr: Trainer, start: int, run_dir: Path, source: Path) -> str:
+def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
 
     Ctrl-C or SIGTERM lets the current step finish, saves a checkpoint and closes TensorBoard.
     A non-finite logprob, loss, gradient norm or weight stops the run before anything is saved
     or pushed, writes a diagnostic and keeps the last good checkpoint.
     """
-    cfg = tr.cfg
-    device = tr.ranks.device
-    metrics_log = (run_dir / "metrics.jsonl").open("a") if tr.ranks.main else None
+    cfg = trainer.cfg
+    device = trainer.ranks.device
+    metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
     began, done = time.perf_counter(), 0
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.steps):
                 try:
-                    metrics, parity = rl_step(tr, step)
+                    metrics, parity = rl_step(trainer, step)
                 except NonFiniteError as e:
                     raise nonfinite_stop(e, step, run_dir) from e
                 except torch.OutOfMemoryError as e:
-                    raise oom_stop(tr, step, run_dir) from e
+                    raise oom_stop(trainer, step, run_dir) from e
                 done += 1
                 step_s = (time.perf_counter() - began) / done
                 if metrics_log is not None:
@@ -2400,7 +2406,7 @@ def train(tr: Trainer, start: int, run_dir: Path, source: Path) -> str:
                 asked = not agree(stop.signal is None, device)  # every rank stops together
                 if asked or (cfg.save_every and (step + 1) % cfg.save_every == 0):
                     print0(f"saving checkpoint step_{step + 1:06d}")
-                    ckpt = save_checkpoint(run_dir, tr, step + 1, source)
+                    ckpt = save_checkpoint(run_dir, trainer, step + 1, source)
                     if asked:
                         code = EXIT_INTERRUPTED if stop.signal in (None, signal.SIGINT) \
                             else EXIT_TERMINATED
@@ -2409,9 +2415,9 @@ def train(tr: Trainer, start: int, run_dir: Path, source: Path) -> str:
     finally:
         if metrics_log is not None:
             metrics_log.close()
-        if tr.writer is not None:
-            tr.writer.close()
-    return export_final(tr, run_dir, source)
+        if trainer.writer is not None:
+            trainer.writer.close()
+    return export_final(trainer, run_dir, source)
 
 
 def last_good(run_dir: Path) -> str:
@@ -2430,8 +2436,8 @@ def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
                       f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
 
-def oom_stop(tr: Trainer, step: int, run_dir: Path) -> RunStopped:
-    est = memory_estimate(tr.cfg, tr.model.args, tr.ranks.world)["peak"] / 2**30
+def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
+    est = memory_estimate(trainer.cfg, trainer.model.args, trainer.ranks.world)["peak"] / 2**30
     return RunStopped(f"out of GPU memory at step {step} (estimate {est:.0f} GiB per GPU); "
                       "add GPUs with torchrun --nproc-per-node N or lower --micro-batch-tokens. "
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
@@ -2440,15 +2446,17 @@ def oom_stop(tr: Trainer, step: int, run_dir: Path) -> RunStopped:
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         device_type: str = "cuda") -> str:
     """The whole job; returns the sha256 of the final weights."""
-    tr, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
-    if tr.cfg.debug_parity:
-        problem = tr.task.prompt_ids[step_problems(len(tr.task.problems), 1, 0, tr.cfg.seed)[0]]
-        rows, n_bad = debug_parity(tr.engine.llm, tr.model, problem, tr.cfg.max_new_tokens,
-                                   tr.cfg.temperature, tr.cfg.seed)
+    trainer, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
+    if trainer.cfg.debug_parity:
+        cfg = trainer.cfg
+        first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
+        prompt = trainer.task.prompt_ids[first]
+        rows, n_bad = debug_parity(trainer.engine.llm, trainer.model, prompt, cfg.max_new_tokens,
+                                   cfg.temperature, cfg.seed)
         print0(format_debug(rows))
         print0(f"generated-token logprobs that differ: {n_bad}")
         return ""
-    return train(tr, start, run_dir, path)
+    return train(trainer, start, run_dir, path)
 
 
 def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:

@@ -28,25 +28,26 @@ def rollout_grads(model: str, log_dir: str, out: str) -> None:
     """One step's rollout of every rank and the first update's gradient, in global order."""
     cfg, given = rl.parse_config(cpu_argv(model, log_dir, num_prompts=3, micro_batch_tokens=128,
                                           run_name="grads", kl_coef=0.0))
-    tr, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
-    ranks, G = tr.ranks, cfg.group_size
+    trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
+    ranks, G = trainer.ranks, cfg.group_size
     mine = rl.my_prompts(cfg.num_prompts, ranks)
-    chosen = rl.step_problems(len(tr.task.problems), cfg.num_prompts, 0, cfg.seed)
-    ro = tr.engine.rollout([tr.task.prompt_ids[chosen[i]] for i in mine], mine, 0)
+    chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
+    ro = trainer.engine.rollout([trainer.task.prompt_ids[chosen[i]] for i in mine], mine, 0)
     packed = rl.pack(ro.prompts, ro.completions)
     # fixed advantages, a function of the sample's index in the whole step (the same for any N)
     adv = torch.tensor([((i * G + g) % 5 - 2) / 2 for i in mine for g in range(G)])
     n_micro = int(rl.all_reduce(torch.tensor([len(rl.plan_micro_batches(packed, cfg))]),
                                 rl.dist.ReduceOp.MAX))
     n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)])))
-    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.0)
-    tr.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
+    trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients
     lps = [ro.logprobs[packed.sample == s].tolist() for s in range(len(ro.completions))]
     per_prompt = [(ro.completions[j * G:(j + 1) * G], lps[j * G:(j + 1) * G])
                   for j in range(len(mine))]
-    rl.train_step(tr.model, None, tr.optimizer, packed, ro.logprobs, adv, cfg, n_micro, n_tokens)
+    rl.train_step(trainer.model, None, trainer.optimizer, packed, ro.logprobs, adv, cfg, n_micro,
+                  n_tokens)
     samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt), ranks.world)
-    grads = {n: rl.full_tensor(p.grad) for n, p in tr.model.named_parameters()}
+    grads = {n: rl.full_tensor(p.grad) for n, p in trainer.model.named_parameters()}
     if ranks.main:
         torch.save(dict(world=ranks.world, samples=json.dumps(samples), grads=grads,
                         micro_batches=n_micro), out)

@@ -15,24 +15,24 @@ TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ra
 def make_trainer(path, tmp_path, **overrides):
     cfg, given = rl.parse_config(cpu_argv(path, tmp_path / "runs", **overrides))
     rl.validate(cfg)
-    tr, start, run_dir, _ = rl.setup(cfg, given, TorchEngine, "cpu")
-    return tr, run_dir
+    trainer, start, run_dir, _ = rl.setup(cfg, given, TorchEngine, "cpu")
+    return trainer, run_dir
 
 
 def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
-    tr, run_dir = make_trainer(ckpt(), tmp_path, max_new_tokens=6, seed=1)
-    w0 = tr.model.layers[0].attention.wqkv.weight.detach().clone()
+    trainer, run_dir = make_trainer(ckpt(), tmp_path, max_new_tokens=6, seed=1)
+    w0 = trainer.model.layers[0].attention.wqkv.weight.detach().clone()
     for step in range(2):
-        m, parity = rl.rl_step(tr, step)
+        m, parity = rl.rl_step(trainer, step)
         assert parity.n_tokens == m["determinism/tokens"] == 36
         assert parity.max_abs_diff < 1e-4  # the CPU stand-in is close, not bitwise
         assert m["kl_div"] >= 0 and m["entropy"] > 0 and 0 <= m["ratio_clipped_frac"] <= 1
-    assert tr.engine.sleeps == 2  # the engine slept through each update
-    w1 = tr.model.layers[0].attention.wqkv.weight.detach()
+    assert trainer.engine.sleeps == 2  # the engine slept through each update
+    w1 = trainer.model.layers[0].attention.wqkv.weight.detach()
     assert not torch.equal(w0, w1)  # the entropy bonus moves the weights
-    assert torch.equal(tr.engine.model.layers[0].attention.wqkv.weight, w1)  # pushed
+    assert torch.equal(trainer.engine.model.layers[0].attention.wqkv.weight, w1)  # pushed
     assert m["kl_div"] > 0  # after one update the policy has left the frozen reference
-    tr.writer.close()
+    trainer.writer.close()
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -48,14 +48,14 @@ def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
 
 def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path):
     """||W_new - W_old|| reconstructed from AdamW's state equals the measured one."""
-    tr, _ = make_trainer(ckpt(), tmp_path, weight_decay=0.1)
-    named = dict(tr.model.named_parameters())
+    trainer, _ = make_trainer(ckpt(), tmp_path, weight_decay=0.1)
+    named = dict(trainer.model.named_parameters())
     before = {n: p.detach().clone() for n, p in named.items()}
-    rl.rl_step(tr, 0)
-    rl.rl_step(tr, 1)
+    rl.rl_step(trainer, 0)
+    rl.rl_step(trainer, 1)
     before = {n: p.detach().clone() for n, p in named.items()}
-    m, _ = rl.rl_step(tr, 2)
-    got = rl.weight_deltas(tr.optimizer, named, per_param=True)
+    m, _ = rl.rl_step(trainer, 2)
+    got = rl.weight_deltas(trainer.optimizer, named, per_param=True)
     for name, p in named.items():
         true = (p.detach() - before[name]).norm().item()
         want = got[f"weight_delta/{name}/magnitude"]
@@ -67,14 +67,14 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path):
 
 def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
     """The logprobs handed to the parity check are exactly the first update's forward."""
-    tr, _ = make_trainer(ckpt(), tmp_path, updates_per_batch=2)
-    ro = tr.engine.rollout([[5, 6, 7], [8, 9]], [0, 1], 0)
+    trainer, _ = make_trainer(ckpt(), tmp_path, updates_per_batch=2)
+    ro = trainer.engine.rollout([[5, 6, 7], [8, 9]], [0, 1], 0)
     p = rl.pack(ro.prompts, ro.completions)
     with torch.no_grad():
-        want, _ = tr.model(p, tr.cfg.temperature)
+        want, _ = trainer.model(p, trainer.cfg.temperature)
     adv = torch.linspace(-1, 1, len(ro.completions))
-    _, grad_norm, got = rl.train_step(tr.model, tr.ref_model, tr.optimizer, p, ro.logprobs, adv,
-                                      tr.cfg)
+    _, grad_norm, got = rl.train_step(trainer.model, trainer.ref_model, trainer.optimizer, p,
+                                      ro.logprobs, adv, trainer.cfg)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert grad_norm > 0
 
@@ -82,16 +82,16 @@ def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
 def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckpt, tmp_path):
     grads = []
     for mbt, n_micro in ((32, 3), (4096, 1), (4096, 3)):  # 3 real; 1 real; 1 real + 2 padding
-        tr, _ = make_trainer(ckpt(), tmp_path / f"{mbt}_{n_micro}", micro_batch_tokens=mbt,
+        trainer, _ = make_trainer(ckpt(), tmp_path / f"{mbt}_{n_micro}", micro_batch_tokens=mbt,
                              max_model_len=32)
-        ro = tr.engine.rollout([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [0, 1], 0)
+        ro = trainer.engine.rollout([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [0, 1], 0)
         p = rl.pack(ro.prompts, ro.completions)
-        assert len(rl.plan_micro_batches(p, tr.cfg)) == (1 if mbt == 4096 else 3)
-        tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.0)
-        tr.optimizer.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
-        rl.train_step(tr.model, tr.ref_model, tr.optimizer, p, ro.logprobs,
-                      torch.linspace(-1, 1, 6), tr.cfg, n_micro=n_micro)
-        grads.append(torch.cat([q.grad.flatten() for q in tr.model.parameters()]))
+        assert len(rl.plan_micro_batches(p, trainer.cfg)) == (1 if mbt == 4096 else 3)
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
+        rl.train_step(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs,
+                      torch.linspace(-1, 1, 6), trainer.cfg, n_micro=n_micro)
+        grads.append(torch.cat([q.grad.flatten() for q in trainer.model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
     assert torch.equal(grads[1], grads[2])  # zero-weight micro-batches add exactly nothing
 
