@@ -174,9 +174,33 @@ class RunStopped(RuntimeError):
         self.code = code
 
 
+class NonFiniteError(RuntimeError):
+    """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
+
+    def __init__(self, quantity: str, samples: list[int], update: int, updates: int):
+        super().__init__(f"non-finite {quantity}")
+        self.quantity = quantity
+        self.samples = samples
+        self.update = update
+        self.updates = updates
+
+    def applied(self) -> str:
+        """What the in-memory weights already took, in words."""
+        if self.quantity == "weights after the optimizer step":
+            return f"update {self.update + 1} of {self.updates} produced them; nothing was saved"
+        if self.update == 0:
+            return "nothing was applied"
+        return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
+                "none saved")
+
+
 # Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
-EXIT_NONFINITE, EXIT_PARITY, EXIT_OOM, EXIT_DISK = 3, 4, 5, 6
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+EXIT_NONFINITE = 3  # a NaN or Inf: nothing saved or pushed
+EXIT_PARITY = 4  # --strict-parity found a differing token
+EXIT_OOM = 5  # out of GPU memory
+EXIT_DISK = 6  # the file system refused a write
+EXIT_INTERRUPTED = 130  # Ctrl-C, after saving a checkpoint
+EXIT_TERMINATED = 143  # SIGTERM, after saving a checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -1498,26 +1522,6 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
 # ==========================================================================
 
 
-class NonFiniteError(RuntimeError):
-    """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
-
-    def __init__(self, quantity: str, samples: list[int], update: int, updates: int):
-        super().__init__(f"non-finite {quantity}")
-        self.quantity = quantity
-        self.samples = samples
-        self.update = update
-        self.updates = updates
-
-    def applied(self) -> str:
-        """What the in-memory weights already took, in words."""
-        if self.quantity == "weights after the optimizer step":
-            return f"update {self.update + 1} of {self.updates} produced them; nothing was saved"
-        if self.update == 0:
-            return "nothing was applied"
-        return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
-                "none saved")
-
-
 def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
     lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
     return micro_batches(lengths, cfg.micro_batch_tokens)
@@ -2298,6 +2302,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     if device_type == "cuda":
         check_memory(cfg, files.args, ranks)
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
+    print0(f"reading the weights of {files.path} (each checked finite)")
     on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
     hf_state = loaded.get("state", {})
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, resuming=ckpt is not None))))
