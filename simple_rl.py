@@ -1731,35 +1731,45 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
     t3 = time.perf_counter()
 
-    # 5. Metrics over every rank, in the step's prompt order.
+    # 5. Metrics over every rank; TensorBoard on rank 0.
+    metrics = step_metrics(cfg, rollout, rewards, len(mine), sums, n_tokens, grad_norm, parity,
+                           times=(t1 - t0, t2 - t1, t3 - t2))
     named = dict(trainer.model.named_parameters())
-    deltas = weight_deltas(trainer.optimizer, named, cfg.log_param_deltas)
-    sums = all_reduce(sums).div(max(n_tokens, 1))
-    pg, kl, ent, ratio, clipped = sums.tolist()
-    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
-                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
-                   rollout.stopped[j * G:(j + 1) * G]) for j in range(len(mine))]
-    every = in_prompt_order(all_gather_objects(per_prompt), ranks.world)
-    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
-    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss in every for s in ss]
-    metrics = dict(loss=pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, pg_loss=pg, kl_div=kl,
-                   entropy=ent, ratio_mean=ratio, ratio_clipped_frac=clipped,
-                   grad_norm=float(grad_norm))
-    metrics.update({
-        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-        "completion_len_mean": lens.mean().item(),
-        "completion_stopped_frac": sum(stopped) / len(stopped),
-        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
-        "determinism/max_abs_diff": parity.max_abs_diff,
-        "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
-    })
-    metrics.update(deltas)
+    metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
     if trainer.writer is not None:
         for k, v in metrics.items():
             trainer.writer.add_scalar(k, v, step)
         trainer.writer.flush()
     return metrics, parity
+
+
+def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
+                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
+                 times: tuple[float, float, float]) -> dict[str, float]:
+    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
+    from their summed token sums, and reward and length statistics over every sample, taken
+    in the step's prompt order (so they equal a single process's)."""
+    G = cfg.group_size
+    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
+                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
+                   rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
+    every = in_prompt_order(all_gather_objects(per_prompt), dist.get_world_size()
+                            if dist.is_initialized() else 1)
+    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss in every for s in ss]
+    return {
+        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg, "kl_div": kl,
+        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
+        "grad_norm": float(grad_norm),
+        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        "completion_len_mean": lens.mean().item(),
+        "completion_stopped_frac": sum(stopped) / len(stopped),
+        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
+        "determinism/max_abs_diff": parity.max_abs_diff,
+        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
+    }
 
 
 def format_duration(seconds: float) -> str:

@@ -216,7 +216,6 @@ def measure(
     profile_to: Path | None = None,
 ) -> dict:
     """Warm-up + measured steps of one design in this process (or this torchrun rank)."""
-    import torch
 
     import batch_invariant_backward as bib
     import simple_rl as rl
