@@ -482,8 +482,8 @@ class LogprobsEntropyFn(torch.autograd.Function):
     def forward(ctx, logits, targets, temperature, log_softmax, bwd):
         lp_t = torch.empty(logits.shape[0], dtype=_wide(logits).dtype, device=logits.device)
         entropy = torch.empty_like(lp_t)
-        for rows in torch.arange(logits.shape[0]).split(LOGPROB_ROWS):
-            s = slice(int(rows[0]), int(rows[-1]) + 1)
+        for start in range(0, logits.shape[0], LOGPROB_ROWS):
+            s = slice(start, start + LOGPROB_ROWS)
             lp = tempered_log_softmax(logits[s], temperature, log_softmax)  # (rows, V)
             lp_t[s] = lp.gather(-1, targets[s, None])[:, 0]
             entropy[s] = -(lp.exp() * lp).sum(-1)
@@ -497,8 +497,8 @@ class LogprobsEntropyFn(torch.autograd.Function):
         g_lp = torch.zeros_like(entropy) if g_lp is None else g_lp.to(entropy.dtype)
         g_ent = torch.zeros_like(entropy) if g_ent is None else g_ent.to(entropy.dtype)
         d_logits = torch.empty_like(logits)
-        for rows in torch.arange(logits.shape[0]).split(LOGPROB_ROWS):
-            s = slice(int(rows[0]), int(rows[-1]) + 1)
+        for start in range(0, logits.shape[0], LOGPROB_ROWS):
+            s = slice(start, start + LOGPROB_ROWS)
             lp = tempered_log_softmax(logits[s], ctx.temperature, ctx.log_softmax)  # (rows, V)
             d_logits[s] = ctx.bwd(lp, targets[s], entropy[s], g_lp[s], g_ent[s],
                                   ctx.temperature, logits.dtype)

@@ -347,6 +347,11 @@ def init_ranks(device_type: str) -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
 
 
+def world_size() -> int:
+    """Ranks in the job: 1 without a process group."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def is_main() -> bool:
     if dist.is_initialized():
         return dist.get_rank() == 0
@@ -361,16 +366,16 @@ def print0(*args, **kw) -> None:
 
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place over every rank (identity in a single process)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(t, op=op)
     return t
 
 
 def all_gather_objects(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank (small Python objects only)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
+    out = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
 
@@ -381,7 +386,7 @@ def on_rank0(fn: Callable):
     Decisions read from disk (the config to resume, the checkpoint to use, the run directory)
     are made once, so no two ranks can disagree on them.
     """
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if world_size() == 1:
         return fn()
     box: list = [None]
     if dist.get_rank() == 0:
@@ -397,14 +402,8 @@ def on_rank0(fn: Callable):
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.barrier()
-
-
-def agree(ok: bool, device) -> bool:
-    """True only if `ok` is true on every rank."""
-    flag = torch.tensor([int(ok)], device=device)
-    return bool(all_reduce(flag, dist.ReduceOp.MIN).item())
 
 
 # ==========================================================================
@@ -429,10 +428,9 @@ class ModelFiles:
     args: object  # TorchTitan's Qwen3ModelArgs
     tokenizer: object
     eos_ids: list[int]
-    hf_config: dict  # config.json as read
 
 
-def resolve_checkpoint(name: str, ranks: Ranks | None = None) -> Path:
+def resolve_checkpoint(name: str) -> Path:
     """A local directory as is; a hub id is fetched (weights, config, tokenizer) into the HF
     cache, by each host's first rank, then found in the cache by the others."""
     if looks_like_path(name):
@@ -609,12 +607,12 @@ def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
     return sorted(set(flat))
 
 
-def load_model_files(cfg: Config, ranks: Ranks | None = None) -> ModelFiles:
+def load_model_files(cfg: Config) -> ModelFiles:
     """Path, model args, tokenizer and stop ids, after checking they fit together and the config.
 
     Opens headers only; nothing here takes more than seconds.
     """
-    path = resolve_checkpoint(cfg.model, ranks)
+    path = resolve_checkpoint(cfg.model)
     hf_cfg = read_qwen3_config(path)
     args = model_args_from_hf(hf_cfg)
     need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
@@ -624,7 +622,7 @@ def load_model_files(cfg: Config, ranks: Ranks | None = None) -> ModelFiles:
     eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
     need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
          f"do not fit the model's vocab of {args.vocab_size}.")
-    return ModelFiles(path, args, tokenizer, eos_ids, hf_cfg.to_dict())
+    return ModelFiles(path, args, tokenizer, eos_ids)
 
 
 def _adapter(args):
@@ -1259,12 +1257,14 @@ def load_task(cfg: Config, tokenizer) -> Task:
 
 def step_problems(n_problems: int, num_prompts: int, step: int, seed: int) -> list[int]:
     """Indices of the step's prompts: a fresh shuffle of all problems per epoch, walked in order."""
+    orders: dict[int, list[int]] = {}  # a step spans one epoch, or two at a boundary
     out = []
     for i in range(step * num_prompts, (step + 1) * num_prompts):
         epoch, at = divmod(i, n_problems)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(n_problems, generator=g)
-        out.append(int(order[at]))
+        if epoch not in orders:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            orders[epoch] = torch.randperm(n_problems, generator=g).tolist()
+        out.append(orders[epoch][at])
     return out
 
 
@@ -1365,7 +1365,8 @@ def parity_over_ranks(p: Parity, device) -> Parity:
     # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
     worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
                        dist.ReduceOp.MAX)
-    return Parity(int(counts[0]), int(counts[1]), float(worst[0]), p.table)
+    n_tokens, n_mismatch = counts.tolist()
+    return Parity(n_tokens, n_mismatch, worst.item(), p.table)
 
 
 def parity_line(p: Parity) -> str:
@@ -1549,7 +1550,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     parts = [(batch.to(device), owned, samples, w) for batch, owned, samples, w in parts]
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
     # rank's part is scaled by the world size (a power of two: exact).
-    scale = (dist.get_world_size() if dist.is_initialized() else 1) / n_tokens
+    scale = world_size() / n_tokens
     logps = torch.empty(len(packed.targets), dtype=torch.float32, device=device)  # (N,)
     sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
     grad_norm = torch.zeros((), device=device)
@@ -1677,7 +1678,7 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
-def in_prompt_order(per_rank: list[list], world: int) -> list:
+def in_prompt_order(per_rank: list[list]) -> list:
     """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
     out = []
     for j in range(max(len(x) for x in per_rank)):
@@ -1754,8 +1755,7 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
                    [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
                    rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
-    every = in_prompt_order(all_gather_objects(per_prompt), dist.get_world_size()
-                            if dist.is_initialized() else 1)
+    every = in_prompt_order(all_gather_objects(per_prompt))
     all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
     lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
     stopped = [s for _, _, ss in every for s in ss]
@@ -1982,11 +1982,13 @@ def read_checkpoint_state(ckpt: Path) -> dict:
     """state.json of a checkpoint, checked for the fields restore needs."""
     try:
         state = json.loads((ckpt / "state.json").read_text())
-        assert isinstance(state["next_step"], int) and state["next_step"] >= 0
-        assert isinstance(state["world_size"], int) and isinstance(state["shapes"], dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        ok = isinstance(state["next_step"], int) and state["next_step"] >= 0 and \
+            isinstance(state["world_size"], int) and isinstance(state["shapes"], dict)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{ckpt / 'state.json'} is damaged ({type(e).__name__}); resume from "
                           "an earlier checkpoint.") from e
+    need(ok, f"{ckpt / 'state.json'} is damaged (wrong field types); resume from an earlier "
+         "checkpoint.")
     return state
 
 
@@ -2051,9 +2053,8 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
     file = ckpt / "run_config.json"
     try:
         saved = json.loads(file.read_text())
-        assert isinstance(saved, dict)
-        resumed = Config(**saved)
-    except (OSError, ValueError, TypeError, AssertionError) as e:
+        resumed = Config(**saved)  # a non-dict or an unknown field: TypeError
+    except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{file} is damaged or from another version ({type(e).__name__}).") from e
     try:
         validate(dataclasses.replace(resumed, resume=""))
@@ -2088,7 +2089,8 @@ def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
     if holds_run and not resuming:
         need(cfg.overwrite, f"{run_dir} already holds a run; pass --resume latest --run-name "
              f"{cfg.run_name} to continue it, or --overwrite to replace it.")
-        assert run_dir.resolve().parent == log_dir.resolve(), run_dir  # confined, see above
+        need(run_dir.resolve().parent == log_dir.resolve(), f"{run_dir} is not inside "
+             f"{log_dir}; nothing was removed.")
         with writing(run_dir):
             shutil.rmtree(run_dir)
     with writing(run_dir):
@@ -2307,7 +2309,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
          "start it with python, not torchrun.")
 
     # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
-    files = load_model_files(cfg, ranks)
+    files = load_model_files(cfg)
     task = load_task(cfg, files.tokenizer)
     if device_type == "cuda":
         check_memory(cfg, files.args, ranks)
@@ -2418,13 +2420,14 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                 if cfg.strict_parity and parity.n_mismatch:
                     raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
                                      "mismatched tokens.", EXIT_PARITY)
-                asked = not agree(stop.signal is None, device)  # every rank stops together
+                # every rank stops together, after the signal any of them received
+                asked = int(all_reduce(torch.tensor([stop.signal or 0], device=device),
+                                       dist.ReduceOp.MAX))
                 if asked or (cfg.save_every and (step + 1) % cfg.save_every == 0):
                     print0(f"saving checkpoint step_{step + 1:06d}")
                     ckpt = save_checkpoint(run_dir, trainer, step + 1, source)
                     if asked:
-                        code = EXIT_INTERRUPTED if stop.signal in (None, signal.SIGINT) \
-                            else EXIT_TERMINATED
+                        code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
                         raise RunStopped(f"stopped after step {step}; checkpoint {ckpt}; "
                                          f"continue with --resume {ckpt}", code)
     finally:

@@ -233,7 +233,7 @@ def measure(
         kernels="reference" if design == "b" else "vllm",
         dtype="float32" if cpu else "bfloat16",
     )
-    files = rl.load_model_files(cfg, ranks)
+    files = rl.load_model_files(cfg)
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
         engine_factory = {
             "a": rl.VLLMEngine,

@@ -46,7 +46,7 @@ def rollout_grads(model: str, log_dir: str, out: str) -> None:
                   for j in range(len(mine))]
     rl.train_step(trainer.model, None, trainer.optimizer, packed, ro.logprobs, adv, cfg, n_micro,
                   n_tokens)
-    samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt), ranks.world)
+    samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt))
     grads = {n: rl.full_tensor(p.grad) for n, p in trainer.model.named_parameters()}
     if ranks.main:
         torch.save(dict(world=ranks.world, samples=json.dumps(samples), grads=grads,

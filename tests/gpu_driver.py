@@ -102,7 +102,7 @@ def setup(args):
         engine_sleep=args.engine_sleep,
     )
     rl.validate(cfg)
-    files = rl.load_model_files(cfg, ranks)
+    files = rl.load_model_files(cfg)
     t0 = time.perf_counter()
     engine = rl.VLLMEngine(cfg, files, ranks)
     engine_s = time.perf_counter() - t0
@@ -129,7 +129,7 @@ def parity(args) -> dict:
         engine_start_s=engine_s,
         world=ranks.world,
         steps=[],
-        weights_equal_at_start=rl.agree(weights_equal(engine, model)[0], ranks.device),
+        weights_equal_at_start=all(rl.all_gather_objects(weights_equal(engine, model)[0])),
     )
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -242,7 +242,7 @@ def rollouts(args) -> dict:
         [(ro.completions[j * G + g], lps[j * G + g].tolist()) for g in range(G)]
         for j in range(len(mine))
     ]
-    samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt), ranks.world)
+    samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt))
     return dict(
         world=ranks.world,
         engine_start_s=engine_s,
