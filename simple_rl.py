@@ -1698,6 +1698,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     mine = my_prompts(cfg.num_prompts, ranks)
     t0 = time.perf_counter()
     rollout = trainer.engine.rollout([trainer.task.prompt_ids[chosen[i]] for i in mine], mine, step)
+    in_use = [device_in_use(device)]  # the engine's peak: weights and a full KV cache
     trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
     t1 = time.perf_counter()
 
@@ -1724,6 +1725,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         raise
     parity = parity_over_ranks(parity_report(rollout.logprobs, trainer_logp, packed.targets,
                                              cfg.parity_rows), device)
+    in_use.append(device_in_use(device))  # the trainer's peak: its activations are held here
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
@@ -1737,6 +1739,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
                            times=(t1 - t0, t2 - t1, t3 - t2))
     named = dict(trainer.model.named_parameters())
     metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
+    if device.type == "cuda":
+        metrics.update(memory_metrics(device, in_use))
     if trainer.writer is not None:
         for k, v in metrics.items():
             trainer.writer.add_scalar(k, v, step)
@@ -1772,6 +1776,23 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     }
 
 
+def device_in_use(device: torch.device) -> int:
+    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
+    """GiB per GPU, the largest over ranks: in use after the rollout and after the update, and
+    the PyTorch allocator's peak (trainer tensors; vLLM's sleep-mode pool is not in it)."""
+    peak = torch.cuda.max_memory_allocated(device)
+    gib = all_reduce(torch.tensor([*in_use, peak], dtype=torch.float64, device=device),
+                     dist.ReduceOp.MAX) / 2**30
+    return {"memory/in_use_gib": gib[:-1].max().item(), "memory/peak_allocated_gib": gib[-1].item()}
+
+
 def format_duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
@@ -1779,12 +1800,13 @@ def format_duration(seconds: float) -> str:
 
 
 def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
+    memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f} | loss {m['loss']:+.4f} | "
             f"kl {m['kl_div']:.4f} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f} | mismatched "
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
             f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
-            f"{m['time/push_s']:.2f}s | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
+            f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
 
 
 def tensorboard_layout() -> dict:
@@ -1799,6 +1821,7 @@ def tensorboard_layout() -> dict:
         "entropy": chart("entropy"),
         "mismatched tokens (trainer vs vLLM)": chart("determinism/mismatched_tokens"),
         "step time (s)": chart("time/rollout_s", "time/train_s", "time/push_s"),
+        "GPU memory (GiB)": chart("memory/in_use_gib", "memory/peak_allocated_gib"),
         "completions": chart("completion_len_mean"),
         "grad norm": chart("grad_norm"),
     }}

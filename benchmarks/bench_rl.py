@@ -468,8 +468,12 @@ def profile_train_step(
     adv = torch.linspace(-1, 1, len(ro.completions), device=ranks.device)
     cuda = ranks.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=ranks.device)
+    n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))  # FSDP: the same on every rank
+    n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)], device=ranks.device)))
     with profile(activities=activities) as prof:
-        rl.train_step(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg)
+        rl.train_step(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg,
+                      n_micro, n_tokens)
         sync(ranks.device)
     engine.push(rl.hf_weights(model))
     if ranks.main:

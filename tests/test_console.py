@@ -42,6 +42,16 @@ def test_one_parity_line_and_one_step_line_per_step_and_the_table_every_n(ckpt, 
     assert not [line for line in out if "warning" in line.lower()]
 
 
+def test_step_line_shows_gpu_memory_when_measured():
+    m = dict(reward_mean=0.5, loss=-0.01, kl_div=0.0, entropy=1.0, completion_len_mean=10.0,
+             **{"determinism/mismatched_tokens": 0, "determinism/tokens": 80,
+                "time/rollout_s": 1.0, "time/train_s": 2.0, "time/push_s": 0.03})
+    plain = rl.format_step(0, 2, m, 3.0, 3.0)
+    assert "GiB" not in plain and "push 0.03s | 3.0 s/step" in plain
+    m["memory/in_use_gib"] = 66.6
+    assert "push 0.03s | 67 GiB | 3.0 s/step | ETA 3s" in rl.format_step(0, 2, m, 3.0, 3.0)
+
+
 def test_libraries_are_quiet_unless_verbose(monkeypatch):
     for name in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "FLASHINFER_LOGGING_LEVEL"):
         monkeypatch.delenv(name, raising=False)

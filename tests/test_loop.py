@@ -10,6 +10,7 @@ TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ra
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
         "determinism/max_abs_diff", "completion_len_mean", "completion_stopped_frac",
         "time/rollout_s", "time/train_s", "time/push_s"]
+GPU_TAGS = ["memory/in_use_gib", "memory/peak_allocated_gib"]  # logged on CUDA only
 
 
 def make_trainer(path, tmp_path, **overrides):
@@ -104,6 +105,6 @@ def test_parity_report_flags_nan():
 def test_custom_scalars_layout_names_logged_tags():
     layout = rl.tensorboard_layout()["simple_rl"]
     tags = {t for _, (_, ts) in layout.items() for t in ts}
-    assert tags <= set(TAGS)
+    assert tags <= set(TAGS) | set(GPU_TAGS)
     assert {"reward_mean", "loss", "kl_div", "entropy", "determinism/mismatched_tokens",
             "time/rollout_s"} <= tags
