@@ -2236,7 +2236,7 @@ class ExpectedWarnings:
 
     @staticmethod
     def filter(record) -> bool:
-        return not str(record.msg).startswith(EXPECTED_VLLM_WARNINGS)
+        return not record.getMessage().startswith(EXPECTED_VLLM_WARNINGS)  # args filled in
 
 
 def quiet_console(verbose: bool) -> None:
