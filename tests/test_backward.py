@@ -154,31 +154,38 @@ out = []
 for lens, hq, hk in [([70, 1, 5, 130], 4, 2), ([64, 128, 3], 4, 4), ([9, 65], 8, 2)]:
     t, d, L = sum(lens), 16, max(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    q, k, v, go = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d), torch.randn(t, hq, d)
+    q, go = torch.randn(t, hq, d), torch.randn(t, hq, d)
+    k, v = torch.randn(t, hk, d), torch.randn(t, hk, d)
     o, lse = bib.ref_attention(q, k, v, cu, L, 0.3)
     got = bib.attention_backward_tiled(q, k, v, o, lse, go, cu, L, 0.3)
     again = bib.attention_backward_tiled(q, k, v, o, lse, go, cu, L, 0.3)
     want = bib.attention_backward(*(x.double() for x in (q, k, v, o, lse, go)), cu, L, 0.3)
-    out.append(dict(err=[((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)],
-                    same=all(torch.equal(a, b) for a, b in zip(got, again))))
+    err = [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
+    out.append(dict(err=err, same=all(torch.equal(a, b) for a, b in zip(got, again))))
 torch.manual_seed(1)
 rel = lambda a, b: ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 checks = {}
 for d, rows in [(128, (37, 3)), (48, (5,)), (256, (70,))]:
-    x, gy, gs, w = torch.randn(*rows, d), torch.randn(*rows, d), torch.randn(*rows, d), torch.rand(d) + 0.5
+    x, gy, gs = torch.randn(*rows, d), torch.randn(*rows, d), torch.randn(*rows, d)
+    w = torch.rand(d) + 0.5
     for name, extra in [("", None), ("+gs", gs)]:
-        got, want = bib.rms_norm_backward_triton(x, w, gy, 1e-6, extra), bib.rms_norm_backward(x, w, gy, 1e-6, extra)
+        got = bib.rms_norm_backward_triton(x, w, gy, 1e-6, extra)
+        want = bib.rms_norm_backward(x, w, gy, 1e-6, extra)
         checks[f"rms_norm d={d}{name}"] = max(rel(a, b) for a, b in zip(got, want))
-gq, gk, pos = torch.randn(9, 4, 32), torch.randn(9, 2, 32), torch.tensor([0, 1, 2, 3, 0, 1, 5, 6, 7])
+gq, gk = torch.randn(9, 4, 32), torch.randn(9, 2, 32)
+pos = torch.tensor([0, 1, 2, 3, 0, 1, 5, 6, 7])
 cs = bib.rope_cos_sin_cache(32, 10000.0, 16, "cpu", torch.float32)
-checks["rotary"] = max(rel(a, b) for a, b in zip(bib.rotary_backward_triton(gq, gk, pos, cs), bib.rotary_backward(gq, gk, pos, cs)))
+got, want = bib.rotary_backward_triton(gq, gk, pos, cs), bib.rotary_backward(gq, gk, pos, cs)
+checks["rotary"] = max(rel(a, b) for a, b in zip(got, want))
 x, gy = torch.randn(7, 2 * 300), torch.randn(7, 300)
-checks["silu_and_mul"] = rel(bib.silu_and_mul_backward_triton(x, gy), bib.silu_and_mul_backward(x, gy))
+got, want = bib.silu_and_mul_backward_triton(x, gy), bib.silu_and_mul_backward(x, gy)
+checks["silu_and_mul"] = rel(got, want)
 lp = torch.log_softmax(torch.randn(6, 5000) * 2, -1)
 tg, ent = torch.tensor([0, 4999, 17, 17, 4096, 3]), -(lp.exp() * lp).sum(-1)
 g1, g2 = torch.randn(6), torch.randn(6)
-checks["logprobs_entropy"] = rel(bib.logprobs_entropy_backward_triton(lp, tg, ent, g1, g2, 0.7, torch.float32),
-                                 bib.logprobs_entropy_backward(lp, tg, ent, g1, g2, 0.7, torch.float32))
+checks["logprobs_entropy"] = rel(
+    bib.logprobs_entropy_backward_triton(lp, tg, ent, g1, g2, 0.7, torch.float32),
+    bib.logprobs_entropy_backward(lp, tg, ent, g1, g2, 0.7, torch.float32))
 print(json.dumps(dict(attention=out, others=checks)))
 """
 

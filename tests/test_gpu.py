@@ -204,3 +204,26 @@ def test_qwen3_8b_on_two_gpus_every_token_bitwise_equal(tmp_path_factory):
                nproc=2, timeout=1200)
     check_parity_run(r, 5, 128, 10_000)
     print(json.dumps([{k: v for k, v in s.items()} for s in r["steps"]]))
+
+
+# ---------------------------------------------------------------- memory at the defaults
+
+
+def test_qwen3_4b_at_the_defaults_fits_one_gpu(tmp_path_factory):
+    """Qwen3-4B's shape, random weights, simple_rl.py with its default batch (16 x 8, 256 new
+    tokens, micro-batch 8192) on one GPU: 2 steps, every token equal, memory within the GPU."""
+    _need_gpu_stack()
+    tmp = tmp_path_factory.mktemp("q4b")
+    ckpt = make_checkpoint(tmp / "ckpt", "qwen3-4b")
+    cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", str(ckpt), "--steps", "2",
+           "--save-every", "0", "--log-dir", str(tmp / "runs"), "--run-name", "q4b"]
+    subprocess.run(cmd, check=True, env=_env(), timeout=900)
+    metrics = tmp / "runs" / "q4b" / "metrics.jsonl"
+    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert len(rows) == 2
+    for r in rows:
+        assert r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 16_000, r
+        assert 0 < r["memory/in_use_gib"] <= total, r
+    print(json.dumps([{k: v for k, v in r.items() if k.startswith(("memory", "time"))}
+                      for r in rows]))
