@@ -2192,12 +2192,13 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     return est
 
 
-def check_memory(cfg: Config, args, ranks: Ranks) -> None:
-    """Stop before anything slow when the estimate cannot fit this GPU, naming what would."""
+def check_memory(cfg: Config, args, ranks: Ranks) -> str:
+    """Stop before anything slow when the estimate cannot fit this GPU, naming what would;
+    else say how much of the GPU the run should fill (for the banner)."""
     total = torch.cuda.get_device_properties(ranks.device).total_memory
     est = memory_estimate(cfg, args, ranks.world)
     if est["peak"] <= total:
-        return
+        return f"~{est['peak'] / 2**30:.0f} of {total / 2**30:.0f} GiB per GPU"
 
     def peak(world=ranks.world, **change):
         return memory_estimate(dataclasses.replace(cfg, **change), args, world)["peak"]
@@ -2334,8 +2335,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
     files = load_model_files(cfg)
     task = load_task(cfg, files.tokenizer)
-    if device_type == "cuda":
-        check_memory(cfg, files.args, ranks)
+    memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
     print0(f"reading the weights of {files.path} (each checked finite)")
     on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
@@ -2378,8 +2378,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         print0(f"resuming {ckpt} at step {start} (config from the checkpoint)")
     n = count_params(files.args)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    memory = f" | {memory} (estimate)" if memory else ""
     print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
-           f"{kernels.name} | run {run_dir}")
+           f"{kernels.name}{memory} | run {run_dir}")
     return trainer, start, run_dir, files.path
 
 

@@ -175,4 +175,5 @@ def test_memory_estimate_and_the_advice_it_gives(monkeypatch):
         rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 1, torch.device("cpu")))
     assert "8.19B parameters needs about" in str(err.value)
     assert "torchrun --nproc-per-node 2 simple_rl.py" in str(err.value)
-    rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 2, torch.device("cpu")))  # fits: no error
+    fits = rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 2, torch.device("cpu")))  # no error
+    assert fits == f"~{two['peak'] / 2**30:.0f} of 143 GiB per GPU"  # the banner's words
