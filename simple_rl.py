@@ -1725,7 +1725,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         raise
     parity = parity_over_ranks(parity_report(rollout.logprobs, trainer_logp, packed.targets,
                                              cfg.parity_rows), device)
-    in_use.append(device_in_use(device))  # the trainer's peak: its activations are held here
+    in_use.append(device_in_use(device))  # the trainer's peak: the allocator keeps what it took
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
