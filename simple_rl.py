@@ -1528,6 +1528,15 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
     return micro_batches(lengths, cfg.micro_batch_tokens)
 
 
+def batch_over_ranks(packed: Packed, cfg: Config, device) -> tuple[int, int]:
+    """(micro-batches every rank runs, generated tokens over all ranks): train_step's n_micro
+    (FSDP's collectives need the same count on every rank) and its loss denominator."""
+    n_micro = torch.tensor([len(plan_micro_batches(packed, cfg))], device=device)
+    n_micro = all_reduce(n_micro, dist.ReduceOp.MAX)
+    n_tokens = all_reduce(torch.tensor([len(packed.targets)], device=device))
+    return int(n_micro), int(n_tokens)
+
+
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
                n_micro: int | None = None, n_tokens: int | None = None):
     """`updates_per_batch` optimizer steps over all micro-batches of this rank's samples.
@@ -1712,9 +1721,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
     packed = pack(rollout.prompts, rollout.completions)
-    n_micro = torch.tensor([len(plan_micro_batches(packed, cfg))], device=device)
-    n_micro = int(all_reduce(n_micro, dist.ReduceOp.MAX))  # FSDP: the same count on every rank
-    n_tokens = int(all_reduce(torch.tensor([len(packed.targets)], device=device)))
+    n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         sums, grad_norm, trainer_logp = train_step(
             trainer.model, trainer.ref_model, trainer.optimizer, packed,

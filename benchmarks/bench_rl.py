@@ -331,10 +331,7 @@ def device_used_gib(ranks) -> float:
 
     import simple_rl as rl
 
-    if ranks.device.type != "cuda":
-        return 0.0
-    free, total = torch.cuda.mem_get_info(ranks.device)
-    used = torch.tensor([(total - free) / 2**30], device=ranks.device)
+    used = torch.tensor([rl.device_in_use(ranks.device) / 2**30], device=ranks.device)
     return float(rl.all_reduce(used, rl.dist.ReduceOp.MAX))
 
 
@@ -360,13 +357,11 @@ def one_step(
     packed = rl.pack(ro.prompts, ro.completions)
     rewards = torch.tensor([sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions])
     adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).to(dev)
-    n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)], device=dev)))
+    n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, dev)
     opt_s = 0.0
     if design == "d":
         logp = trainer.step(ro, adv, n_tokens)
     else:
-        n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=dev)
-        n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))
         timed = time_optimizer(optimizer, dev)
         _, _, logp = rl.train_step(
             model, None, optimizer, packed, ro.logprobs.to(dev), adv, cfg, n_micro, n_tokens
@@ -468,9 +463,7 @@ def profile_train_step(
     adv = torch.linspace(-1, 1, len(ro.completions), device=ranks.device)
     cuda = ranks.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=ranks.device)
-    n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))  # FSDP: the same on every rank
-    n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)], device=ranks.device)))
+    n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
     with profile(activities=activities) as prof:
         rl.train_step(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg,
                       n_micro, n_tokens)

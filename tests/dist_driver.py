@@ -36,9 +36,7 @@ def rollout_grads(model: str, log_dir: str, out: str) -> None:
     packed = rl.pack(ro.prompts, ro.completions)
     # fixed advantages, a function of the sample's index in the whole step (the same for any N)
     adv = torch.tensor([((i * G + g) % 5 - 2) / 2 for i in mine for g in range(G)])
-    n_micro = int(rl.all_reduce(torch.tensor([len(rl.plan_micro_batches(packed, cfg))]),
-                                rl.dist.ReduceOp.MAX))
-    n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)])))
+    n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
     trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients
     lps = [ro.logprobs[packed.sample == s].tolist() for s in range(len(ro.completions))]

@@ -142,9 +142,7 @@ def parity(args) -> dict:
             [sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in ro.completions]
         )
         adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).cuda()
-        n_micro = torch.tensor([len(rl.plan_micro_batches(packed, cfg))], device=ranks.device)
-        n_micro = int(rl.all_reduce(n_micro, rl.dist.ReduceOp.MAX))
-        n_tokens = int(rl.all_reduce(torch.tensor([len(packed.targets)], device=ranks.device)))
+        n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
         sums, _, logp = rl.train_step(
             model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg, n_micro, n_tokens
         )
@@ -171,7 +169,7 @@ def parity(args) -> dict:
             train_s=t2 - t1,
             push_s=t3 - t2,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-            device_used_gib=(lambda f, t: (t - f) / 2**30)(*torch.cuda.mem_get_info()),
+            device_used_gib=rl.device_in_use(ranks.device) / 2**30,
         )
         per_rank = rl.all_gather_objects(mine_rec)
         loss = float(rl.all_reduce(sums[:1].clone())) / n_tokens
