@@ -52,7 +52,7 @@ class Kernels:
     add_rms_norm: Callable  # (x, residual, w, eps) -> (y, x + residual)
     rotary: Callable  # (q (T, Hq, D), k (T, Hk, D), positions (T,), cos_sin (P, D)) -> (q, k)
     silu_and_mul: Callable  # (x (T, 2I)) -> (T, I)
-    linear: Callable  # (x (T, K), w (N, K)) -> (T, N)
+    linear: Callable  # (x (T, K), w (N, K)) -> (T, N), computed in x's dtype
     # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> o (T, Hq, D);
     # a forward set's returns (o, lse (Hq, T))
     attention: Callable
@@ -219,21 +219,32 @@ class SiluAndMulFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
-def linear_backward(x: Tensor, w: Tensor, gy: Tensor) -> tuple[Tensor, Tensor]:
-    """y = x w^T  =>  dx = gy w,  dw = gy^T x. Plain GEMMs: deterministic for fixed shapes."""
-    return gy @ w, gy.t() @ x
+def linear_backward(x: Tensor, w: Tensor, gy: Tensor,
+                    w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """y = x w^T  =>  dx = gy w,  dw = gy^T x. Plain GEMMs: deterministic for fixed shapes.
+
+    dw is returned in w_dtype, the master's: for an fp32 master of bf16 compute the GEMM sums
+    straight into fp32 (CUDA), with no bf16 rounding and no separate cast.
+    """
+    if w_dtype == x.dtype:
+        return gy @ w, gy.t() @ x
+    return gy @ w, torch.mm(gy.t(), x, out_dtype=w_dtype)
 
 
 class LinearFn(torch.autograd.Function):
+    """y = x W^T with W = w cast to x's dtype; w's gradient comes back in w's own dtype."""
+
     @staticmethod
     def forward(ctx, x, w, fwd):
-        ctx.save_for_backward(x, w)
-        return fwd(x, w)
+        w_compute = w.to(x.dtype)  # the bf16 weight the engine holds (a no-op under FSDP)
+        ctx.save_for_backward(x, w_compute)
+        ctx.w_dtype = w.dtype
+        return fwd(x, w_compute)
 
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
-        dx, dw = linear_backward(x, w, gy)
+        dx, dw = linear_backward(x, w, gy, ctx.w_dtype)
         return dx, dw, None
 
 
@@ -655,7 +666,7 @@ def reference_kernels() -> Kernels:
         add_rms_norm=ref_add_rms_norm,
         rotary=ref_rotary,
         silu_and_mul=ref_silu_and_mul,
-        linear=F.linear,
+        linear=lambda x, w: F.linear(x, w.to(x.dtype)),
         attention=lambda *a: ref_attention(*a)[0],
         log_softmax=ref_log_softmax,
         logprobs_entropy=ref_logprobs_entropy,
@@ -688,23 +699,32 @@ def reference_forwards() -> Kernels:
 
 
 # vLLM's CUDA fused_add_rms_norm, which its batch-invariant RMSNorm still calls when there is a
-# residual, is not invariant to the number of rows in one call: its launch configuration (thread
-# block size, capped at the hidden size) changes at 256 rows, and with it the order of the sum of
-# squares. So every call goes through `fused_add_rms_norm_rows`, in chunks of at most this many
-# rows: the trainer's, and the engine's (simple_rl routes vLLM's calls through it too). Measured on
-# an H200, hidden 512: one call over all rows, ~55-75% of tokens differed; chunked, none.
-ADD_RMS_NORM_ROWS = 255
+# residual, is not invariant to the number of rows in one call: its thread block (capped at the
+# hidden size) is 1024 threads below 256 rows and 256 threads from 256 rows on, and with it changes
+# the order of the sum of squares. So every call goes through `fused_add_rms_norm_rows`, which
+# gives the kernel at least this many rows, padding a smaller call: every row is then normalised
+# by the 256-thread configuration, the trainer's and the engine's alike (simple_rl routes vLLM's
+# calls through it too), and a whole micro-batch is one launch. Measured on an H200, hidden 512:
+# one unpadded call over all rows, ~55-75% of tokens differed; padded, none.
+ADD_RMS_NORM_MIN_ROWS = 256
 
 
 def fused_add_rms_norm_rows(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> None:
     """vLLM's in-place fused_add_rms_norm (residual <- x + residual, x <- rms_norm(residual) * w),
-    called on row chunks of at most ADD_RMS_NORM_ROWS: each row's result is batch-independent."""
+    on at least ADD_RMS_NORM_MIN_ROWS rows: each row's result is batch-independent."""
     from vllm import _custom_ops as ops
 
     d = x.shape[-1]
-    rows = ADD_RMS_NORM_ROWS
-    for xs, rs in zip(x.view(-1, d).split(rows), residual.view(-1, d).split(rows)):
-        ops.fused_add_rms_norm(xs, rs, w, eps)
+    x2, r2 = x.view(-1, d), residual.view(-1, d)  # (n, d)
+    n = x2.shape[0]
+    if n >= ADD_RMS_NORM_MIN_ROWS:
+        ops.fused_add_rms_norm(x2, r2, w, eps)
+        return
+    pad = (0, 0, 0, ADD_RMS_NORM_MIN_ROWS - n)  # zero rows below: each row is its own block
+    xp, rp = F.pad(x2, pad), F.pad(r2, pad)  # (256, d)
+    ops.fused_add_rms_norm(xp, rp, w, eps)
+    x2.copy_(xp[:n])
+    r2.copy_(rp[:n])
 
 
 def vllm_forwards() -> Kernels:

@@ -705,8 +705,9 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 # ==========================================================================
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
 # Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
-# it computes with are exactly those pushed into vLLM. Under FSDP2 the all-gather already
-# produced that bf16 cast, and `.to` is a no-op.
+# it computes with are exactly those pushed into vLLM. A linear layer's kernel makes that cast
+# itself, so its weight gradient leaves the GEMM in fp32 with no cast pass. Under FSDP2 the
+# all-gather already produced the bf16 cast, and the cast is a no-op.
 
 
 class Embedding(nn.Module):
@@ -720,16 +721,15 @@ class Embedding(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T (no bias), with the GEMM vLLM's linear layers run."""
+    """y = x W^T (no bias), with the GEMM vLLM's linear layers run, in x's dtype."""
 
-    def __init__(self, d_in: int, d_out: int, ops: bib.Kernels, dtype: torch.dtype):
+    def __init__(self, d_in: int, d_out: int, ops: bib.Kernels):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops = ops
-        self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight.to(self.dtype))
+        return self.ops.linear(x, self.weight)  # casts the master; its grad comes back in fp32
 
 
 class RMSNorm(nn.Module):
@@ -779,11 +779,11 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.sizes = fused_sizes(args)["attention.wqkv.weight"]
-        self.wqkv = Linear(args.dim, sum(self.sizes), ops, dtype)  # vLLM's qkv_proj = [q; k; v]
+        self.wqkv = Linear(args.dim, sum(self.sizes), ops)  # vLLM's qkv_proj = [q; k; v]
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype)
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype)
         self.attn = FlashAttention(args.head_dim**-0.5, ops)
-        self.wo = Linear(args.n_heads * args.head_dim, args.dim, ops, dtype)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor, batch: "Packed", rope: torch.Tensor) -> torch.Tensor:
@@ -800,9 +800,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
-        self.w13 = Linear(args.dim, 2 * args.hidden_dim, ops, dtype)  # vLLM's gate_up_proj
+        self.w13 = Linear(args.dim, 2 * args.hidden_dim, ops)  # vLLM's gate_up_proj
         self.act_fn = SiluAndMul(ops)
-        self.w2 = Linear(args.hidden_dim, args.dim, ops, dtype)
+        self.w2 = Linear(args.hidden_dim, args.dim, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act_fn(self.w13(x)))  # (T, 2I) -> (T, I) -> (T, dim)
@@ -840,7 +840,7 @@ class Qwen3(nn.Module):
         self.layers = nn.ModuleList(Block(args, ops, dtype) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
         tied = args.enable_weight_tying
-        self.output = None if tied else Linear(args.dim, args.vocab_size, ops, dtype)
+        self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
         self.rope: torch.Tensor | None = None  # (max_seq_len, head_dim) cos|sin, see init_rope
 
     def init_rope(self, device) -> None:
@@ -860,7 +860,7 @@ class Qwen3(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(N, dim) -> (N, V) in the compute dtype, through the tied or untied head."""
         if self.output is None:
-            return self.ops.linear(h, self.tok_embeddings.weight.to(self.dtype))
+            return self.ops.linear(h, self.tok_embeddings.weight)
         return self.output(h)
 
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -950,19 +950,18 @@ class Rollout:
     stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
 
 
-def route_vllm_add_rms_norm_through_row_chunks() -> None:
+def route_vllm_add_rms_norm_through_padded_rows() -> None:
     """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's.
 
     vLLM 0.26's batch-invariant RMSNorm hands a residual add to a CUDA kernel whose reduction
-    order changes at 256 rows (bib.ADD_RMS_NORM_ROWS). The engine runs in this process, so
-    replacing the function its RMSNorm layers call is enough: every row is then normalised by
-    a call of at most 255 rows, whatever the batch, and the engine may schedule as many tokens
-    per step as it likes.
+    order changes at 256 rows (bib.ADD_RMS_NORM_MIN_ROWS). The engine runs in this process, so
+    replacing the function its RMSNorm layers call is enough: a decode step of fewer than 256
+    sequences is padded to 256 rows, and every row, in any batch, is normalised alike.
     """
     from vllm.model_executor.layers import layernorm
 
     plain = layernorm.rms_norm_batch_invariant
-    if getattr(plain, "row_chunked", False):
+    if getattr(plain, "padded_rows", False):
         return
 
     def rms_norm_rows(x, weight, eps=1e-6, residual=None):
@@ -971,7 +970,7 @@ def route_vllm_add_rms_norm_through_row_chunks() -> None:
         bib.fused_add_rms_norm_rows(x, residual, weight, eps)
         return x, residual
 
-    rms_norm_rows.row_chunked = True
+    rms_norm_rows.padded_rows = True
     layernorm.rms_norm_batch_invariant = rms_norm_rows
 
 
@@ -1001,7 +1000,7 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
-        route_vllm_add_rms_norm_through_row_chunks()
+        route_vllm_add_rms_norm_through_padded_rows()
         self.cfg = cfg
         self.eos_ids = files.eos_ids
         self.asleep = False

@@ -257,6 +257,13 @@ def test_gpu_custom_backwards_match_reference_gradients():
         torch.randn(300, 512, device=dev, dtype=bf),
         torch.rand(512, device=dev, dtype=bf) + 0.5,
     )
+    # an fp32 master under bf16 compute: dW leaves the GEMM in fp32, without a bf16 rounding
+    xs, master = torch.randn(300, 512, device=dev, dtype=bf), torch.randn(256, 512, device=dev)
+    (_, dw), (_, dw_ref) = grads(vk.linear, [xs, master]), grads(REF.linear, [xs, master])
+    gy = torch.randn(300, 256, generator=torch.Generator().manual_seed(1), dtype=bf)  # as grads
+    exact = gy.double().t() @ xs.double().cpu()  # (256, 512)
+    error = [(g.double().cpu() - exact).norm() / exact.norm() for g in (dw, dw_ref)]
+    assert dw.dtype == torch.float32 and error[0] < error[1] / 10 and error[1] < 1e-2, error
     for a, b in zip(
         grads(lambda *t: vk.add_rms_norm(*t, 1e-6), [x, r, w]),
         grads(lambda *t: REF.add_rms_norm(*t, 1e-6), [x, r, w]),
@@ -339,3 +346,27 @@ def test_gpu_whole_model_backward_is_bitwise_deterministic(ckpt):
     a, b = grads(), grads()
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(x.abs().sum() > 0 for x in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [512, 2048, 2560])
+def test_gpu_fused_add_rms_norm_rows_is_batch_invariant(d):
+    """A row's fused add+RMSNorm is the same bits in a call of 1, 100, 255, 256, 257 or 4096 rows
+    (vLLM's kernel alone changes its reduction at 256 rows; the padding is what holds it)."""
+    _vllm_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(4096, d, device="cuda", generator=g).bfloat16() * 4 for _ in range(2))
+    w = torch.rand(d, device="cuda", generator=g).bfloat16() + 0.5
+    full_x, full_r = x.clone(), r.clone()
+    bib.fused_add_rms_norm_rows(full_x, full_r, w, 1e-6)
+    for n in (1, 100, 255, 256, 257):
+        part_x, part_r = x[-n:].clone(), r[-n:].clone()  # the last rows: none at the same offset
+        bib.fused_add_rms_norm_rows(part_x, part_r, w, 1e-6)
+        assert torch.equal(part_r, full_r[-n:]), n  # the sum x + r
+        assert torch.equal(part_x, full_x[-n:]), n  # the normalised rows
+    assert not torch.equal(full_x, x)  # it did run, in place
+    from vllm import _custom_ops as ops
+
+    raw_x, raw_r = x[-100:].clone(), r[-100:].clone()
+    ops.fused_add_rms_norm(raw_x, raw_r, w, 1e-6)  # unpadded: another block size, other bits
+    assert torch.equal(raw_r, full_r[-100:]) and not torch.equal(raw_x, full_x[-100:])
