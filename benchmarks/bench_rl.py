@@ -450,28 +450,50 @@ def sync(device) -> None:
 def profile_train_step(
     model, optimizer, prompts, engine, cfg, ranks, path: Path, rows: int = 30
 ) -> None:
-    """One more update under torch.profiler: the ops that take the GPU time, to a text file."""
+    """One more rollout and update under torch.profiler: for each, the wall time, the time the
+    GPU spent in kernels, and the ops that take the GPU time, to a text file."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import simple_rl as rl
 
+    cuda = ranks.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     mine = rl.my_prompts(len(prompts), ranks)
-    ro = engine.rollout([prompts[i] for i in mine], mine, 10_000)
+    with profile(activities=activities) as rollout_prof:
+        t0 = time.perf_counter()
+        ro = engine.rollout([prompts[i] for i in mine], mine, 10_000)
+        sync(ranks.device)
+        rollout_s = time.perf_counter() - t0
     engine.sleep()
     packed = rl.pack(ro.prompts, ro.completions)
     adv = torch.linspace(-1, 1, len(ro.completions), device=ranks.device)
-    cuda = ranks.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as update_prof:
+        t0 = time.perf_counter()
         rl.train_step(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg,
                       n_micro, n_tokens)
         sync(ranks.device)
+        update_s = time.perf_counter() - t0
     engine.push(rl.hf_weights(model))
     if ranks.main:
-        key = "cuda_time_total" if cuda else "cpu_time_total"
-        path.write_text(prof.key_averages().table(sort_by=key, row_limit=rows))
+        path.write_text(
+            profile_section(f"rollout ({len(ro.completions)} samples, "
+                            f"{max(map(len, ro.completions))} decode steps)",
+                            rollout_prof, rollout_s, cuda, rows)
+            + profile_section(f"update ({n_micro} micro-batches)", update_prof, update_s, cuda,
+                              rows))
+
+
+def profile_section(title: str, prof, wall_s: float, cuda: bool, rows: int) -> str:
+    """A title, wall time vs GPU kernel time (busy fraction), and the top ops by GPU time."""
+    events = prof.key_averages()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    busy_s = sum(e.self_device_time_total for e in events) / 1e6
+    cpu_s = sum(e.self_cpu_time_total for e in events) / 1e6
+    head = (f"== {title}: wall {wall_s:.3f} s, GPU kernels {busy_s:.3f} s "
+            f"({busy_s / wall_s:.0%} busy), host ops {cpu_s:.3f} s (under the profiler)\n")
+    return head + events.table(sort_by=key, row_limit=rows) + "\n\n"
 
 
 def table(results: list[dict]) -> str:
@@ -531,7 +553,7 @@ def main():
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also profile one more update of designs a and b (<out>.profile.txt)",
+        help="also profile one more rollout and update of designs a and b (<out>.profile.txt)",
     )
     p.add_argument("--worker", choices=sorted(DESIGNS), help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -62,7 +62,10 @@ def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
     results = [
         bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt") for d in "ac"
     ]
-    assert "aten::mm" in (tmp_path / "a.txt").read_text()  # the profile names the costly ops
+    profile = (tmp_path / "a.txt").read_text()
+    assert profile.startswith("== rollout (4 samples, 4 decode steps): wall ")
+    assert "== update (1 micro-batches): wall " in profile
+    assert "aten::mm" in profile.split("== update")[1]  # the profile names the costly ops
     assert rl.micro_batches is packed  # design c's per-sample patch is undone
     for r in results:
         assert r["generated_tokens"] == 2 * 2 * 4 and r["trained_tokens"] == 4 * (6 + 4)
