@@ -699,13 +699,14 @@ def reference_forwards() -> Kernels:
 
 
 # vLLM's CUDA fused_add_rms_norm, which its batch-invariant RMSNorm still calls when there is a
-# residual, is not invariant to the number of rows in one call: its thread block (capped at the
-# hidden size) is 1024 threads below 256 rows and 256 threads from 256 rows on, and with it changes
-# the order of the sum of squares. So every call goes through `fused_add_rms_norm_rows`, which
-# gives the kernel at least this many rows, padding a smaller call: every row is then normalised
-# by the 256-thread configuration, the trainer's and the engine's alike (simple_rl routes vLLM's
-# calls through it too), and a whole micro-batch is one launch. Measured on an H200, hidden 512:
-# one unpadded call over all rows, ~55-75% of tokens differed; padded, none.
+# residual, is not invariant to the number of rows in one call (vLLM #48271): its thread block
+# (capped at the hidden size) is 1024 threads below 256 rows and 256 threads from 256 rows on,
+# and with it changes the order of the sum of squares; about 2% of rows then differ by an ulp. So
+# every call goes through `fused_add_rms_norm_rows`, which gives the kernel at least this many
+# rows, padding a smaller call: every row is normalised by the 256-thread configuration, the
+# trainer's and the engine's alike (simple_rl routes vLLM's calls through it too), and a whole
+# micro-batch is one launch. A decode step of fewer than 256 sequences pays four small copies per
+# norm for it.
 ADD_RMS_NORM_MIN_ROWS = 256
 
 
@@ -757,9 +758,9 @@ def vllm_forwards() -> Kernels:
             num_splits=1,
         )
 
-    # vLLM's linear layers and LM head call F.linear (`default_unquantized_gemm`). With batch
-    # invariance on Hopper that is cuBLASLt with split-K off; on Ampere vLLM routes aten::linear
-    # to its Triton persistent matmul. Calling F.linear runs whichever vLLM runs.
+    # The engine's linear layers and LM head run F.linear too (simple_rl routes them there from
+    # vLLM's Triton persistent matmul): with batch invariance on Hopper that is cuBLASLt with
+    # split-K off; on Ampere vLLM routes aten::linear to the Triton kernel.
     return Kernels(
         name="vllm",
         rms_norm=bi.rms_norm_batch_invariant,

@@ -487,9 +487,12 @@ def profile_train_step(
 
 def profile_section(title: str, prof, wall_s: float, cuda: bool, rows: int) -> str:
     """A title, wall time vs GPU kernel time (busy fraction), and the top ops by GPU time."""
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    busy_s = sum(e.self_device_time_total for e in events) / 1e6
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    busy_s = sum(e.self_device_time_total for e in kernels) / 1e6  # each kernel counted once
     cpu_s = sum(e.self_cpu_time_total for e in events) / 1e6
     head = (f"== {title}: wall {wall_s:.3f} s, GPU kernels {busy_s:.3f} s "
             f"({busy_s / wall_s:.0%} busy), host ops {cpu_s:.3f} s (under the profiler)\n")

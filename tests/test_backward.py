@@ -1,7 +1,8 @@
 """Every hand-written backward in batch_invariant_backward.py against autograd of the reference op.
 
 On CPU the custom Functions run the reference forwards, so what is tested is the
-backward itself. The GPU variants run vLLM's kernels in the forward.
+backward itself. The GPU variants run vLLM's kernels in the forward, in batch-invariant mode
+as the trainer does (vLLM's CUDA kernels read VLLM_BATCH_INVARIANT from the environment).
 """
 
 import json
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 import batch_invariant_backward as bib
+
+os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
 
 torch.manual_seed(0)
 F64 = dict(dtype=torch.float64)
@@ -351,22 +354,19 @@ def test_gpu_whole_model_backward_is_bitwise_deterministic(ckpt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [512, 2048, 2560])
 def test_gpu_fused_add_rms_norm_rows_is_batch_invariant(d):
-    """A row's fused add+RMSNorm is the same bits in a call of 1, 100, 255, 256, 257 or 4096 rows
-    (vLLM's kernel alone changes its reduction at 256 rows; the padding is what holds it)."""
+    """Every one of 4096 rows gets the same bits from the fused add+RMSNorm whether the rows come
+    in calls of 1, 100, 255, 256, 257 or all 4096 (vLLM #48271: the kernel alone changes its
+    reduction at 256 rows, and ~2% of rows then differ by an ulp)."""
     _vllm_or_skip()
     g = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(4096, d, device="cuda", generator=g).bfloat16() * 4 for _ in range(2))
     w = torch.rand(d, device="cuda", generator=g).bfloat16() + 0.5
     full_x, full_r = x.clone(), r.clone()
     bib.fused_add_rms_norm_rows(full_x, full_r, w, 1e-6)
-    for n in (1, 100, 255, 256, 257):
-        part_x, part_r = x[-n:].clone(), r[-n:].clone()  # the last rows: none at the same offset
-        bib.fused_add_rms_norm_rows(part_x, part_r, w, 1e-6)
-        assert torch.equal(part_r, full_r[-n:]), n  # the sum x + r
-        assert torch.equal(part_x, full_x[-n:]), n  # the normalised rows
     assert not torch.equal(full_x, x)  # it did run, in place
-    from vllm import _custom_ops as ops
-
-    raw_x, raw_r = x[-100:].clone(), r[-100:].clone()
-    ops.fused_add_rms_norm(raw_x, raw_r, w, 1e-6)  # unpadded: another block size, other bits
-    assert torch.equal(raw_r, full_r[-100:]) and not torch.equal(raw_x, full_x[-100:])
+    for n in (1, 100, 255, 256, 257):
+        part_x, part_r = x.clone(), r.clone()
+        for xs, rs in zip(part_x.split(n), part_r.split(n)):  # views: the kernel writes through
+            bib.fused_add_rms_norm_rows(xs, rs, w, 1e-6)
+        assert torch.equal(part_r, full_r), n  # the sums x + r
+        assert torch.equal(part_x, full_x), n  # the normalised rows
