@@ -758,9 +758,11 @@ def vllm_forwards() -> Kernels:
             num_splits=1,
         )
 
-    # The engine's linear layers and LM head run F.linear too (simple_rl routes them there from
-    # vLLM's Triton persistent matmul): with batch invariance on Hopper that is cuBLASLt with
-    # split-K off; on Ampere vLLM routes aten::linear to the Triton kernel.
+    # vLLM 0.26's linear layers and LM head call its Triton persistent matmul in batch-invariant
+    # mode. The trainer calls F.linear: cuBLASLt with split-K off on Hopper (faster at training
+    # shapes), which has matched the Triton kernel bit for bit in every parity run, and which
+    # the debugger would name at its first differing layer; on Ampere vLLM routes aten::linear
+    # to the Triton kernel itself.
     return Kernels(
         name="vllm",
         rms_norm=bi.rms_norm_batch_invariant,

@@ -974,26 +974,6 @@ def route_vllm_add_rms_norm_through_padded_rows() -> None:
     layernorm.rms_norm_batch_invariant = rms_norm_rows
 
 
-def route_vllm_linear_through_f_linear() -> None:
-    """Run the engine's linear layers and LM head through F.linear, as the trainer's run.
-
-    vLLM 0.26 in batch-invariant mode sends them to its Triton persistent matmul, which on an
-    H200 takes 40% of the rollout's GPU time at 256 decoding sequences. F.linear is cuBLASLt
-    there, with split-K off (batch-invariant mode sets that): vLLM's own premise for Hopper is
-    that it is then invariant to the number of rows, and the trainer has always computed with
-    it, matching the engine's Triton kernel bit for bit in every parity run. Now both run one
-    kernel. (On Ampere vLLM routes F.linear itself to the Triton kernel.)
-    """
-    import torch.nn.functional as F
-    from vllm.model_executor.layers import linear, vocab_parallel_embedding
-
-    def f_linear(x, weight, bias=None):
-        return F.linear(x, weight, bias)
-
-    for module in (linear, vocab_parallel_embedding):
-        module.linear_batch_invariant = f_linear
-
-
 def samples_per_rank(cfg: Config, world: int) -> int:
     return -(-cfg.num_prompts // world) * cfg.group_size
 
@@ -1021,7 +1001,6 @@ class VLLMEngine:
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
         route_vllm_add_rms_norm_through_padded_rows()
-        route_vllm_linear_through_f_linear()
         self.cfg = cfg
         self.eos_ids = files.eos_ids
         self.asleep = False
