@@ -2,22 +2,29 @@
 
     python benchmarks/plot_run.py runs/RUN --out curves.png      (needs matplotlib)
 
-Reward, loss, KL, entropy, mismatched tokens against tokens checked, and where the step's time
-goes (rollout, train, push): the same charts as the Custom Scalars dashboard simple_rl writes.
+The charts of the Custom Scalars dashboard simple_rl writes (reward, loss, KL, entropy,
+mismatched tokens, step time, GPU memory, completion length, grad norm), read from the same
+layout, so the picture and the dashboard never disagree. A chart with no data in the run (GPU
+memory on CPU, say) is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+from pathlib import Path
 
-CHARTS = [
-    ("reward", ["reward_mean"]),
-    ("loss", ["loss", "pg_loss"]),
-    ("KL", ["kl_div"]),
-    ("entropy", ["entropy"]),
-    ("tokens: mismatched / checked", ["determinism/mismatched_tokens", "determinism/tokens"]),
-    ("step time (s)", ["time/rollout_s", "time/train_s", "time/push_s"]),
-]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def charts() -> list[tuple[str, list[str]]]:
+    """(title, tags) of every chart on simple_rl's Custom Scalars dashboard, in its order."""
+    import simple_rl as rl
+
+    layout = rl.tensorboard_layout()["simple_rl"]
+    return [(title, tags) for title, (_, tags) in layout.items()]
 
 
 def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -34,8 +41,13 @@ def plot(scalars: dict, out: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(10, 5.2), dpi=90)
-    for ax, (name, tags) in zip(axes.flat, CHARTS):
+    panels = [(name, tags) for name, tags in charts() if any(t in scalars for t in tags)]
+    assert panels, "no simple_rl scalars in these event files"
+    rows = math.ceil(len(panels) / 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(10, 2.6 * rows), dpi=90)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (name, tags) in zip(axes.flat, panels):
         for tag in tags:
             if tag in scalars:
                 steps, values = zip(*scalars[tag])

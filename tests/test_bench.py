@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -99,3 +100,23 @@ def test_table_reports_ratios_against_the_users_stack():
     text = bench_rl.table(results)
     assert "step 0.50x, rollout 0.50x, trainer 0.50x" in text
     assert "(a) on 2 GPUs: 1.90x the samples/s of 1 GPU; all-gather 300 GB/s" in text
+
+
+def test_plot_run_draws_the_dashboards_charts(tmp_path):
+    """The curves picture has the Custom Scalars dashboard's charts, those with data."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    import plot_run
+
+    titles = [title for title, _ in plot_run.charts()]
+    assert titles == list(rl.tensorboard_layout()["simple_rl"])  # one layout, in its order
+    writer = SummaryWriter(str(tmp_path))
+    for step in range(3):
+        writer.add_scalar("reward_mean", 0.1 * step, step)
+        writer.add_scalar("time/rollout_s", 2.0, step)
+    writer.close()
+    scalars = plot_run.read_scalars(str(tmp_path))
+    assert scalars["reward_mean"] == [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
+    pytest.importorskip("matplotlib")
+    plot_run.plot(scalars, str(tmp_path / "curves.png"), "t")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
