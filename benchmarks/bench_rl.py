@@ -499,6 +499,12 @@ def profile_section(title: str, prof, wall_s: float, cuda: bool, rows: int) -> s
     return head + events.table(sort_by=key, row_limit=rows) + "\n\n"
 
 
+def spread(result: dict, key: str) -> str:
+    """'min-max' of one timing over a design's measured (not warm-up) steps."""
+    values = [s[key] for s in result["steps"] if not s["warmup"]]
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
 def table(results: list[dict]) -> str:
     head = (
         f"{'design':<9} {'GPUs':>4} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
@@ -527,6 +533,10 @@ def table(results: list[dict]) -> str:
             f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
             f"{a['push_s']:.3f} s"
         )
+    for r in results:  # a machine's step-to-step noise, next to the means above
+        if r.get("steps"):
+            lines.append(f"{r['name']} per measured step, min-max s: " + ", ".join(
+                f"{key} {spread(r, key)}" for key in ("step_s", "rollout_s", "fwd_bwd_s")))
     for (design, n), r in sorted(by.items()):
         if design == "a" and n > 1 and a:
             lines.append(

@@ -92,14 +92,21 @@ def test_table_reports_ratios_against_the_users_stack():
         peak_gib=1.0,
         mismatched=0,
     )
+    timings = ("step_s", "rollout_s", "fwd_bwd_s")
+    steps = [dict(warmup=True, **dict.fromkeys(timings, 9.0))] + [
+        dict(warmup=False, step_s=t, rollout_s=t / 2, fwd_bwd_s=t / 4) for t in (2.0, 2.4)
+    ]
     results = [
-        dict(row, design="a", name="bitwise"),
+        dict(row, design="a", name="bitwise", steps=steps),
         dict(row, design="d", name="user", step_s=4.0, rollout_s=2.0, fwd_bwd_s=1.8),
         dict(row, design="a", name="bitwise", nproc=2, samples_s=19.0, all_gather_gb_s=300.0),
     ]
     text = bench_rl.table(results)
     assert "step 0.50x, rollout 0.50x, trainer 0.50x" in text
     assert "(a) on 2 GPUs: 1.90x the samples/s of 1 GPU; all-gather 300 GB/s" in text
+    # the warm-up step's 9 s is not part of the spread
+    assert "bitwise per measured step, min-max s: step_s 2.00-2.40, rollout_s 1.00-1.20, " \
+        "fwd_bwd_s 0.50-0.60" in text
 
 
 def test_plot_run_draws_the_dashboards_charts(tmp_path):
