@@ -218,6 +218,35 @@ def test_triton_backwards_match_the_pytorch_ones():
         assert err < 1e-5, (name, err)
 
 
+def test_fused_add_rms_norm_rows_pads_small_calls_and_writes_through_views(monkeypatch):
+    """The padding logic, with vLLM's in-place kernel played by the reference op: a call of
+    fewer than 256 rows reaches the kernel as 256 rows, a larger one as itself, and the results
+    land in the caller's tensors (here views of a larger batch)."""
+    import types
+
+    seen = []
+
+    def kernel(x, residual, w, eps):  # in place, like vLLM's: residual <- x + r, x <- norm
+        seen.append(x.shape[0])
+        y, s = REF.add_rms_norm(x, residual, w, eps)
+        residual.copy_(s)
+        x.copy_(y)
+
+    fake = types.ModuleType("vllm")
+    fake._custom_ops = types.SimpleNamespace(fused_add_rms_norm=kernel)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    x, r, w = torch.randn(600, 8, **F64), torch.randn(600, 8, **F64), torch.rand(8, **F64) + 0.5
+    want_y, want_s = REF.add_rms_norm(x, r, w, 1e-6)
+    got_x, got_r = x.clone(), r.clone()
+    for xs, rs in zip(got_x.split(300), got_r.split(300)):  # 300 + 300 rows
+        bib.fused_add_rms_norm_rows(xs, rs, w, 1e-6)
+    small_x, small_r = x[:7].clone(), r[:7].clone()
+    bib.fused_add_rms_norm_rows(small_x, small_r, w, 1e-6)
+    assert seen == [300, 300, bib.ADD_RMS_NORM_MIN_ROWS]
+    assert torch.equal(got_x, want_y) and torch.equal(got_r, want_s)
+    assert torch.equal(small_x, want_y[:7]) and torch.equal(small_r, want_s[:7])
+
+
 def test_backward_is_deterministic():
     q, k, v, cu = packed_qkv([9, 4, 13], dtype=torch.float32)
     a = grads(lambda q, k, v: CUSTOM.attention(q, k, v, cu, 13, 0.25), [q, k, v])
