@@ -88,6 +88,11 @@ import batch_invariant_backward as bib
 # ==========================================================================
 
 
+def flag(name: str) -> str:
+    """A Config field's command-line flag: micro_batch_tokens -> --micro-batch-tokens."""
+    return "--" + name.replace("_", "-")
+
+
 def opt(group: str, default, help: str, choices: tuple | None = None):
     """A Config field: its --help group, text and allowed values drive the CLI."""
     return field(default=default, metadata=dict(group=group, help=help, choices=choices))
@@ -235,16 +240,16 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, set[str]]:
     for f in dataclasses.fields(Config):
         meta = f.metadata
         group = groups.setdefault(meta["group"], p.add_argument_group(meta["group"]))
-        flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool) and f.default:  # on by default: --no-X turns it off
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                help=meta["help"] + " (default: on)")
         elif f.type in ("bool", bool):
-            group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+            group.add_argument(flag(f.name), dest=f.name, action="store_true",
+                               help=meta["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             shown = f" (default: {f.default})" if f.default != "" else ""
-            group.add_argument(flag, dest=f.name, type=kind, choices=meta["choices"],
+            group.add_argument(flag(f.name), dest=f.name, type=kind, choices=meta["choices"],
                                help=meta["help"] + shown)
     given = vars(p.parse_args(argv))
     return Config(**given), set(given)
@@ -260,10 +265,10 @@ def validate(cfg: Config) -> None:
     for f in dataclasses.fields(Config):
         value = getattr(cfg, f.name)
         if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
-            need(math.isfinite(value) and abs(value) < 3e38, f"--{f.name.replace('_', '-')} "
-                 f"must be a finite number (got {value}).")
+            need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
+                 f"number (got {value}).")
         if f.metadata["choices"]:
-            need(value in f.metadata["choices"], f"--{f.name.replace('_', '-')} must be one of "
+            need(value in f.metadata["choices"], f"{flag(f.name)} must be one of "
                  f"{', '.join(f.metadata['choices'])} (got {value!r}).")
     need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
          "normalises rewards within a group.")
@@ -920,6 +925,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the tensor (its shard of an FSDP DTensor), without communication."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def hf_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, weight in the compute dtype) for every weight, one trainer tensor at a time.
 
@@ -1131,8 +1141,9 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
 def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
     """Samples [start, stop) as their own packed batch, and the slice of targets (N,) they own."""
     t0, t1 = int(packed.cu_seqlens[samples.start]), int(packed.cu_seqlens[samples.stop])
-    per_sample = torch.bincount(packed.sample, minlength=samples.stop + 1)  # targets per sample
-    n0, n1 = int(per_sample[: samples.start].sum()), int(per_sample[: samples.stop].sum())
+    # packed.sample is sorted: the targets of samples [start, stop) are one run of it
+    bounds = torch.tensor([samples.start, samples.stop], device=packed.sample.device)
+    n0, n1 = torch.searchsorted(packed.sample, bounds).tolist()
     cu = packed.cu_seqlens[samples.start : samples.stop + 1] - t0
     part = Packed(
         tokens=packed.tokens[t0:t1],
@@ -1610,8 +1621,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
 
 def weights_finite(model: nn.Module, device) -> bool:
     """Every (local shard of every) parameter finite, on every rank: one fused pass, one sync."""
-    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
-             for p in model.parameters()]
+    local = [local_tensor(p.detach()) for p in model.parameters()]
     norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
     ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
@@ -1647,9 +1657,7 @@ def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
         state = optimizer.state.get(p)
         if not state:
             continue
-        local = [t.to_local() if hasattr(t, "to_local") else t
-                 for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"])]
-        w, m, v = local
+        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
         step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
         old = (w + step) / (1 - lr * wd)
         row = torch.stack([(w - old).square().sum(), old.square().sum()])
@@ -1859,6 +1867,11 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda c: int(CHECKPOINT.fullmatch(c.name).group(1)))
 
 
+def rank_failures(e: BaseException) -> list[BaseException]:
+    """The per-rank errors a DCP CheckpointException wraps ([] for any other error)."""
+    return [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+
+
 def os_error_in(e: BaseException) -> OSError | None:
     """The OSError behind e, if any (DCP wraps each rank's failure in a CheckpointException)."""
     seen = []
@@ -1866,8 +1879,7 @@ def os_error_in(e: BaseException) -> OSError | None:
         seen.append(e)
         if isinstance(e, OSError):
             return e
-        for failure in getattr(e, "failures", {}).values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
+        for inner in rank_failures(e):
             if isinstance(inner, OSError):
                 return inner
         e = e.__cause__ or e.__context__
@@ -1876,9 +1888,7 @@ def os_error_in(e: BaseException) -> OSError | None:
 
 def root_cause(e: BaseException) -> str:
     """'Type: first line' of the error behind e (DCP wraps each rank's own)."""
-    for failure in getattr(e, "failures", {}).values():
-        e = failure[0] if isinstance(failure, tuple) else failure
-        break
+    e = next(iter(rank_failures(e)), e)
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text[:200]}"
 
@@ -1995,7 +2005,8 @@ def data_only_loading():
         def load(file):
             return CheckpointUnpickler(file).load()
 
-    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",)}
+    saved = {k: os.environ.pop(k, None)  # put back as the user had them
+             for k in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD")}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     real_pickle = filesystem.pickle
     filesystem.pickle = Restricted
@@ -2091,7 +2102,7 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         raise ConfigError(f"{file} holds an invalid config: {e}") from e
     ignored = sorted(n for n in passed - RESUMABLE if getattr(cfg, n) != saved.get(n))
     if ignored:
-        flags = ", ".join("--" + n.replace("_", "-") for n in ignored)
+        flags = ", ".join(flag(n) for n in ignored)
         print0(f"warning: --resume takes these from the checkpoint and ignores the command "
                f"line's: {flags}.")
     keep = {n: getattr(cfg, n) for n in RESUMABLE if n in passed}
@@ -2105,7 +2116,7 @@ def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
     --overwrite, which removes that one directory and nothing else."""
     log_dir = Path(cfg.log_dir).expanduser()
     run_dir = log_dir / cfg.run_name
-    need(RUN_NAME.fullmatch(cfg.run_name) is not None and cfg.run_name not in (".", ".."),
+    need(RUN_NAME.fullmatch(cfg.run_name) is not None,
          f"run name {cfg.run_name!r} is not a plain name.")
     need(not run_dir.is_symlink(), f"{run_dir} is a symbolic link; a run directory must be a "
          "real directory inside --log-dir.")
