@@ -425,6 +425,7 @@ FUSED = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
+ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
 
 
 @dataclass
@@ -546,7 +547,7 @@ def check_weight_headers(path: Path, args) -> None:
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
     want = expected_hf_shapes(args)
-    found = {k: v for k, v in found.items() if not k.endswith("rotary_emb.inv_freq")}
+    found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
     if args.enable_weight_tying:
         found.pop("lm_head.weight", None)
     missing = sorted(set(want) - set(found))
@@ -646,7 +647,7 @@ def fused_sizes(args) -> dict[str, list[int]]:
 
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections."""
-    hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
+    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
     titan = _adapter(args).from_hf(hf_state)
     if args.enable_weight_tying:
         titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
@@ -1220,12 +1221,13 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
         where = data_files or "the hub (openai/gsm8k)"
         raise ConfigError(f"could not load GSM8K from {where} ({type(e).__name__}); offline, "
                           "download it and pass --data-files.") from e
-    need({"question", "answer"} <= set(rows.column_names), f"{data_files or 'GSM8K'} has columns "
+    source = data_files or "GSM8K"
+    need({"question", "answer"} <= set(rows.column_names), f"{source} has columns "
          f"{rows.column_names}; GSM8K rows need 'question' and 'answer'.")
-    need(len(rows) > 0, f"{data_files or 'GSM8K'} has no rows.")
+    need(len(rows) > 0, f"{source} has no rows.")
     out = []
     for q, a in zip(rows["question"], rows["answer"]):
-        need(isinstance(a, str) and "####" in a, f"{data_files or 'GSM8K'}: an answer without "
+        need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
              f"'#### <number>': {str(a)[:60]!r}.")
         out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
     return out
