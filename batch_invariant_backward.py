@@ -53,6 +53,7 @@ class Kernels:
     rotary: Callable  # (q (T, Hq, D), k (T, Hk, D), positions (T,), cos_sin (P, D)) -> (q, k)
     silu_and_mul: Callable  # (x (T, 2I)) -> (T, I)
     linear: Callable  # (x (T, K), w (N, K)) -> (T, N), computed in x's dtype
+    # (a kernel set's linear also takes w_compute: w already cast to x's dtype, or None)
     # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> o (T, Hq, D);
     # a forward set's returns (o, lse (Hq, T))
     attention: Callable
@@ -228,15 +229,19 @@ def linear_backward(x: Tensor, w: Tensor, gy: Tensor,
     """
     if w_dtype == x.dtype:
         return gy @ w, gy.t() @ x
+    if not x.is_cuda:  # CPU has no mixed-dtype GEMM: widen the operands (exact), sum in w_dtype
+        return gy @ w, gy.t().to(w_dtype) @ x.to(w_dtype)
     return gy @ w, torch.mm(gy.t(), x, out_dtype=w_dtype)
 
 
 class LinearFn(torch.autograd.Function):
-    """y = x W^T with W = w cast to x's dtype; w's gradient comes back in w's own dtype."""
+    """y = x W^T with W = w cast to x's dtype (or the given cast of w, w_compute); w's gradient
+    comes back in w's own dtype."""
 
     @staticmethod
-    def forward(ctx, x, w, fwd):
-        w_compute = w.to(x.dtype)  # the bf16 weight the engine holds (a no-op under FSDP)
+    def forward(ctx, x, w, fwd, w_compute=None):
+        if w_compute is None:
+            w_compute = w.to(x.dtype)  # the bf16 weight the engine holds (a no-op under FSDP)
         ctx.save_for_backward(x, w_compute)
         ctx.w_dtype = w.dtype
         return fwd(x, w_compute)
@@ -245,7 +250,7 @@ class LinearFn(torch.autograd.Function):
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         dx, dw = linear_backward(x, w, gy, ctx.w_dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -454,10 +459,11 @@ def tempered_log_softmax(logits: Tensor, temperature: float,
     """lp = log_softmax(float(logits) / T), (N, V) fp32, as vLLM's sampler computes it.
 
     T is divided as a fp32 *device tensor*, as vLLM's sampler does (a Python scalar would
-    make CUDA multiply by 1/T, which rounds differently).
+    make CUDA multiply by 1/T, which rounds differently). Dividing the bf16 logits by it
+    promotes each to fp32 exactly first: the same bits as casting, then dividing, in one pass.
     """
-    z = _wide(logits)
-    return log_softmax(z / torch.full((1, 1), temperature, dtype=z.dtype, device=z.device))
+    t = torch.full((1, 1), temperature, dtype=_wide(logits).dtype, device=logits.device)
+    return log_softmax(logits / t)
 
 
 def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float,
@@ -666,7 +672,7 @@ def reference_kernels() -> Kernels:
         add_rms_norm=ref_add_rms_norm,
         rotary=ref_rotary,
         silu_and_mul=ref_silu_and_mul,
-        linear=lambda x, w: F.linear(x, w.to(x.dtype)),
+        linear=lambda x, w, w_compute=None: F.linear(x, w.to(x.dtype)),  # autograd casts
         attention=lambda *a: ref_attention(*a)[0],
         log_softmax=ref_log_softmax,
         logprobs_entropy=ref_logprobs_entropy,
@@ -682,7 +688,7 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
                                                              bwd["rms_norm"]),
         rotary=lambda q, k, pos, cs: RotaryFn.apply(q, k, pos, cs, fwd.rotary, bwd["rotary"]),
         silu_and_mul=lambda x: SiluAndMulFn.apply(x, fwd.silu_and_mul, bwd["silu_and_mul"]),
-        linear=lambda x, w: LinearFn.apply(x, w, fwd.linear),
+        linear=lambda x, w, w_compute=None: LinearFn.apply(x, w, fwd.linear, w_compute),
         attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention,
                                                                bwd["attention"]),
         log_softmax=fwd.log_softmax,  # forward only: its backward is part of logprobs_entropy's

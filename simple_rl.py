@@ -79,7 +79,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import triton
+import triton.language as tl
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
+from torch.distributed.tensor import DTensor
 
 import batch_invariant_backward as bib
 
@@ -712,8 +715,9 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
 # Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
 # it computes with are exactly those pushed into vLLM. A linear layer's kernel makes that cast
-# itself, so its weight gradient leaves the GEMM in fp32 with no cast pass. Under FSDP2 the
-# all-gather already produced the bf16 cast, and the cast is a no-op.
+# itself, so its weight gradient leaves the GEMM in fp32 with no cast pass. An update casts the
+# weights once for all its micro-batches (`weights_cast_once`). Under FSDP2 the all-gather
+# already produced the bf16 cast, and the cast is a no-op.
 
 
 class Embedding(nn.Module):
@@ -721,6 +725,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab, dim))
         self.dtype = dtype
+        self.compute_weight: torch.Tensor | None = None  # the tied head's, see weights_cast_once
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.weight[tokens].to(self.dtype)  # gather, then cast: the grad sums in fp32
@@ -733,9 +738,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops = ops
+        self.compute_weight: torch.Tensor | None = None  # set by weights_cast_once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)  # casts the master; its grad comes back in fp32
+        # casts the master (unless given its cast); the gradient comes back in fp32
+        return self.ops.linear(x, self.weight, self.compute_weight)
 
 
 class RMSNorm(nn.Module):
@@ -866,13 +873,38 @@ class Qwen3(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(N, dim) -> (N, V) in the compute dtype, through the tied or untied head."""
         if self.output is None:
-            return self.ops.linear(h, self.tok_embeddings.weight)
+            emb = self.tok_embeddings
+            return self.ops.linear(h, emb.weight, emb.compute_weight)
         return self.output(h)
 
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
         h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states that predict the targets
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
+
+
+@contextlib.contextmanager
+def weights_cast_once(model: Qwen3):
+    """Within: every GEMM weight is cast to the compute dtype once, not in every micro-batch's
+    forward (about 10 GB of memory traffic per micro-batch at 1.7B). The casts are the tensors
+    each forward saves for its backward anyway, so peak memory does not grow. Leave before the
+    optimizer step: the casts are of the weights as they were on entry.
+
+    Nothing to do under FSDP2 (the all-gather casts) or when the masters are the compute dtype.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if model.output is None:
+        layers.append(model.tok_embeddings)  # the tied head's weight
+    if any(isinstance(m.weight, DTensor) or m.weight.dtype == model.dtype for m in layers):
+        layers = []
+    with torch.no_grad():
+        for m in layers:
+            m.compute_weight = m.weight.to(model.dtype)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.compute_weight = None
 
 
 def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device,
@@ -985,6 +1017,73 @@ def route_vllm_add_rms_norm_through_padded_rows() -> None:
     layernorm.rms_norm_batch_invariant = rms_norm_rows
 
 
+# vLLM draws a seeded request's sampling noise from that request's own torch.Generator, one
+# `exponential_` launch per request per decode step: 256 launches and ~3 ms of host time per
+# step at 256 sequences, the largest host cost of a rollout. The kernel below draws every seeded
+# row of a step in one launch, keyed by the same (seed, generator position), so a sample still
+# depends on its request's seed and step only: not on the batch, its row, or the rank.
+NOISE_BLOCK = 2048
+
+
+@triton.jit
+def _seeded_exponential_kernel(Q, ROWS, SEEDS, OFFSETS, stride, V, BLOCK: tl.constexpr):
+    """q[row, j] = -log(u), u = uniform [0, 1) from Philox4x32-10 with key = the request's seed
+    and counter = (j, offset low, offset high, 0). u = 0 gives q = inf: that token cannot win."""
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seed = tl.load(SEEDS + i)  # int64, the seed's 64 bits
+    offset = tl.load(OFFSETS + i)  # int64: the generator's position, +4 per draw
+    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
+    lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
+    hi = zero + (offset >> 32).to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, cols.to(tl.uint32), lo, hi, zero)
+    u = tl.uint_to_uniform_float(bits)
+    row = tl.load(ROWS + i)  # int64
+    tl.store(Q + row * stride + cols, -tl.log(u), mask=cols < V)
+
+
+def seeded_exponential_(q: torch.Tensor, generators: dict) -> None:
+    """Fill row i of q (R, V) fp32 with Exp(1) noise for generators[i], all rows in one launch.
+
+    Each generator advances as one `exponential_` call advances it (offset + 4), which is what
+    vLLM undoes when it discards a token sampled for a partly prefilled prompt.
+    """
+    gens = list(generators.values())
+    offsets = [g.get_offset() for g in gens]
+    for g, offset in zip(gens, offsets):
+        g.set_offset(offset + 4)
+    seeds = [s - 2**64 if s >= 2**63 else s for s in (g.initial_seed() for g in gens)]  # as int64
+    rows, seeds, offsets = torch.tensor([list(generators), seeds, offsets]).to(q.device)  # (R,) x 3
+    grid = (len(gens), triton.cdiv(q.shape[1], NOISE_BLOCK))
+    _seeded_exponential_kernel[grid](q, rows, seeds, offsets, q.stride(0), q.shape[1],
+                                     BLOCK=NOISE_BLOCK)
+
+
+def route_vllm_seeded_sampling_through_one_kernel() -> None:
+    """Make vLLM's sampler draw the noise of all seeded requests with seeded_exponential_.
+
+    It samples argmax(p / q) with q ~ Exp(1) per token (the exponential race: a draw from p);
+    only how q is drawn changes. The temperature, the logprobs and every other step are vLLM's.
+    """
+    from vllm.v1.sample.ops import topk_topp_sampler as sampler
+
+    plain = sampler.random_sample
+    if getattr(plain, "one_kernel", False):
+        return
+
+    def random_sample(probs, generators, use_fp64_gumbel=False):
+        if use_fp64_gumbel or not generators or not probs.is_cuda:
+            return plain(probs, generators, use_fp64_gumbel)
+        q = torch.empty_like(probs)  # (R, V) fp32
+        if len(generators) < probs.shape[0]:
+            q.exponential_()  # rows without a seed of their own (simple_rl seeds every request)
+        seeded_exponential_(q, generators)
+        return sampler.sample_with_exponential_noise(probs, q)
+
+    random_sample.one_kernel = True
+    sampler.random_sample = random_sample
+
+
 def samples_per_rank(cfg: Config, world: int) -> int:
     return -(-cfg.num_prompts // world) * cfg.group_size
 
@@ -1012,6 +1111,7 @@ class VLLMEngine:
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
         route_vllm_add_rms_norm_through_padded_rows()
+        route_vllm_seeded_sampling_through_one_kernel()
         self.cfg = cfg
         self.eos_ids = files.eos_ids
         self.asleep = False
@@ -1046,13 +1146,9 @@ class VLLMEngine:
 
     def rollout(self, prompts: list[list[int]], indices: list[int], step: int) -> Rollout:
         """G samples of each prompt; prompt j has the seed of its index in the whole step."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
-        cfg = self.cfg
-        params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, logprobs=0,
-                                 max_tokens=cfg.max_new_tokens, seed=sample_seed(cfg, step, i),
-                                 stop_token_ids=self.eos_ids, detokenize=False)
-                  for i in indices]
+        params = [self.sampling_params(sample_seed(self.cfg, step, i)) for i in indices]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                  use_tqdm=False)
         samples = [(o.prompt_token_ids, c) for o in outs
@@ -1065,6 +1161,15 @@ class VLLMEngine:
             stopped=[c.finish_reason == "stop" for _, c in samples],
         )
 
+    def sampling_params(self, seed: int | None):
+        """G samples of one prompt, seeded seed, seed + 1, ..., seed + G - 1 by vLLM."""
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, logprobs=0,
+                              max_tokens=cfg.max_new_tokens, seed=seed,
+                              stop_token_ids=self.eos_ids, detokenize=False)
+
     def sleep(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the push refills them)."""
         if self.cfg.engine_sleep and not self.asleep:
@@ -1076,8 +1181,13 @@ class VLLMEngine:
 
 
 def sample_seed(cfg: Config, step: int, prompt: int) -> int:
-    """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching or ranks."""
-    return (cfg.seed * 1_000_003 + step * 10_007 + prompt) % (2**31)
+    """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching or ranks.
+
+    vLLM seeds a prompt's G samples with seed, seed + 1, ..., seed + G - 1, so the seeds of
+    consecutive prompts are G apart: no two samples of a step share a seed (and with it their
+    sampling noise).
+    """
+    return (cfg.seed * 1_000_003 + step * 10_007 + prompt) * cfg.group_size % 2**48
 
 
 def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
@@ -1580,24 +1690,25 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
         # forward + backward of every micro-batch; gradients accumulate in fp32
         optimizer.zero_grad(set_to_none=True)
         loss_total = torch.zeros((), device=device)
-        for batch, owned, samples, weight in parts:
-            logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            adv_tok = adv[batch.sample + samples.start]  # each token gets its sample's advantage
-            pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
-            kl = torch.zeros_like(logp)
-            if cfg.kl_coef > 0:
-                with torch.no_grad():
-                    ref_logp, _ = ref_model(batch, cfg.temperature)
-                kl = kl_k3(logp, ref_logp)
-            loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
-            loss.backward()
-            if weight == 0:
-                continue  # a padding micro-batch: its collectives ran, its numbers do not count
-            loss_total += loss.detach()
-            logps[owned] = logp.detach()
-            if update == 0:
-                sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
-                                     clipped.sum()]).detach()
+        with weights_cast_once(model):  # the weights do not change until the step below
+            for batch, owned, samples, weight in parts:
+                logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
+                adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
+                pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
+                kl = torch.zeros_like(logp)
+                if cfg.kl_coef > 0:
+                    with torch.no_grad():
+                        ref_logp, _ = ref_model(batch, cfg.temperature)
+                    kl = kl_k3(logp, ref_logp)
+                loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
+                loss.backward()
+                if weight == 0:
+                    continue  # a padding micro-batch: its collectives ran, its numbers don't count
+                loss_total += loss.detach()
+                logps[owned] = logp.detach()
+                if update == 0:
+                    sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
+                                         clipped.sum()]).detach()
         # clip on the global norm; every rank agrees that all is finite before stepping
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))

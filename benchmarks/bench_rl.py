@@ -8,10 +8,10 @@ prompts and token counts.
     (c) seed     the seed's design: bitwise kernels, one training forward per sample, weights
                  synced by writing safetensors and calling vLLM's reload_weights
     (d) user     what users run without bitwise parity: vLLM with its defaults (torch.compile,
-                 CUDA graphs, default model runner) in-process as TRL's colocate mode runs it,
-                 and a Hugging Face transformers Qwen3 trainer (fp32 master weights, bf16
-                 autocast, the best attention transformers offers, right-padded micro-batches
-                 as TRL pads them), in-memory push
+                 CUDA graphs, default model runner, no per-request seeds) in-process as TRL's
+                 colocate mode runs it, and a Hugging Face transformers Qwen3 trainer (fp32
+                 master weights, bf16 autocast, the best attention transformers offers,
+                 right-padded micro-batches as TRL pads them), in-memory push
 
 Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is imported);
 `--nproc N` runs design (a) under torchrun on N GPUs (FSDP2 trainer, one engine per GPU):
@@ -132,6 +132,9 @@ def user_engine_class():
                 logprobs_mode="processed_logprobs",
                 max_num_seqs=samples,
             )
+
+        def sampling_params(self, seed):
+            return super().sampling_params(None)  # unseeded, as TRL asks: one noise draw a step
 
     return UserEngine
 

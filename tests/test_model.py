@@ -99,3 +99,41 @@ def test_custom_backward_model_matches_autograd_model(ckpt):
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
         assert pa.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_cast_once_is_what_the_gemms_use_and_changes_no_bit(ckpt, tied):
+    """Two micro-batches under weights_cast_once give the bf16 forward's logprobs and the fp32
+    gradients bit for bit; inside, every GEMM reads the cast made on entry (zeroing one changes
+    the output), and on exit the casts are gone."""
+    path = ckpt(tied=tied)
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
+    kernels = bib.custom_backward_kernels(bib.reference_forwards())
+    models = [rl.build_model(args, state, kernels, torch.bfloat16, "cpu") for _ in range(2)]
+    ids = seqs([11, 6, 23])
+    parts = [rl.pack([x[:4] for x in ids[s]], [x[4:] for x in ids[s]]) for s in (slice(0, 2),
+                                                                                slice(2, 3))]
+    logps = []
+    for cached, model in zip((False, True), models):
+        with rl.weights_cast_once(model) if cached else torch.enable_grad():
+            for p in parts:
+                lp, ent = model(p, 0.8)
+                (lp.sum() + 0.1 * ent.sum()).backward()
+                logps.append(lp.detach())
+    for a, b in zip(logps[:2], logps[2:]):
+        assert torch.equal(a, b)
+    for (name, pa), pb in zip(models[0].named_parameters(), models[1].parameters()):
+        assert pa.grad.dtype == torch.float32 and torch.equal(pa.grad, pb.grad), name
+    model = models[1]
+    casts = [m for m in model.modules() if hasattr(m, "compute_weight")]  # embedding first
+    head = model.tok_embeddings if tied else model.output
+    with torch.no_grad(), rl.weights_cast_once(model):
+        made = [m for m in casts if m.compute_weight is not None]
+        assert len(made) == 4 * args.n_layers + 1  # wqkv, wo, w13, w2 per block; the head
+        assert all(m.compute_weight.dtype == torch.bfloat16 for m in made)
+        assert torch.equal(head.compute_weight, head.weight.to(torch.bfloat16))
+        before = model(parts[0], 0.8)[0]
+        model.layers[0].attention.wo.compute_weight.zero_()
+        assert not torch.equal(model(parts[0], 0.8)[0], before)
+    assert all(m.compute_weight is None for m in casts)
