@@ -1053,7 +1053,9 @@ def seeded_exponential_(q: torch.Tensor, generators: dict) -> None:
     for g, offset in zip(gens, offsets):
         g.set_offset(offset + 4)
     seeds = [s - 2**64 if s >= 2**63 else s for s in (g.initial_seed() for g in gens)]  # as int64
-    rows, seeds, offsets = torch.tensor([list(generators), seeds, offsets]).to(q.device)  # (R,) x 3
+    # pinned, so the copy does not wait for the GPU (a pageable one waits for the step's forward)
+    meta = torch.tensor([list(generators), seeds, offsets], pin_memory=q.is_cuda)
+    rows, seeds, offsets = meta.to(q.device, non_blocking=True)  # (R,) x 3
     grid = (len(gens), triton.cdiv(q.shape[1], NOISE_BLOCK))
     _seeded_exponential_kernel[grid](q, rows, seeds, offsets, q.stride(0), q.shape[1],
                                      BLOCK=NOISE_BLOCK)
@@ -1120,6 +1122,7 @@ class VLLMEngine:
         kv = kv_cache_bytes(cfg, files.args, ranks.world)
         total = torch.cuda.get_device_properties(ranks.device).total_memory
         weights = 2 * count_params(files.args)
+        self.wake_bytes = weights + kv  # what a sleeping engine maps again to take a push
         self.llm = LLM(
             model=str(files.path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
@@ -1632,6 +1635,9 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
     cache is dropped, since its KV was computed with the old weights.
     """
     if engine.asleep:
+        free, _ = torch.cuda.mem_get_info()
+        if free < engine.wake_bytes:  # the trainer's allocator caches blocks the engine needs
+            torch.cuda.empty_cache()
         engine.llm.wake_up(tags=["weights"])
     engine.llm.apply_model(lambda m: m.load_weights(weights))
     if engine.asleep:
