@@ -9,8 +9,9 @@ vLLM samples `group_size` completions per prompt in batch-invariant mode. The tr
 TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm and
 log_softmax, CUDA fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with
 num_splits=1; for the GEMMs cuBLASLt without split-K, which gives the bits of vLLM's
-Triton matmul); `batch_invariant_backward.py` adds their backward. So the trainer's logprob of every generated token equals vLLM's bit for bit, and
-every step checks that for every token of every sample, then pushes the new weights into vLLM.
+Triton matmul); `batch_invariant_backward.py` adds their backward. So the trainer's logprob
+of every generated token equals vLLM's bit for bit, and every step checks that for every
+token of every sample, then pushes the new weights into vLLM.
 
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
