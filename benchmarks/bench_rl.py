@@ -17,12 +17,15 @@ Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is i
 `--nproc N` runs design (a) under torchrun on N GPUs (FSDP2 trainer, one engine per GPU):
 
     python benchmarks/bench_rl.py --model CKPT --out bench.json [--designs abcd] [--profile]
+    python benchmarks/bench_rl.py --model CKPT --out bench.json --designs ad --rounds 3
     python benchmarks/bench_rl.py --model CKPT --out bench_n2.json --designs a --nproc 2
 
 Workload: 32 prompts x 8 samples, prompts of 128 random tokens, 256 new tokens, 1 warm-up
-step and 3 measured steps. MFU counts 6 * params * tokens for the GEMMs (the LM head only at
-generated positions, where the trainer computes it) plus 6 * layers * heads * head_dim *
-sum(L^2) for causal attention, over N GPUs x 989 TFLOP/s (H100/H200 SXM dense bf16).
+step and 3 measured steps; a timing is the median over the measured steps (of every round,
+with `--rounds`, which runs the designs in turn that many times). MFU counts
+6 * params * tokens for the GEMMs (the LM head only at generated positions, where the trainer
+computes it) plus 6 * layers * heads * head_dim * sum(L^2) for causal attention, over
+N GPUs x 989 TFLOP/s (H100/H200 SXM dense bf16).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -292,39 +296,47 @@ def measure(
             profile_train_step(model, optimizer, prompts, engine, cfg, ranks, profile_to)
     finally:
         rl.micro_batches = packed_micro_batches
+    out = summarize(rows, design, ranks.world, trainer.attn if trainer else "fa3-varlen")
+    if ranks.world > 1:
+        out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
+    return out
+
+
+TIMINGS = ("rollout_s", "fwd_bwd_s", "optimizer_s", "push_s", "step_s")
+COUNTS = ("generated_tokens", "trained_tokens", "samples", "flops")
+
+
+def summarize(rows: list[dict], design: str, world: int, attention: str) -> dict:
+    """One design's row from its steps: the median of each timing over the measured steps (a
+    noisy host's slow step moves it less than a mean), the mean of each count, the largest
+    memory peak, the mismatches summed; rates and MFU from those."""
     measured = [r for r in rows if not r["warmup"]]
-
-    def mean(key):
-        return sum(r[key] for r in measured) / len(measured)
-
-    keys = (
-        "rollout_s",
-        "fwd_bwd_s",
-        "optimizer_s",
-        "push_s",
-        "step_s",
-        "generated_tokens",
-        "trained_tokens",
-        "samples",
-        "flops",
-        "peak_gib",
-    )
-    out = {k: mean(k) for k in keys}
+    out = {k: statistics.median(r[k] for r in measured) for k in TIMINGS}
+    out.update({k: sum(r[k] for r in measured) / len(measured) for k in COUNTS})
     out.update(
         design=design,
         name=DESIGNS[design],
-        nproc=ranks.world,
+        nproc=world,
         mismatched=sum(r["mismatched"] for r in measured),
         rollout_tok_s=out["generated_tokens"] / out["rollout_s"],
         trainer_tok_s=out["trained_tokens"] / out["fwd_bwd_s"],
         samples_s=out["samples"] / out["step_s"],
-        mfu=out["flops"] / out["fwd_bwd_s"] / (PEAK_FLOPS * ranks.world),
+        mfu=out["flops"] / out["fwd_bwd_s"] / (PEAK_FLOPS * world),
         peak_gib=max(r["peak_gib"] for r in rows),
         steps=rows,
-        attention=trainer.attn if trainer else "fa3-varlen",
+        attention=attention,
     )
-    if ranks.world > 1:
-        out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
+    return out
+
+
+def pool(rounds: list[dict]) -> dict:
+    """One design's rounds (separate processes, interleaved with the other designs) as one row
+    over all their steps."""
+    first = rounds[0]
+    steps = [s for r in rounds for s in r["steps"]]
+    out = summarize(steps, first["design"], first["nproc"], first["attention"])
+    if "all_gather_gb_s" in first:
+        out["all_gather_gb_s"] = first["all_gather_gb_s"]
     return out
 
 
@@ -562,6 +574,13 @@ def main():
     p.add_argument("--designs", default="abcd", help="which of a, b, c, d to run")
     p.add_argument("--nproc", type=int, default=1, help="GPUs for design (a), under torchrun")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the designs this many times, interleaved (a d a d ...), and pool their steps: "
+        "a drifting machine then weighs on every design alike",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
@@ -592,9 +611,9 @@ def main():
             Path(a.out).write_text(json.dumps(result))
         return
     assert a.nproc == 1 or a.designs == "a", "--nproc > 1 runs design a only"
-    results = []
-    for d in a.designs:
-        out = Path(a.out).with_suffix(f".{d}{a.nproc}.json")
+    runs = {d: [] for d in a.designs}
+    for k, d in ((k, d) for k in range(a.rounds) for d in a.designs):
+        out = Path(a.out).with_suffix(f".{d}{a.nproc}{f'.r{k}' if k else ''}.json")
         env = dict(
             os.environ,
             VLLM_BATCH_INVARIANT="0" if d in "bd" else "1",
@@ -610,14 +629,14 @@ def main():
         knob_args = [
             f"--{k.replace('_', '-')}={v}"
             for k, v in vars(a).items()
-            if k not in ("nproc", "designs", "out", "worker", "profile")
+            if k not in ("nproc", "designs", "out", "worker", "profile", "rounds")
         ]
         subprocess.run(
             [
                 *launch,
                 __file__,
                 *knob_args,
-                *(["--profile"] if a.profile else []),
+                *(["--profile"] if a.profile and k == 0 else []),
                 "--worker",
                 d,
                 "--out",
@@ -626,9 +645,10 @@ def main():
             check=True,
             env=env,
         )
-        results.append(json.loads(out.read_text()))
+        runs[d].append(json.loads(out.read_text()))
+    results = [pool(runs[d]) for d in a.designs]
     Path(a.out).write_text(
-        json.dumps({"workload": knobs, "peak_flops": PEAK_FLOPS, "results": results}, indent=1)
+        json.dumps({"workload": {**knobs, "rounds": a.rounds}, "peak_flops": PEAK_FLOPS, "results": results}, indent=1)
     )
     print(table(results))
 

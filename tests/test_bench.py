@@ -127,3 +127,27 @@ def test_plot_run_draws_the_dashboards_charts(tmp_path):
     pytest.importorskip("matplotlib")
     plot_run.plot(scalars, str(tmp_path / "curves.png"), "t")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_rounds_pool_into_medians_over_every_measured_step():
+    """Two rounds of one design: one row over all 4 measured steps (warm-ups left out), each
+    timing their median, so one slow step of a noisy host does not move it."""
+
+    def step(warmup, t, mismatched=0):
+        return dict(warmup=warmup, rollout_s=t, fwd_bwd_s=t / 2, optimizer_s=0.01, push_s=0.1,
+                    step_s=t * 1.5, generated_tokens=100, trained_tokens=200, samples=4,
+                    flops=1e12, peak_gib=t, mismatched=mismatched)
+
+    rounds = [
+        bench_rl.summarize([step(True, 50.0), step(False, 2.0), step(False, 9.0, 1)], "a", 1,
+                           "fa3-varlen"),
+        bench_rl.summarize([step(True, 50.0), step(False, 3.0), step(False, 2.5)], "a", 1,
+                           "fa3-varlen"),
+    ]
+    assert rounds[0]["rollout_s"] == 5.5  # two steps: the median is their mean
+    row = bench_rl.pool(rounds)
+    assert len(row["steps"]) == 6 and row["mismatched"] == 1
+    assert row["rollout_s"] == 2.75 and row["fwd_bwd_s"] == 1.375  # median of 2, 2.5, 3, 9
+    assert row["step_s"] == 2.75 * 1.5 and row["samples_s"] == 4 / (2.75 * 1.5)
+    assert row["mfu"] == 1e12 / 1.375 / bench_rl.PEAK_FLOPS
+    assert row["peak_gib"] == 50.0  # the warm-up's peak counts: memory is not noise
