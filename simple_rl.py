@@ -1077,7 +1077,7 @@ def route_vllm_seeded_sampling_through_one_kernel() -> None:
     def random_sample(probs, generators, use_fp64_gumbel=False):
         if use_fp64_gumbel or not generators or not probs.is_cuda:
             return plain(probs, generators, use_fp64_gumbel)
-        q = torch.empty_like(probs)  # (R, V) fp32
+        q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)  # (R, V), dense
         if len(generators) < probs.shape[0]:
             q.exponential_()  # rows without a seed of their own (simple_rl seeds every request)
         seeded_exponential_(q, generators)
