@@ -647,8 +647,9 @@ def main():
         )
         runs[d].append(json.loads(out.read_text()))
     results = [pool(runs[d]) for d in a.designs]
+    workload = {**knobs, "rounds": a.rounds}
     Path(a.out).write_text(
-        json.dumps({"workload": {**knobs, "rounds": a.rounds}, "peak_flops": PEAK_FLOPS, "results": results}, indent=1)
+        json.dumps({"workload": workload, "peak_flops": PEAK_FLOPS, "results": results}, indent=1)
     )
     print(table(results))
 
