@@ -1,5 +1,6 @@
 """The benchmark harness on CPU: FLOPs by hand, a small run of designs a and c (stand-in engine)."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -151,3 +152,32 @@ def test_rounds_pool_into_medians_over_every_measured_step():
     assert row["step_s"] == 2.75 * 1.5 and row["samples_s"] == 4 / (2.75 * 1.5)
     assert row["mfu"] == 1e12 / 1.375 / bench_rl.PEAK_FLOPS
     assert row["peak_gib"] == 50.0  # the warm-up's peak counts: memory is not noise
+
+
+def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, capsys):
+    """--designs ad --rounds 2: workers a, d, a, d, each writing its own file; --profile only in
+    the first round; the table's rows pool both rounds."""
+    calls = []
+
+    def worker(cmd, check, env):
+        design, out = cmd[cmd.index("--worker") + 1], Path(cmd[cmd.index("--out") + 1])
+        calls.append((design, out.name, "--profile" in cmd, env["VLLM_BATCH_INVARIANT"]))
+        t = float(len(calls))  # later workers are slower: a drifting machine
+        steps = [dict(warmup=w, rollout_s=t, fwd_bwd_s=t, optimizer_s=0.0, push_s=0.0, step_s=t,
+                      generated_tokens=10, trained_tokens=20, samples=2, flops=1e9, peak_gib=1.0,
+                      mismatched=0) for w in (True, False)]
+        out.write_text(json.dumps(bench_rl.summarize(steps, design, 1, "x")))
+
+    monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad",
+                                      "--rounds", "2", "--profile", "--out", str(out)])
+    bench_rl.main()
+    assert calls == [("a", "b.a1.json", True, "1"), ("d", "b.d1.json", True, "0"),
+                     ("a", "b.a1.r1.json", False, "1"), ("d", "b.d1.r1.json", False, "0")]
+    saved = json.loads(out.read_text())
+    assert saved["workload"]["rounds"] == 2
+    a, d = saved["results"]
+    assert len(a["steps"]) == 4 and a["rollout_s"] == 2.0  # median of rounds 1 and 3
+    assert d["rollout_s"] == 3.0  # rounds 2 and 4: each design saw the drift alike
+    assert "step 0.67x" in capsys.readouterr().out
