@@ -108,3 +108,33 @@ def test_custom_scalars_layout_names_logged_tags():
     assert tags <= set(TAGS) | set(GPU_TAGS)
     assert {"reward_mean", "loss", "kl_div", "entropy", "determinism/mismatched_tokens",
             "time/rollout_s"} <= tags
+
+
+def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(monkeypatch):
+    """push_weights on a sleeping engine: the trainer's cached blocks are released before the
+    wake-up exactly when the free memory is less than what the engine maps again."""
+    events = []
+
+    class LLM:
+        def wake_up(self, tags):
+            events.append(("wake", *tags))
+
+        def apply_model(self, fn):
+            events.append("load")
+
+        def reset_prefix_cache(self):
+            events.append("reset")
+
+    class Engine:
+        llm, wake_bytes = LLM(), 30 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    for free_gib, emptied in ((10, True), (40, False)):
+        events.clear()
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free_gib * 2**30, 141 * 2**30))
+        engine = Engine()
+        engine.asleep = True
+        rl.push_weights(engine, iter([]))
+        assert events == ["empty_cache"] * emptied + [("wake", "weights"), "load",
+                                                     ("wake", "kv_cache"), "reset"]
+        assert not engine.asleep
