@@ -83,7 +83,6 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
-from torch.distributed.tensor import DTensor
 
 import batch_invariant_backward as bib
 
@@ -896,7 +895,8 @@ def weights_cast_once(model: Qwen3):
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
         layers.append(model.tok_embeddings)  # the tied head's weight
-    if any(isinstance(m.weight, DTensor) or m.weight.dtype == model.dtype for m in layers):
+    sharded = hasattr(model.norm.weight, "to_local")  # FSDP2's DTensor, as in local_tensor
+    if sharded or model.dtype == torch.float32:
         layers = []
     with torch.no_grad():
         for m in layers:
