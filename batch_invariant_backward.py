@@ -14,6 +14,10 @@ here. Every op below has
     forwards and the Triton backwards it is the GPU training path; with the reference
     forwards it lets CPU tests check every backward against autograd.
 
+One forward is our own: the logprob head's. vLLM's log_softmax writes the whole (N, V) fp32
+lp; the loss needs only lp[target] and the entropy, so `_logprobs_entropy_kernel` computes
+those with vLLM's reduction, in vLLM's order (the same bits), and writes nothing else.
+
 Two kernel sets are built from these, chosen once at start-up: `reference_kernels()` (plain
 PyTorch, autograd everywhere) and `vllm_kernels()` (vLLM's batch-invariant kernels + the
 Triton backwards).
@@ -41,10 +45,10 @@ def _wide(t: Tensor) -> Tensor:
 class Kernels:
     """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode.
 
-    A set the model runs (`reference_kernels`, `vllm_kernels`) fills every field. A *forward
-    set* (`reference_forwards`, `vllm_forwards`) is the input of `custom_backward_kernels`:
-    its attention also returns the log-sum-exp, and it has no logprobs_entropy (that op is
-    built from its log_softmax).
+    A set the model runs (`reference_kernels`, `vllm_kernels`) computes what the comments
+    say. A *forward set* (`reference_forwards`, `vllm_forwards`) is the input of
+    `custom_backward_kernels`: its attention also returns the log-sum-exp, its
+    logprobs_entropy also the row statistics (max, log sum) that its backward needs.
     """
 
     name: str
@@ -57,9 +61,9 @@ class Kernels:
     # (q, k, v, cu_seqlens (B+1,), max_seqlen, scale) -> o (T, Hq, D);
     # a forward set's returns (o, lse (Hq, T))
     attention: Callable
-    log_softmax: Callable  # (x (N, V) fp32) -> (N, V) fp32
-    # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,)
-    logprobs_entropy: Callable | None = None
+    # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,);
+    # a forward set's returns (lp[target], entropy, max, log sum)
+    logprobs_entropy: Callable
 
 
 # ---------------------------------------------------------------------------
@@ -422,18 +426,29 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, scale, q_t, q_h, k_t, k_h, n_tok,
         tl.store(DQ + qo, (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m < length)[:, None])
 
 
+@triton.jit
+def _attention_delta_kernel(O, DO, DELTA, n_rows, H, T, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # over T * H, token-major
+    ok = (rows < n_rows)[:, None]
+    at = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    o = tl.load(O + at, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + (rows % H) * T + rows // H, tl.sum(o * do, axis=1), mask=rows < n_rows)
+
+
 def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, scale: float):
     """The math of `attention_backward`, tile by tile in Triton.
 
     q, o, go (T, Hq, D); k, v (T, Hk, D); lse (Hq, T).
 
-    delta = rowsum(dO * O) (Hq, T) is computed once up front, in fp32.
+    delta = rowsum(dO * O) (Hq, T) is computed once up front, in fp32, in one pass.
     """
-    q, k, v, go = (t.contiguous() for t in (q, k, v, go))
+    q, k, v, o, go = (t.contiguous() for t in (q, k, v, o, go))
     T, Hq, D = q.shape
     Hk, B = k.shape[1], cu_seqlens.numel() - 1
     lse = lse.float().contiguous()  # (Hq, T)
-    delta = (go.float() * o.float()).sum(-1).t().contiguous()  # (Hq, T)
+    delta = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
+    _attention_delta_kernel[(-(-T * Hq // 32),)](o, go, delta, T * Hq, Hq, T, D=D, BLOCK_R=32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     blocks = -(-max_seqlen // ATTN_BLOCK)
     common = dict(GROUP=Hq // Hk, D=D, BM=ATTN_BLOCK, BN=ATTN_BLOCK)
@@ -445,80 +460,134 @@ def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, s
 
 
 # ---------------------------------------------------------------------------
-# log_softmax (vLLM: Triton `log_softmax` of batch_invariant.py)
+# Logprobs and entropy (vLLM: its sampler's fp32 logits / T, then Triton `log_softmax`)
 # ---------------------------------------------------------------------------
 
 
-def ref_log_softmax(x: Tensor) -> Tensor:
-    """y = x - max(x) - log(sum(exp(x - max(x)))) over the last dim."""
-    return torch.log_softmax(x, dim=-1)
-
-
-def tempered_log_softmax(logits: Tensor, temperature: float,
-                         log_softmax: Callable = ref_log_softmax) -> Tensor:
-    """lp = log_softmax(float(logits) / T), (N, V) fp32, as vLLM's sampler computes it.
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """z = float(logits) / T, (N, V) fp32: what vLLM's sampler hands its log_softmax.
 
     T is divided as a fp32 *device tensor*, as vLLM's sampler does (a Python scalar would
     make CUDA multiply by 1/T, which rounds differently). Dividing the bf16 logits by it
     promotes each to fp32 exactly first: the same bits as casting, then dividing, in one pass.
     """
     t = torch.full((1, 1), temperature, dtype=_wide(logits).dtype, device=logits.device)
-    return log_softmax(logits / t)
+    return logits / t
 
 
-def ref_logprobs_entropy(logits: Tensor, targets: Tensor, temperature: float,
-                         log_softmax: Callable = ref_log_softmax) -> tuple[Tensor, Tensor]:
-    """(lp[target], -sum exp(lp) * lp), both fp32 (N,), with lp = tempered_log_softmax(logits)."""
-    lp = tempered_log_softmax(logits, temperature, log_softmax)
+def ref_logprobs_entropy(logits: Tensor, targets: Tensor,
+                         temperature: float) -> tuple[Tensor, Tensor]:
+    """(lp[target], -sum exp(lp) * lp), both fp32 (N,), with lp = log_softmax(logits / T)."""
+    lp = torch.log_softmax(tempered(logits, temperature), dim=-1)
     return lp.gather(-1, targets[:, None])[:, 0], -(lp.exp() * lp).sum(-1)
 
 
-def logprobs_entropy_backward(lp: Tensor, targets: Tensor, entropy: Tensor, g_lp: Tensor,
-                              g_ent: Tensor, temperature: float, dtype) -> Tensor:
-    """Gradient w.r.t. the logits of (lp[t], H), lp = log_softmax(z), z = logits / T, p = exp(lp):
+def ref_logprobs_entropy_stats(logits: Tensor, targets: Tensor, temperature: float):
+    """`ref_logprobs_entropy` as a forward set's op: also the row statistics (max, log sum),
+    fp32 (N,) each, from which the backward recomputes every lp without a log_softmax:
+
+        z = logits / T,  m = max_j z_j,  s = sum_j exp(z_j - m),  lp_j = (z_j - m) - log s.
+    """
+    z = tempered(logits, temperature)
+    m = z.amax(-1)
+    log_s = (z - m[:, None]).exp().sum(-1).log()
+    lp_t, entropy = ref_logprobs_entropy(logits, targets, temperature)
+    return lp_t, entropy, m, log_s
+
+
+def logprobs_entropy_backward(logits: Tensor, targets: Tensor, m: Tensor, log_s: Tensor,
+                              entropy: Tensor, g_lp: Tensor, g_ent: Tensor,
+                              temperature: float) -> Tensor:
+    """Gradient w.r.t. the logits of (lp[t], H), with lp_j = (z_j - m) - log s, p = exp(lp):
 
     d lp[t] / dz_j = [j = t] - p_j,   dH / dz_j = -p_j (lp_j + H),   d/dlogits = d/dz / T.
+    In LOGPROB_ROWS rows at a time (no (N, V) fp32 tensor alive); returns the logits' dtype.
     """
-    p = lp.exp()  # (N, V)
-    dz = -p * (g_lp[:, None] + g_ent[:, None] * (lp + entropy[:, None]))
-    dz.scatter_add_(-1, targets[:, None], g_lp[:, None])
-    return (dz / torch.full((1, 1), temperature, dtype=dz.dtype, device=dz.device)).to(dtype)
+    out = torch.empty_like(logits)
+    t = torch.full((1, 1), temperature, dtype=_wide(logits).dtype, device=logits.device)
+    for start in range(0, logits.shape[0], LOGPROB_ROWS):
+        s = slice(start, start + LOGPROB_ROWS)
+        lp = tempered(logits[s], temperature) - m[s, None] - log_s[s, None]  # (rows, V)
+        dz = -lp.exp() * (g_lp[s, None] + g_ent[s, None] * (lp + entropy[s, None]))
+        dz.scatter_add_(-1, targets[s, None], g_lp[s, None])
+        out[s] = dz / t
+    return out
 
 
-# Rows of lp (N, V) fp32 alive at once: the whole (N, V) fp32 tensor is never materialised,
-# in the forward or the backward (the bf16 logits are what is kept). log_softmax is
-# batch-invariant, so a row's values do not depend on the chunk it is computed in.
+# vLLM's `_log_softmax_kernel` runs one program per row, over blocks of this many columns:
+# pass 1 takes the max, pass 2 adds up each block's tl.sum of exp(z - max), pass 3 writes
+# z - max - log(sum). The order of that sum is fixed by the block size and by the layout Triton
+# gives a block of fp32 loads, so the kernel below, which reads the same fp32 z in the same
+# blocks, adds the same numbers in the same order: its lp of the target is vLLM's, bit for bit
+# (a GPU test compares them on every row of a 4096 x 151,936 batch). It writes only what the
+# loss needs, lp[target] and the entropy, where vLLM's writes the whole (N, V) lp.
+LOG_SOFTMAX_BLOCK = 1024
+
+
+@triton.jit
+def _logprobs_entropy_kernel(Z, TGT, LP_T, ENT, M, LOG_S, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * V
+    m = -float("inf")  # pass 1: the max, as vLLM's pass 1
+    for c0 in range(0, V, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = tl.max(tl.maximum(tl.load(z_row + cols, mask=cols < V, other=-float("inf")), m))
+    s = 0.0  # pass 2: vLLM's sum of exp(z - m), block by block; alongside, a = sum e (z - m)
+    a = 0.0
+    for c0 in range(0, V, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < V
+        z = tl.load(z_row + cols, mask=ok, other=0.0)
+        e = tl.exp(z - m)
+        s += tl.sum(tl.where(ok, e, 0.0))
+        a += tl.sum(tl.where(ok, e * (z - m), 0.0))
+    log_s = tl.log(s)
+    tl.store(LP_T + row, tl.load(z_row + tl.load(TGT + row)) - m - log_s)  # vLLM's pass 3, once
+    tl.store(ENT + row, log_s - a / s)  # H = -sum p lp = log s - a / s
+    tl.store(M + row, m)
+    tl.store(LOG_S + row, log_s)
+
+
+def logprobs_entropy_triton(logits: Tensor, targets: Tensor, temperature: float):
+    """`ref_logprobs_entropy_stats` on the GPU: lp[target] with vLLM's bits, the entropy, and
+    the row statistics (max, log sum), fp32 (N,) each, from one read of z = logits / T for the
+    max and one for the sums."""
+    z = tempered(logits, temperature).contiguous()  # (N, V)
+    n, v = z.shape
+    lp_t, entropy, m, log_s = torch.empty(4, n, dtype=torch.float32, device=z.device)
+    _logprobs_entropy_kernel[(n,)](z, targets.contiguous(), lp_t, entropy, m, log_s, v,
+                                   BLOCK=LOG_SOFTMAX_BLOCK)
+    return lp_t, entropy, m, log_s
+
+
+# Rows of z (N, V) fp32 alive at once in the forward: the whole (N, V) fp32 tensor is never
+# materialised (the bf16 logits are what is kept). Every op is row-wise, so a row's values
+# do not depend on the chunk it is computed in.
 LOGPROB_ROWS = 1024
 
 
 class LogprobsEntropyFn(torch.autograd.Function):
-    """Runs a given log_softmax forward (vLLM's) and a given backward, LOGPROB_ROWS rows at a
-    time; keeps the bf16 logits and recomputes lp for the backward."""
+    """Runs a given forward (vLLM's numbers, with the row statistics) LOGPROB_ROWS rows at a
+    time, and a given backward; keeps the bf16 logits and two floats a row."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, log_softmax, bwd):
-        lp_t = torch.empty(logits.shape[0], dtype=_wide(logits).dtype, device=logits.device)
-        entropy = torch.empty_like(lp_t)
+    def forward(ctx, logits, targets, temperature, fwd, bwd):
+        lp_t, entropy, m, log_s = torch.empty(4, logits.shape[0], dtype=_wide(logits).dtype,
+                                              device=logits.device)
         for start in range(0, logits.shape[0], LOGPROB_ROWS):
             s = slice(start, start + LOGPROB_ROWS)
-            lp = tempered_log_softmax(logits[s], temperature, log_softmax)  # (rows, V)
-            lp_t[s] = lp.gather(-1, targets[s, None])[:, 0]
-            entropy[s] = -(lp.exp() * lp).sum(-1)
-        ctx.save_for_backward(logits, targets, entropy)
-        ctx.temperature, ctx.log_softmax, ctx.bwd = temperature, log_softmax, bwd
+            lp_t[s], entropy[s], m[s], log_s[s] = fwd(logits[s], targets[s], temperature)
+        ctx.save_for_backward(logits, targets, m, log_s, entropy)
+        ctx.temperature, ctx.bwd = temperature, bwd
         return lp_t, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        logits, targets, entropy = ctx.saved_tensors
+        logits, targets, m, log_s, entropy = ctx.saved_tensors
         g_lp = torch.zeros_like(entropy) if g_lp is None else g_lp.to(entropy.dtype)
         g_ent = torch.zeros_like(entropy) if g_ent is None else g_ent.to(entropy.dtype)
-        d_logits = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], LOGPROB_ROWS):
-            s = slice(start, start + LOGPROB_ROWS)
-            lp = tempered_log_softmax(logits[s], ctx.temperature, ctx.log_softmax)  # (rows, V)
-            d_logits[s] = ctx.bwd(lp, targets[s], entropy[s], g_lp[s], g_ent[s],
-                                  ctx.temperature, logits.dtype)
+        d_logits = ctx.bwd(logits, targets, m, log_s, entropy, g_lp.contiguous(),
+                           g_ent.contiguous(), ctx.temperature)
         return d_logits, None, None, None, None
 
 
@@ -627,27 +696,31 @@ def silu_and_mul_backward_triton(x: Tensor, gy: Tensor) -> Tensor:
 
 
 @triton.jit
-def _logprobs_entropy_bwd_kernel(LP, TGT, ENT, GLP, GENT, DL, V, TEMP, BLOCK: tl.constexpr):
+def _logprobs_entropy_bwd_kernel(X, TGT, M, LOG_S, ENT, GLP, GENT, DX, V, TEMP,
+                                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = j < V
-    lp = tl.load(LP + row * V + j, mask=ok, other=0.0)
+    t = tl.load(TEMP)
+    z = tl.math.div_rn(tl.load(X + row * V + j, mask=ok, other=0.0).to(tl.float32), t)
+    lp = z - tl.load(M + row) - tl.load(LOG_S + row)  # the forward's lp, bit for bit
     g_lp, g_ent = tl.load(GLP + row), tl.load(GENT + row)
     dz = -tl.exp(lp) * (g_lp + g_ent * (lp + tl.load(ENT + row)))
     dz = tl.where(j == tl.load(TGT + row), dz + g_lp, dz)
-    tl.store(DL + row * V + j, (dz / tl.load(TEMP)).to(DL.dtype.element_ty), mask=ok)
+    tl.store(DX + row * V + j, (dz / t).to(DX.dtype.element_ty), mask=ok)
 
 
-def logprobs_entropy_backward_triton(lp, targets, entropy, g_lp, g_ent, temperature: float,
-                                     dtype) -> Tensor:
-    """`logprobs_entropy_backward` in one pass over lp (N, V): reads it, writes d logits, once."""
-    n, v = lp.shape
-    dl = torch.empty(n, v, dtype=dtype, device=lp.device)
+def logprobs_entropy_backward_triton(logits, targets, m, log_s, entropy, g_lp, g_ent,
+                                     temperature: float) -> Tensor:
+    """`logprobs_entropy_backward` in one pass: reads the bf16 logits, writes their gradient;
+    lp is recomputed from the row statistics (z / T by IEEE division, as CUDA's div)."""
+    n, v = logits.shape
+    dx = torch.empty_like(logits)
     block = 4096
-    t = torch.full((1,), temperature, dtype=torch.float32, device=lp.device)
-    _logprobs_entropy_bwd_kernel[(n, -(-v // block))](lp, targets, entropy, g_lp.contiguous(),
-                                                      g_ent.contiguous(), dl, v, t, BLOCK=block)
-    return dl
+    t = torch.full((1,), temperature, dtype=torch.float32, device=logits.device)
+    _logprobs_entropy_bwd_kernel[(n, -(-v // block))](logits, targets, m, log_s, entropy, g_lp,
+                                                      g_ent, dx, v, t, BLOCK=block)
+    return dx
 
 
 # ---------------------------------------------------------------------------
@@ -674,7 +747,6 @@ def reference_kernels() -> Kernels:
         silu_and_mul=ref_silu_and_mul,
         linear=lambda x, w, w_compute=None: F.linear(x, w.to(x.dtype)),  # autograd casts
         attention=lambda *a: ref_attention(*a)[0],
-        log_softmax=ref_log_softmax,
         logprobs_entropy=ref_logprobs_entropy,
     )
 
@@ -691,17 +763,18 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
         linear=lambda x, w, w_compute=None: LinearFn.apply(x, w, fwd.linear, w_compute),
         attention=lambda q, k, v, cu, L, sc: AttentionFn.apply(q, k, v, cu, L, sc, fwd.attention,
                                                                bwd["attention"]),
-        log_softmax=fwd.log_softmax,  # forward only: its backward is part of logprobs_entropy's
-        logprobs_entropy=lambda z, t, temp: LogprobsEntropyFn.apply(z, t, temp, fwd.log_softmax,
+        logprobs_entropy=lambda z, t, temp: LogprobsEntropyFn.apply(z, t, temp,
+                                                                    fwd.logprobs_entropy,
                                                                     bwd["logprobs_entropy"]),
     )
 
 
 def reference_forwards() -> Kernels:
-    """The reference forwards as a forward set (attention also returns lse)."""
+    """The reference forwards as a forward set (attention also returns lse, logprobs_entropy
+    the row statistics)."""
     ref = reference_kernels()
     return Kernels(**{**ref.__dict__, "name": "reference+custom-backward",
-                      "attention": ref_attention, "logprobs_entropy": None})
+                      "attention": ref_attention, "logprobs_entropy": ref_logprobs_entropy_stats})
 
 
 # vLLM's CUDA fused_add_rms_norm, which its batch-invariant RMSNorm still calls when there is a
@@ -777,7 +850,7 @@ def vllm_forwards() -> Kernels:
         silu_and_mul=silu_and_mul,
         linear=F.linear,
         attention=attention,
-        log_softmax=bi.log_softmax,
+        logprobs_entropy=logprobs_entropy_triton,
     )
 
 

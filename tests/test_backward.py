@@ -183,12 +183,14 @@ checks["rotary"] = max(rel(a, b) for a, b in zip(got, want))
 x, gy = torch.randn(7, 2 * 300), torch.randn(7, 300)
 got, want = bib.silu_and_mul_backward_triton(x, gy), bib.silu_and_mul_backward(x, gy)
 checks["silu_and_mul"] = rel(got, want)
-lp = torch.log_softmax(torch.randn(6, 5000) * 2, -1)
-tg, ent = torch.tensor([0, 4999, 17, 17, 4096, 3]), -(lp.exp() * lp).sum(-1)
+x, tg = torch.randn(6, 5000) * 4, torch.tensor([0, 4999, 17, 17, 4096, 3])
+got, want = bib.logprobs_entropy_triton(x, tg, 0.7), bib.ref_logprobs_entropy_stats(x, tg, 0.7)
+checks["logprobs_entropy forward"] = max(rel(a, b) for a, b in zip(got, want))
 g1, g2 = torch.randn(6), torch.randn(6)
-checks["logprobs_entropy"] = rel(
-    bib.logprobs_entropy_backward_triton(lp, tg, ent, g1, g2, 0.7, torch.float32),
-    bib.logprobs_entropy_backward(lp, tg, ent, g1, g2, 0.7, torch.float32))
+checks["logprobs_entropy"] = rel(bib.logprobs_entropy_backward_triton(x, tg, *want[2:], want[1],
+                                                                      g1, g2, 0.7),
+                                 bib.logprobs_entropy_backward(x, tg, *want[2:], want[1], g1, g2,
+                                                               0.7))
 print(json.dumps(dict(attention=out, others=checks)))
 """
 
@@ -198,7 +200,8 @@ def test_triton_backwards_match_the_pytorch_ones():
 
     Attention against the fp64 padded backward: a 1-token sequence, lengths on and off the
     64-row tile, GQA groups of 1, 2 and 4. RMSNorm with and without the residual's gradient,
-    at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy.
+    at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy,
+    forward (with the row statistics) and backward.
     """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = json.loads(
@@ -213,7 +216,7 @@ def test_triton_backwards_match_the_pytorch_ones():
     for case in out["attention"]:
         assert max(case["err"]) < 1e-5, case  # fp32 tiles vs fp64
         assert case["same"]
-    assert len(out["others"]) == 9
+    assert len(out["others"]) == 10
     for name, err in out["others"].items():
         assert err < 1e-5, (name, err)
 
@@ -399,3 +402,36 @@ def test_gpu_fused_add_rms_norm_rows_is_batch_invariant(d):
             bib.fused_add_rms_norm_rows(xs, rs, w, 1e-6)
         assert torch.equal(part_r, full_r), n  # the sums x + r
         assert torch.equal(part_x, full_x), n  # the normalised rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gpu_logprobs_kernel_gives_vllms_log_softmax_bits(temperature):
+    """Our logprob head against vLLM's batch-invariant log_softmax of the tempered fp32 logits,
+    at Qwen3's vocabulary: lp[target] bit for bit on every one of 2048 rows, and the row
+    statistics rebuild vLLM's whole lp row bit for bit (what the backward recomputes); the
+    entropy and the logits' gradient agree with PyTorch's to fp32 rounding."""
+    vk = _vllm_or_skip()
+    from vllm.model_executor.layers import batch_invariant as bi
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, v = 2048, 151936
+    scale = torch.rand(n, 1, device="cuda", generator=g) * 12  # near-uniform to very peaked rows
+    x = (torch.randn(n, v, device="cuda", generator=g) * scale).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    lp_t, entropy, m, log_s = bib.logprobs_entropy_triton(x, targets, temperature)
+    vllm_lp = bi.log_softmax(bib.tempered(x, temperature))  # (n, V), what vLLM's sampler returns
+    assert torch.equal(lp_t, vllm_lp.gather(-1, targets[:, None])[:, 0])
+    assert torch.equal(bib.tempered(x, temperature) - m[:, None] - log_s[:, None], vllm_lp)
+    torch.testing.assert_close(entropy, -(vllm_lp.exp() * vllm_lp).sum(-1), rtol=1e-5, atol=1e-4)
+    del vllm_lp
+    g_lp, g_ent = torch.randn(2, n, device="cuda", generator=g)
+    got = bib.logprobs_entropy_backward_triton(x, targets, m, log_s, entropy, g_lp, g_ent,
+                                               temperature)
+    want = bib.logprobs_entropy_backward(x, targets, m, log_s, entropy, g_lp, g_ent, temperature)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-6)
+    assert torch.equal(got, bib.logprobs_entropy_backward_triton(x, targets, m, log_s, entropy,
+                                                                 g_lp, g_ent, temperature))
+    chunk = vk.logprobs_entropy(x[:1000], targets[:1000], temperature)  # through the Function
+    assert torch.equal(chunk[0], lp_t[:1000]) and torch.equal(chunk[1], entropy[:1000])
