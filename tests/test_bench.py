@@ -181,3 +181,28 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
     assert len(a["steps"]) == 4 and a["rollout_s"] == 2.0  # median of rounds 1 and 3
     assert d["rollout_s"] == 3.0  # rounds 2 and 4: each design saw the drift alike
     assert "step 0.67x" in capsys.readouterr().out
+
+
+def test_trainer_bench_finds_the_gpus_idle_gaps_and_packs_the_workload():
+    """Kernels at 0-10, 12-30 (inside it 15-20), 100-110, 200-205 us: the 2 us gap is launch
+    latency, the 70 us and 90 us gaps are idle time, each named by the kernels around it."""
+    from torch.autograd import DeviceType
+
+    import bench_trainer
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    cpu = SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU,
+                          time_range=SimpleNamespace(start=0, end=500))
+    events = [kernel("gemm", 0, 10), kernel("norm", 12, 30), kernel("inner", 15, 20),
+              kernel("attn", 100, 110), kernel("gemm", 200, 205), cpu]
+    text = bench_trainer.idle_gaps(SimpleNamespace(events=lambda: events))
+    assert text.startswith("GPU idle 0.2 ms of 0.2 ms in gaps > 20 us")
+    lines = text.splitlines()[1:]
+    assert lines[0].split() == ["0.1", "attn", "->", "gemm"]  # 90 us
+    assert lines[1].split() == ["0.1", "norm", "->", "attn"]  # 70 us: after norm, not inner
+    assert len(lines) == 2
+    packed = bench_trainer.synthetic_batch(4, 3, 5, 50, seed=0)
+    assert packed.cu_seqlens.tolist() == [0, 8, 16, 24, 32] and len(packed.targets) == 20
