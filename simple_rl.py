@@ -146,7 +146,8 @@ class Config:
     beta1: float = opt("optim", 0.9, "AdamW beta1")
     beta2: float = opt("optim", 0.999, "AdamW beta2")
     grad_clip: float = opt("optim", 1.0, "max global grad norm (0: off)")
-    micro_batch_tokens: int = opt("optim", 8192, "max packed tokens per trainer forward/backward")
+    micro_batch_tokens: int = opt("optim", 0, "max packed tokens per trainer forward/backward "
+                                  "(0: the largest multiple of 4096 the GPU's memory fits)")
     # --- logging
     seed: int = opt("logging", 0, "seed for prompts, sampling and everything else")
     log_dir: str = opt("logging", "runs", "TensorBoard root; a run logs to LOG_DIR/RUN_NAME")
@@ -293,9 +294,9 @@ def validate(cfg: Config) -> None:
          f"(got {cfg.beta1}, {cfg.beta2}).")
     need(cfg.grad_clip >= 0, f"--grad-clip must be >= 0 (got {cfg.grad_clip}).")
     need(cfg.kv_cache_gib >= 0, f"--kv-cache-gib must be >= 0 (got {cfg.kv_cache_gib}).")
-    need(cfg.micro_batch_tokens >= cfg.max_model_len, f"--micro-batch-tokens "
-         f"({cfg.micro_batch_tokens}) must hold one full sequence "
-         f"(--max-model-len {cfg.max_model_len}).")
+    need(cfg.micro_batch_tokens == 0 or cfg.micro_batch_tokens >= cfg.max_model_len,
+         f"--micro-batch-tokens ({cfg.micro_batch_tokens}) must hold one full sequence "
+         f"(--max-model-len {cfg.max_model_len}), or be 0 (auto).")
     need(cfg.parity_rows >= 0 and cfg.parity_every >= 1, "--parity-rows must be >= 0 and "
          "--parity-every >= 1.")
     need(cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and "
@@ -2318,7 +2319,8 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     est = {
         "trainer state": 16 * n / world,
         "bf16 weights": 2 * n if world == 1 else gathered,
-        "activations": rows * args.n_layers * per_token_layer + rows * args.vocab_size * 6,
+        "activations": rows * args.n_layers * per_token_layer + rows * args.vocab_size * 4
+        + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
     if cfg.kl_coef > 0:
@@ -2327,6 +2329,33 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     rollout_phase = 12 * n / world + est["engine"] + est.get("reference model", 0)
     est["peak"] = MEMORY_SLACK * max(train_phase, rollout_phase) + MEMORY_FIXED
     return est
+
+
+def auto_micro_batch(cfg: Config, args, world: int, total: float) -> int:
+    """--micro-batch-tokens 0: the largest multiple of 4096 tokens, up to 32768, that holds one
+    full sequence, is no larger than a step's tokens need, and whose memory estimate fits
+    `total` bytes per GPU; else the smallest (check_memory then names what would fit).
+
+    Larger micro-batches run larger GEMMs and fewer kernels per token: on an H200 at 1.7B
+    the trainer ran at 44% MFU with 8192 tokens and 48% with 24576.
+    """
+    sizes = sorted({max(cfg.max_model_len, 4096 * k) for k in range(1, 9)})
+    need_at_most = samples_per_rank(cfg, world) * cfg.max_model_len
+    sizes = [m for m in sizes if m < need_at_most + 4096] or sizes[:1]
+    fits = [m for m in sizes if memory_estimate(dataclasses.replace(cfg, micro_batch_tokens=m),
+                                                args, world)["peak"] <= total]
+    return fits[-1] if fits else sizes[0]
+
+
+def with_micro_batch(cfg: Config, args, ranks: Ranks) -> Config:
+    """cfg with --micro-batch-tokens 0 resolved by `auto_micro_batch`, the same on every rank
+    (on CPU memory sets no bound)."""
+    if cfg.micro_batch_tokens:
+        return cfg
+    cuda = ranks.device.type == "cuda"
+    total = torch.cuda.get_device_properties(ranks.device).total_memory if cuda else math.inf
+    mbt = on_rank0(lambda: auto_micro_batch(cfg, args, ranks.world, total))
+    return dataclasses.replace(cfg, micro_batch_tokens=mbt)
 
 
 def check_memory(cfg: Config, args, ranks: Ranks) -> str:
@@ -2472,6 +2501,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
     files = load_model_files(cfg)
     task = load_task(cfg, files.tokenizer)
+    cfg = with_micro_batch(cfg, files.args, ranks)  # the run's config keeps the choice
     memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
     print0(f"reading the weights of {files.path} (each checked finite)")
@@ -2517,7 +2547,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     memory = f" | {memory} (estimate)" if memory else ""
     print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
-           f"{kernels.name}{memory} | run {run_dir}")
+           f"{kernels.name} | micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
     return trainer, start, run_dir, files.path
 
 

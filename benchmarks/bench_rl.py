@@ -44,6 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
+# (d)'s micro-batch when none is given: its padded fp32-master trainer peaked at 93 GiB with
+# 8192 tokens at 1.7B on an H200, so the 24576 that simple_rl picks there would not fit.
+USER_MICRO_BATCH = 8192
 DESIGNS = {"a": "bitwise", "b": "plain", "c": "seed", "d": "user"}
 
 
@@ -229,18 +232,22 @@ def measure(
 
     ranks = rl.init_ranks(device_type)
     cpu = device_type == "cpu"
+    seq = prompt_len + new_tokens + 1
     cfg = rl.Config(
         model=model_dir,
         num_prompts=prompts_n,
         group_size=group,
         max_new_tokens=new_tokens,
-        max_model_len=prompt_len + new_tokens + 1,
-        micro_batch_tokens=max(micro_batch_tokens, prompt_len + new_tokens + 1),
+        max_model_len=seq,
+        micro_batch_tokens=micro_batch_tokens and max(micro_batch_tokens, seq),
         lr=1e-6,
         kernels="reference" if design == "b" else "vllm",
         dtype="float32" if cpu else "bfloat16",
     )
     files = rl.load_model_files(cfg)
+    if design == "d" and not cfg.micro_batch_tokens:  # no memory model: the size it fits
+        cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=max(USER_MICRO_BATCH, seq))
+    cfg = rl.with_micro_batch(cfg, files.args, ranks)  # 0: what simple_rl picks on this GPU
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
         engine_factory = {
             "a": rl.VLLMEngine,
@@ -297,6 +304,7 @@ def measure(
     finally:
         rl.micro_batches = packed_micro_batches
     out = summarize(rows, design, ranks.world, trainer.attn if trainer else "fa3-varlen")
+    out["micro_batch_tokens"] = cfg.micro_batch_tokens
     if ranks.world > 1:
         out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
     return out
@@ -335,6 +343,7 @@ def pool(rounds: list[dict]) -> dict:
     first = rounds[0]
     steps = [s for r in rounds for s in r["steps"]]
     out = summarize(steps, first["design"], first["nproc"], first["attention"])
+    out["micro_batch_tokens"] = first.get("micro_batch_tokens", 0)
     if "all_gather_gb_s" in first:
         out["all_gather_gb_s"] = first["all_gather_gb_s"]
     return out
@@ -525,14 +534,15 @@ def spread(result: dict, key: str) -> str:
 
 def table(results: list[dict]) -> str:
     head = (
-        f"{'design':<9} {'GPUs':>4} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
+        f"{'design':<9} {'GPUs':>4} {'micro-b':>7} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
         f"{'optim s':>7} {'push s':>6} {'samples/s':>9} {'roll tok/s':>10} "
         f"{'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'mismatch':>8}"
     )
     lines = [head]
     for r in results:
         lines.append(
-            f"{r['name']:<9} {r['nproc']:>4} {r['step_s']:>7.2f} {r['rollout_s']:>9.2f} "
+            f"{r['name']:<9} {r['nproc']:>4} {r.get('micro_batch_tokens', 0):>7} "
+            f"{r['step_s']:>7.2f} {r['rollout_s']:>9.2f} "
             f"{r['fwd_bwd_s']:>9.2f} {r['optimizer_s']:>7.3f} {r['push_s']:>6.3f} "
             f"{r['samples_s']:>9.1f} {r['rollout_tok_s']:>10.0f} "
             f"{r['trainer_tok_s']:>11.0f} {r['mfu']:>6.1%} {r['peak_gib']:>8.1f} "
@@ -586,7 +596,7 @@ def main():
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--micro-batch-tokens", type=int, default=0, help="0: what simple_rl picks")
     p.add_argument("--out", default="bench.json")
     p.add_argument(
         "--profile",

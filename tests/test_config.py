@@ -1,6 +1,7 @@
 """Config and CLI: grouped --help, choices, booleans, and bad input as one sentence (exit 2)."""
 
 import dataclasses
+import math
 import json
 import re
 import shutil
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import cpu_argv, main_cpu
+from helpers import cpu_argv, main_cpu, run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,3 +178,48 @@ def test_memory_estimate_and_the_advice_it_gives(monkeypatch):
     assert "torchrun --nproc-per-node 2 simple_rl.py" in str(err.value)
     fits = rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 2, torch.device("cpu")))  # no error
     assert fits == f"~{two['peak'] / 2**30:.0f} of 143 GiB per GPU"  # the banner's words
+
+
+def test_auto_micro_batch_is_the_largest_that_the_estimate_fits():
+    """--micro-batch-tokens 0 on a 140 GiB GPU: 24576 tokens at 1.7B, 8192 at 4B (the sizes
+    measured to fit: see README), 4096 for 8B on two GPUs; never more than a step needs, never
+    less than one sequence; the smallest when nothing fits (check_memory then explains)."""
+    from types import SimpleNamespace
+
+    def qwen3(dim, layers, heads, inter, tied=True):
+        return SimpleNamespace(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8,
+                               head_dim=128, hidden_dim=inter, vocab_size=151936,
+                               enable_weight_tying=tied)
+
+    h200 = 140 * 2**30
+    cfg = rl.Config()  # 16 prompts x 8 samples, max_model_len 1024
+    q17, q4, q8 = qwen3(2048, 28, 16, 6144), qwen3(2560, 36, 32, 9728), \
+        qwen3(4096, 36, 32, 12288, tied=False)
+    assert rl.auto_micro_batch(cfg, q17, 1, h200) == 24576
+    assert rl.auto_micro_batch(cfg, q4, 1, h200) == 8192
+    assert rl.auto_micro_batch(cfg, q8, 2, h200) == 4096
+    assert rl.auto_micro_batch(cfg, q8, 1, h200) == 4096  # nothing fits: the smallest
+    for model, world in ((q17, 1), (q4, 1), (q8, 2)):  # what it picks passes check_memory's test
+        size = rl.auto_micro_batch(cfg, model, world, h200)
+        grown = rl.dataclasses.replace(cfg, micro_batch_tokens=size + 4096)
+        assert rl.memory_estimate(rl.dataclasses.replace(cfg, micro_batch_tokens=size), model,
+                                  world)["peak"] <= h200
+        assert size == 32768 or rl.memory_estimate(grown, model, world)["peak"] > h200
+    small = rl.dataclasses.replace(cfg, num_prompts=1, group_size=2, max_model_len=1500)
+    assert rl.auto_micro_batch(small, q17, 1, h200) == 4096  # 2 x 1500 tokens: one micro-batch
+    assert rl.auto_micro_batch(small, q17, 1, math.inf) == 4096
+    long = rl.dataclasses.replace(cfg, max_model_len=40000)
+    assert rl.auto_micro_batch(long, q17, 1, math.inf) == 40000  # one full sequence at least
+    explicit = rl.dataclasses.replace(cfg, micro_batch_tokens=2048)
+    cpu = rl.Ranks(0, 1, torch.device("cpu"))
+    assert rl.with_micro_batch(explicit, q17, cpu) is explicit
+    assert rl.with_micro_batch(cfg, q17, cpu).micro_batch_tokens == 32768  # CPU: no memory bound
+
+
+def test_auto_micro_batch_is_kept_in_the_run_config(ckpt, tmp_path, capsys):
+    """The choice is printed and saved with the run: a resume on another GPU trains with the
+    same micro-batches (they set the order of the gradient sums)."""
+    run_cpu(cpu_argv(ckpt(), tmp_path / "runs", micro_batch_tokens=0, steps=2, run_name="auto"))
+    saved = json.loads((tmp_path / "runs/auto/checkpoints/step_000002/run_config.json").read_text())
+    assert saved["micro_batch_tokens"] == 4096  # 6 samples of at most 128 tokens: the smallest
+    assert "| micro-batch 4096 tokens |" in capsys.readouterr().out
