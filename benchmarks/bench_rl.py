@@ -513,11 +513,12 @@ def profile_train_step(
 
 
 def profile_section(title: str, prof, wall_s: float, cuda: bool, rows: int) -> str:
-    """A title, wall time vs GPU kernel time (busy fraction), and the top ops by GPU time."""
+    """A title, wall time vs GPU kernel time (busy fraction), and the top ops by their own GPU
+    time (a parent op's total would count the profiler's launch-queue stalls as GPU time)."""
     from torch.autograd import DeviceType
 
     events = prof.key_averages()
-    key = "cuda_time_total" if cuda else "cpu_time_total"
+    key = "self_cuda_time_total" if cuda else "cpu_time_total"  # the kernels themselves
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     busy_s = sum(e.self_device_time_total for e in kernels) / 1e6  # each kernel counted once
     cpu_s = sum(e.self_cpu_time_total for e in events) / 1e6

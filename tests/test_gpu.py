@@ -211,7 +211,8 @@ def test_qwen3_8b_on_two_gpus_every_token_bitwise_equal(tmp_path_factory):
 
 def test_qwen3_4b_at_the_defaults_fits_one_gpu(tmp_path_factory):
     """Qwen3-4B's shape, random weights, simple_rl.py with its default batch (16 x 8, 256 new
-    tokens, micro-batch 8192) on one GPU: 2 steps, every token equal, memory within the GPU."""
+    tokens, the micro-batch it picks: 8192) on one GPU: 2 steps, every token equal, memory
+    within the GPU."""
     _need_gpu_stack()
     tmp = tmp_path_factory.mktemp("q4b")
     ckpt = make_checkpoint(tmp / "ckpt", "qwen3-4b")
