@@ -103,6 +103,7 @@ def setup(args):
     )
     rl.validate(cfg)
     files = rl.load_model_files(cfg)
+    cfg = rl.with_micro_batch(cfg, files.args, ranks)  # 0: what simple_rl picks
     t0 = time.perf_counter()
     engine = rl.VLLMEngine(cfg, files, ranks)
     engine_s = time.perf_counter() - t0
@@ -128,6 +129,7 @@ def parity(args) -> dict:
     out = dict(
         engine_start_s=engine_s,
         world=ranks.world,
+        micro_batch_tokens=cfg.micro_batch_tokens,
         steps=[],
         weights_equal_at_start=all(rl.all_gather_objects(weights_equal(engine, model)[0])),
     )

@@ -195,14 +195,16 @@ def test_two_gpu_rollouts_equal_one_gpu_rollouts_at_qwen3_1p7b(tmp_path_factory)
 
 def test_qwen3_8b_on_two_gpus_every_token_bitwise_equal(tmp_path_factory):
     """Qwen3-8B's exact shape, random weights, 2 GPUs: 5 steps of 16 prompts x 8 samples and
-    256 new tokens, weights changing: 0 mismatched tokens on every rank at every step."""
+    256 new tokens, weights changing, the micro-batch simple_rl picks (4096): 0 mismatched
+    tokens on every rank at every step."""
     _need_gpu_stack(2)
     tmp = tmp_path_factory.mktemp("q8b")
     ckpt = make_checkpoint(tmp / "ckpt", "qwen3-8b")
     r = driver(tmp, "parity", "--ckpt", ckpt, "--steps", "5", "--prompts", "16", "--group", "8",
-               "--max-new-tokens", "256", "--lr", "1e-5", "--micro-batch-tokens", "4096",
+               "--max-new-tokens", "256", "--lr", "1e-5", "--micro-batch-tokens", "0",
                nproc=2, timeout=1200)
     check_parity_run(r, 5, 128, 10_000)
+    assert r["micro_batch_tokens"] == 4096
     print(json.dumps([{k: v for k, v in s.items()} for s in r["steps"]]))
 
 
