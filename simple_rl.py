@@ -6,12 +6,13 @@ One file, in data-flow order:
            -> parity check -> weight push -> training loop -> checkpoints -> main
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
-TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm and
-log_softmax, CUDA fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with
-num_splits=1; for the GEMMs cuBLASLt without split-K, which gives the bits of vLLM's
-Triton matmul); `batch_invariant_backward.py` adds their backward. So the trainer's logprob
-of every generated token equals vLLM's bit for bit, and every step checks that for every
-token of every sample, then pushes the new weights into vLLM.
+TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
+CUDA fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with num_splits=1; for the
+GEMMs cuBLASLt without split-K, which gives the bits of vLLM's Triton matmul; for the
+logprobs a kernel that sums in the order of vLLM's Triton log_softmax but writes only the
+sampled token's entry); `batch_invariant_backward.py` adds their backward. So the trainer's
+logprob of every generated token equals vLLM's bit for bit, and every step checks that for
+every token of every sample, then pushes the new weights into vLLM.
 
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
