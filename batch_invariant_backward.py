@@ -45,8 +45,8 @@ def _wide(t: Tensor) -> Tensor:
 class Kernels:
     """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode.
 
-    A set the model runs (`reference_kernels`, `vllm_kernels`) computes what the comments
-    say. A *forward set* (`reference_forwards`, `vllm_forwards`) is the input of
+    A set the model runs (`reference_kernels`, `vllm_kernels`) has the signatures in the
+    comments below. A *forward set* (`reference_forwards`, `vllm_forwards`) is the input of
     `custom_backward_kernels`: its attention also returns the log-sum-exp, its
     logprobs_entropy also the row statistics (max, log sum) that its backward needs.
     """
@@ -850,7 +850,7 @@ def vllm_forwards() -> Kernels:
         silu_and_mul=silu_and_mul,
         linear=F.linear,
         attention=attention,
-        logprobs_entropy=logprobs_entropy_triton,
+        logprobs_entropy=logprobs_entropy_triton,  # ours, with the bits of vLLM's log_softmax
     )
 
 

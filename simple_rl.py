@@ -2294,9 +2294,10 @@ def count_params(args) -> int:
     return args.vocab_size * args.dim + head + args.n_layers * block + args.dim
 
 
-# Measured on H200s, the device memory in use peaks at about 1.25x the terms below plus 4 GiB
-# (the caching allocator's slack, CUDA context, NCCL buffers, CUDA graph pools): 1.7B on one
-# GPU, est. 72 vs 67 GiB measured; 1.7B on two, 54 vs 54; 8B on two, 126 vs 133 (README).
+# Measured on H200s, the device memory in use peaks at up to 1.25x the terms below plus 4 GiB
+# (the caching allocator's slack, CUDA context, NCCL buffers, CUDA graph pools). Estimated vs
+# measured GiB (README): 1.7B on one GPU, 70 vs 67 at 8192 tokens a micro-batch and 127 vs 108
+# at 24576; 4B on one, 137 vs 115 at 8192; 8B on two, 125 vs 132 at 4096.
 MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
 
 
