@@ -519,7 +519,7 @@ def logprobs_entropy_backward(logits: Tensor, targets: Tensor, m: Tensor, log_s:
 # z - max - log(sum). The order of that sum is fixed by the block size and by the layout Triton
 # gives a block of fp32 loads, so the kernel below, which reads the same fp32 z in the same
 # blocks, adds the same numbers in the same order: its lp of the target is vLLM's, bit for bit
-# (a GPU test compares them on every row of a 4096 x 151,936 batch). It writes only what the
+# (a GPU test compares them on every row of a 2048 x 151,936 batch). It writes only what the
 # loss needs, lp[target] and the entropy, where vLLM's writes the whole (N, V) lp.
 LOG_SOFTMAX_BLOCK = 1024
 

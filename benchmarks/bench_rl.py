@@ -562,7 +562,7 @@ def table(results: list[dict]) -> str:
             f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
             f"{a['push_s']:.3f} s"
         )
-    for r in results:  # a machine's step-to-step noise, next to the means above
+    for r in results:  # a machine's step-to-step noise, next to the medians above
         if r.get("steps"):
             lines.append(f"{r['name']} per measured step, min-max s: " + ", ".join(
                 f"{key} {spread(r, key)}" for key in ("step_s", "rollout_s", "fwd_bwd_s")))

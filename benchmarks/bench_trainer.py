@@ -71,7 +71,7 @@ def run(args) -> list[dict]:
 
     import batch_invariant_backward as bib
     import simple_rl as rl
-    from bench_rl import PEAK_FLOPS, flops_per_step, profile_section
+    from bench_rl import PEAK_FLOPS, flops_per_step, profile_section, sync, time_optimizer
 
     init_batch_invariance()  # what the engine does at its start: cuBLAS without split-K, ...
     dev = torch.device("cuda")
@@ -86,28 +86,23 @@ def run(args) -> list[dict]:
     flops = flops_per_step(hf_args, lens, len(packed.targets))
     adv = torch.linspace(-1, 1, args.prompts * args.group, device=dev)
     results = []
+    ranks = rl.Ranks(0, 1, dev)
     for mbt in args.micro_batch_tokens:
-        cfg = rl.Config(model=str(path), micro_batch_tokens=mbt)
+        cfg = rl.Config(model=str(path), num_prompts=args.prompts, group_size=args.group,
+                        max_new_tokens=args.new_tokens, max_model_len=max(lens),
+                        micro_batch_tokens=mbt)
+        rl.validate(cfg)  # a size below one sequence: a clear error
+        cfg = rl.with_micro_batch(cfg, hf_args, ranks)  # 0: what simple_rl picks on this GPU
+        mbt = cfg.micro_batch_tokens
         optimizer = rl.make_optimizer(model, cfg)
         old = torch.zeros(len(packed.targets), device=dev)
         times = []
         for i in range(args.warmup + args.steps):
-            spent = {"s": 0.0}
-            step = optimizer.step
-
-            def timed(*a, _step=step, **k):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                _step(*a, **k)
-                torch.cuda.synchronize()
-                spent["s"] += time.perf_counter() - t
-
-            optimizer.step = timed
-            torch.cuda.synchronize()
+            spent = time_optimizer(optimizer, dev)  # the optimizer step is timed apart
+            sync(dev)
             t0 = time.perf_counter()
             _, _, logp = rl.train_step(model, None, optimizer, packed, old, adv, cfg)
-            torch.cuda.synchronize()
-            optimizer.step = step
+            sync(dev)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0 - spent["s"])
             old = logp  # from the second update on, ratio = 1 as in an RL step
@@ -122,7 +117,7 @@ def run(args) -> list[dict]:
             with profile(activities=activities) as prof:
                 t0 = time.perf_counter()
                 rl.train_step(model, None, optimizer, packed, old, adv, cfg)
-                torch.cuda.synchronize()
+                sync(dev)
                 wall = time.perf_counter() - t0
             text = profile_section(f"update, micro-batch {mbt} ({row['micro_batches']} of them)",
                                    prof, wall, True, 25) + idle_gaps(prof)
@@ -137,7 +132,8 @@ def run(args) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Qwen3 checkpoint directory")
-    p.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[8192, 16384, 24576])
+    p.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[8192, 16384, 24576],
+                   help="sizes to time (0: what simple_rl picks)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
