@@ -65,6 +65,7 @@ import errno
 import hashlib
 import json
 import math
+import numbers
 import pickle
 import random
 import re
@@ -112,9 +113,12 @@ class Config:
     kernels: str = opt("model", "auto", "auto (= vllm), vllm (batch-invariant GPU kernels) or "
                        "reference (plain PyTorch, not bitwise)", ("auto", "vllm", "reference"))
     # --- rollout
-    task: str = opt("rollout", "arithmetic", "arithmetic (embedded) or gsm8k (hub or --data-files)",
-                    ("arithmetic", "gsm8k"))
-    data_files: str = opt("rollout", "", "GSM8K as local parquet or jsonl (question/answer fields)")
+    task: str = opt("rollout", "arithmetic", "arithmetic (embedded), gsm8k (hub or --data-files) "
+                    "or jsonl (--data-files: your question/answer rows)",
+                    ("arithmetic", "gsm8k", "jsonl"))
+    data_files: str = opt("rollout", "", "local parquet or jsonl with question/answer fields")
+    reward: str = opt("rollout", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
+                      "(default: 1 if the number after 'Answer:' is right, else 0)")
     chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
                              "(auto: when it has one)", ("auto", "on", "off"))
     enable_thinking: bool = opt("rollout", False, "let Qwen3 think (<think>...</think>) first")
@@ -149,6 +153,11 @@ class Config:
     grad_clip: float = opt("optim", 1.0, "max global grad norm (0: off)")
     micro_batch_tokens: int = opt("optim", 0, "max packed tokens per trainer forward/backward "
                                   "(0: the largest multiple of 4096 the GPU's memory fits)")
+    # --- eval
+    eval_every: int = opt("eval", 0, "held-out greedy eval every N steps (0: only before the "
+                          "first step and after the last)")
+    eval_size: int = opt("eval", 256, "held-out problems, disjoint from the training pool "
+                         "(0: no eval)")
     # --- logging
     seed: int = opt("logging", 0, "seed for prompts, sampling and everything else")
     log_dir: str = opt("logging", "runs", "TensorBoard root; a run logs to LOG_DIR/RUN_NAME")
@@ -209,14 +218,17 @@ EXIT_NONFINITE = 3  # a NaN or Inf: nothing saved or pushed
 EXIT_PARITY = 4  # --strict-parity found a differing token
 EXIT_OOM = 5  # out of GPU memory
 EXIT_DISK = 6  # the file system refused a write
+EXIT_REWARD = 7  # the reward raised or returned a non-finite number
 EXIT_INTERRUPTED = 130  # Ctrl-C, after saving a checkpoint
 EXIT_TERMINATED = 143  # SIGTERM, after saving a checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+REWARD_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
 # Flags a resumed run takes from the command line; every other one comes from the checkpoint.
 RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", "strict_parity",
-             "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name"}
+             "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name",
+             "eval_every"}
 
 EXAMPLES = """examples:
   VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
@@ -302,7 +314,15 @@ def validate(cfg: Config) -> None:
          "--parity-every >= 1.")
     need(cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and "
          "--keep-last >= 1.")
-    need(not cfg.data_files or cfg.task == "gsm8k", "--data-files goes with --task gsm8k.")
+    need(not cfg.data_files or cfg.task in ("gsm8k", "jsonl"), "--data-files goes with --task "
+         "gsm8k or jsonl.")
+    need(cfg.task != "jsonl" or bool(cfg.data_files), "--task jsonl reads your problems from "
+         "--data-files FILE (jsonl or parquet rows with 'question' and 'answer').")
+    need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
+    need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
+         f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
+    need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
+         f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
     need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
          "chat template; drop --chat-template off.")
     need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
@@ -1176,6 +1196,21 @@ class VLLMEngine:
                               max_tokens=cfg.max_new_tokens, seed=seed,
                               stop_token_ids=self.eos_ids, detokenize=False)
 
+    def greedy(self, prompts: list[list[int]]) -> list[list[int]]:
+        """One greedy (T = 0) completion per prompt: the held-out eval.
+
+        No seed is drawn, and the prefix cache it fills is dropped, so the next rollout
+        computes exactly what it would have computed without an eval.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.max_new_tokens,
+                                stop_token_ids=self.eos_ids, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        self.llm.reset_prefix_cache()
+        return [list(o.outputs[0].token_ids) for o in outs]
+
     def sleep(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the push refills them)."""
         if self.cfg.engine_sleep and not self.asleep:
@@ -1287,13 +1322,19 @@ class Problem:
 
 @dataclass
 class Task:
-    problems: list[Problem]
+    problems: list[Problem]  # the training pool
     prompt_ids: list[list[int]]  # each problem as the model sees it (chat template or Q:/A:)
+    eval_problems: list[Problem]  # held out: never in the training pool
+    eval_prompt_ids: list[list[int]]
 
 
 ARITH = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
 ANSWER_FORMAT = "End with 'Answer: <number>'."
 ARITHMETIC_POOL = 16_384  # problems drawn for a run; steps walk through them epoch by epoch
+# Held-out problems come from their own fixed stream, whatever --seed, so every run is scored
+# on the same problems; a candidate that is also in the run's training pool is skipped.
+EVAL_SEED = 2**31 - 1
+EVAL_CANDIDATES = 4096
 
 
 def arithmetic_problems(n: int, seed: int) -> list[Problem]:
@@ -1313,15 +1354,33 @@ def arithmetic_problems(n: int, seed: int) -> list[Problem]:
     return out
 
 
-def gsm8k_problems(data_files: str) -> list[Problem]:
-    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
+def heldout_arithmetic_questions() -> set[str]:
+    """Every question the arithmetic task may hold out (a warm start must not train on them)."""
+    return {p.question for p in arithmetic_problems(EVAL_CANDIDATES, EVAL_SEED)}
 
-    Each row has `question` and `answer`; the final answer follows '####'.
-    """
+
+def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
+    """(training pool, held-out problems): the first --eval-size distinct candidates of the
+    held-out stream that are not in the pool."""
+    pool = arithmetic_problems(max(ARITHMETIC_POOL, cfg.num_prompts), cfg.seed)
+    seen = {p.question for p in pool}
+    heldout = []
+    for p in arithmetic_problems(EVAL_CANDIDATES, EVAL_SEED):
+        if len(heldout) == cfg.eval_size:
+            break
+        if p.question not in seen:
+            seen.add(p.question)
+            heldout.append(p)
+    return pool, heldout
+
+
+def read_rows(data_files: str, task: str):
+    """The rows of a local parquet or jsonl file, or of GSM8K on the hub (data_files '')."""
     try:
         import datasets
     except ImportError as e:
-        raise ConfigError("--task gsm8k needs the `datasets` package: pip install datasets.") from e
+        raise ConfigError(f"--task {task} needs the `datasets` package: pip install "
+                          "datasets.") from e
     try:
         if data_files:
             need(Path(data_files).expanduser().is_file(), f"--data-files {data_files!r} is not "
@@ -1335,18 +1394,57 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
         raise
     except Exception as e:
         where = data_files or "the hub (openai/gsm8k)"
-        raise ConfigError(f"could not load GSM8K from {where} ({type(e).__name__}); offline, "
-                          "download it and pass --data-files.") from e
+        raise ConfigError(f"could not load --task {task} from {where} ({type(e).__name__}); "
+                          "offline, download it and pass --data-files.") from e
     source = data_files or "GSM8K"
     need({"question", "answer"} <= set(rows.column_names), f"{source} has columns "
-         f"{rows.column_names}; GSM8K rows need 'question' and 'answer'.")
+         f"{rows.column_names}; {'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' "
+         "and 'answer'.")
     need(len(rows) > 0, f"{source} has no rows.")
+    return rows
+
+
+def gsm8k_problems(data_files: str) -> list[Problem]:
+    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
+
+    Each row has `question` and `answer`; the final answer follows '####'.
+    """
+    rows = read_rows(data_files, "gsm8k")
+    source = data_files or "GSM8K"
     out = []
     for q, a in zip(rows["question"], rows["answer"]):
         need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
              f"'#### <number>': {str(a)[:60]!r}.")
         out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
     return out
+
+
+def jsonl_problems(data_files: str) -> list[Problem]:
+    """Your rows: `question` is the prompt as written, `answer` what the reward compares with
+    (a number is read as its text)."""
+    rows = read_rows(data_files, "jsonl")
+    out = []
+    for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
+        need(isinstance(q, str) and q.strip() != "", f"{data_files}: row {i} has no question "
+             f"text (got {q!r}).")
+        need(isinstance(a, (str, int, float)) and not isinstance(a, bool), f"{data_files}: row "
+             f"{i} has no answer text or number (got {a!r}).")
+        out.append(Problem(q, str(a)))
+    return out
+
+
+def split_heldout(problems: list[Problem], size: int, source: str):
+    """(training pool, held-out problems) of a file: `size` problems chosen by a fixed shuffle
+    (the same for every --seed), and every other problem whose question they do not repeat."""
+    need(size < len(problems), f"{source} has {len(problems)} problems; --eval-size {size} "
+         "leaves none to train on (lower it; 0: no eval).")
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    chosen = set(torch.randperm(len(problems), generator=g)[:size].tolist())
+    heldout = [p for i, p in enumerate(problems) if i in chosen]
+    questions = {p.question for p in heldout}
+    pool = [p for i, p in enumerate(problems) if i not in chosen and p.question not in questions]
+    need(bool(pool), f"{source}: every problem repeats a held-out question; lower --eval-size.")
+    return pool, heldout
 
 
 def uses_chat_template(cfg: Config, tokenizer) -> bool:
@@ -1358,6 +1456,8 @@ def uses_chat_template(cfg: Config, tokenizer) -> bool:
 
 def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list[int]]:
     """Token ids of each prompt: the chat template's user turn, or a plain 'Q: ...\\nA:'."""
+    if not problems:
+        return []
     if uses_chat_template(cfg, tokenizer):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
                                                tokenize=False, add_generation_prompt=True,
@@ -1369,18 +1469,21 @@ def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list
 
 
 def load_task(cfg: Config, tokenizer) -> Task:
-    """The problems of the whole run, tokenized once; their lengths are checked here."""
-    if cfg.task == "gsm8k":
-        problems = gsm8k_problems(cfg.data_files)
+    """The problems of the whole run and the held-out ones, tokenized once; lengths checked."""
+    if cfg.task == "arithmetic":
+        problems, heldout = arithmetic_split(cfg)
     else:
-        problems = arithmetic_problems(max(ARITHMETIC_POOL, cfg.num_prompts), cfg.seed)
+        source = cfg.data_files or "GSM8K"
+        read = gsm8k_problems if cfg.task == "gsm8k" else jsonl_problems
+        problems, heldout = split_heldout(read(cfg.data_files), cfg.eval_size, source)
     prompt_ids = format_prompts(problems, tokenizer, cfg)
-    longest = max(map(len, prompt_ids))
+    eval_ids = format_prompts(heldout, tokenizer, cfg)
+    longest = max(map(len, prompt_ids + eval_ids))
     need(longest + cfg.max_new_tokens <= cfg.max_model_len, f"the longest prompt has {longest} "
          f"tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds --max-model-len "
          f"{cfg.max_model_len}.")
-    need(min(map(len, prompt_ids)) > 0, "a prompt encodes to no tokens.")
-    return Task(problems, prompt_ids)
+    need(min(map(len, prompt_ids + eval_ids)) > 0, "a prompt encodes to no tokens.")
+    return Task(problems, prompt_ids, heldout, eval_ids)
 
 
 def step_problems(n_problems: int, num_prompts: int, step: int, seed: int) -> list[int]:
@@ -1416,7 +1519,80 @@ def parse_answer(text: str) -> Decimal | None:
 def reward(completion: str, answer: str) -> float:
     """1 if the parsed answer equals the reference exactly (1,234 == 1234.0), else 0."""
     got = parse_answer(completion)
-    return float(got is not None and got == Decimal(answer.replace(",", "")))
+    try:
+        return float(got is not None and got == Decimal(answer.replace(",", "")))
+    except InvalidOperation:  # a reference that is not a number: compare the text
+        return float(completion.rsplit("Answer:", 1)[-1].strip() == answer.strip())
+
+
+RewardFn = Callable[[str, str], float]
+
+
+class RewardError(RuntimeError):
+    """The reward raised or returned something that is not a finite number."""
+
+    def __init__(self, what: str, sample: int, completion: str):
+        super().__init__(what)
+        self.sample = sample  # index among this rank's samples of the step
+        self.completion = completion
+
+
+def load_reward(spec: str) -> RewardFn:
+    """--reward FILE.py:FUNCTION: the user's reward(completion, answer) -> float; '' is ours.
+
+    Checked here, before anything slow: the file imports, the function exists and takes
+    (completion, answer).
+    """
+    if not spec:
+        return reward
+    import importlib.util
+    import inspect
+
+    file, name = spec.rsplit(":", 1)
+    path = Path(file).expanduser()
+    need(path.is_file(), f"--reward: {path} is not a file.")
+    module_spec = importlib.util.spec_from_file_location(f"simple_rl_reward_{path.stem}", path)
+    need(module_spec is not None and module_spec.loader is not None, f"--reward: {path} cannot "
+         "be imported as a Python module.")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
+        raise ConfigError(f"--reward: importing {path} failed ({type(e).__name__}: {e}).") from e
+    fn = getattr(module, name, None)
+    need(callable(fn), f"--reward: {path} has no function {name!r}.")
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError:
+        raise ConfigError(f"--reward: {name}{inspect.signature(fn)} in {path} must take "
+                          "(completion, answer).") from None
+    except ValueError:  # no signature to inspect (a builtin): the first call will tell
+        pass
+    return fn
+
+
+def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> None:
+    """A first call, before anything slow: an empty completion (a model may stop at once) must
+    get a finite number."""
+    try:
+        score(reward_fn, [""], [task.problems[0].answer])
+    except RewardError as e:
+        raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
+
+
+def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
+    """reward_fn(text, answer) of every sample, (B,) fp32; RewardError names the first sample
+    whose reward raised or is not a finite number."""
+    out = []
+    for i, (text, answer) in enumerate(zip(texts, answers)):
+        try:
+            value = reward_fn(text, answer)
+        except Exception as e:
+            raise RewardError(f"raised {type(e).__name__}: {e}", i, text) from e
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(f"returned {value!r}, not a finite number", i, text)
+        out.append(float(value))
+    return torch.tensor(out, dtype=torch.float32)
 
 
 # ==========================================================================
@@ -1807,6 +1983,7 @@ class Trainer:
     task: Task
     ranks: Ranks
     writer: object = None  # TensorBoard SummaryWriter, on rank 0
+    reward_fn: RewardFn = reward  # reward(completion, answer) -> float: ours or --reward's
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -1841,11 +2018,10 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t1 = time.perf_counter()
 
     # 2. Reward and advantages: a prompt's G samples are all on this rank.
-    vocab = len(trainer.tokenizer)  # a model's vocab may exceed its tokenizer's: skip ids past it
-    in_vocab = [[t for t in c if t < vocab] for c in rollout.completions]
-    texts = trainer.tokenizer.batch_decode(in_vocab, skip_special_tokens=True)
+    texts = decode(trainer.tokenizer, rollout.completions)
     answers = [trainer.task.problems[chosen[i]].answer for i in mine for _ in range(G)]
-    rewards = torch.tensor([reward(t, a) for t, a in zip(texts, answers)])
+    rewards = score_on_every_rank(trainer, texts, answers, lambda s: f"sample {s % G} of "
+                                  f"training problem {chosen[mine[s // G]]}")  # (B*G,)
     adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps).to(device)
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
@@ -1882,6 +2058,61 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
             trainer.writer.add_scalar(k, v, step)
         trainer.writer.flush()
     return metrics, parity
+
+
+def decode(tokenizer, completions: list[list[int]]) -> list[str]:
+    """Completion texts; ids past the tokenizer's vocab (a model's vocab may be larger) skipped."""
+    vocab = len(tokenizer)
+    return tokenizer.batch_decode([[t for t in c if t < vocab] for c in completions],
+                                  skip_special_tokens=True)
+
+
+def score_on_every_rank(trainer: Trainer, texts: list[str], answers: list[str],
+                        where: Callable[[int], str]) -> torch.Tensor:
+    """The rewards of this rank's samples (B,). If the reward failed on any rank, every rank
+    raises that RewardError (so none waits in a collective); where(i) names sample i."""
+    try:
+        rewards, failure = score(trainer.reward_fn, texts, answers), None
+    except RewardError as e:
+        rewards, failure = None, e
+        e.where = where(e.sample)
+    failed = all_reduce(torch.tensor([failure is not None], device=trainer.ranks.device).int(),
+                        dist.ReduceOp.MAX)
+    if int(failed):
+        first = next(f for f in all_gather_objects(failure) if f is not None)
+        raise first
+    return rewards
+
+
+def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
+    """Greedy (T = 0) mean reward on the held-out problems, over every rank: for a 0/1 reward,
+    the accuracy of the weights after `step` updates. Logged to TensorBoard at `step`."""
+    task = trainer.task
+    mine = my_prompts(len(task.eval_problems), trainer.ranks)
+    t0 = time.perf_counter()
+    prompts = [task.eval_prompt_ids[i] for i in mine]
+    completions = trainer.engine.greedy(prompts) if prompts else []
+    texts = decode(trainer.tokenizer, completions)
+    answers = [task.eval_problems[i].answer for i in mine]
+    rewards = score_on_every_rank(trainer, texts, answers, lambda i: f"held-out problem {mine[i]}")
+    sums = torch.tensor([rewards.sum().item(), sum(map(len, completions))],
+                        dtype=torch.float64, device=trainer.ranks.device)
+    total, length = (all_reduce(sums) / len(task.eval_problems)).tolist()
+    metrics = {"eval/accuracy": total, "eval/completion_len_mean": length,
+               "time/eval_s": time.perf_counter() - t0}
+    if trainer.writer is not None:
+        for k, v in metrics.items():
+            trainer.writer.add_scalar(k, v, step)
+        trainer.writer.flush()
+    return metrics
+
+
+def eval_due(cfg: Config, step: int) -> bool:
+    """Evaluate before step `step` (after `step` updates): at 0, every --eval-every steps, and
+    after the last step."""
+    if cfg.eval_size == 0:
+        return False
+    return step in (0, cfg.steps) or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
 
 def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
@@ -1937,8 +2168,9 @@ def format_duration(seconds: float) -> str:
 
 def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
     memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
-    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f} | loss {m['loss']:+.4f} | "
-            f"kl {m['kl_div']:.4f} | ent {m['entropy']:.3f} | len "
+    held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
+            f"{m['loss']:+.4f} | kl {m['kl_div']:.4f} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f} | mismatched "
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
             f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
@@ -1952,6 +2184,7 @@ def tensorboard_layout() -> dict:
 
     return {"simple_rl": {
         "reward": chart("reward_mean", "reward_std"),
+        "held-out accuracy (greedy)": chart("eval/accuracy"),
         "loss": chart("loss", "pg_loss"),
         "KL to the initial policy": chart("kl_div"),
         "entropy": chart("entropy"),
@@ -2503,6 +2736,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
     files = load_model_files(cfg)
     task = load_task(cfg, files.tokenizer)
+    reward_fn = load_reward(cfg.reward)
+    check_reward(reward_fn, cfg.reward, task)
     cfg = with_micro_batch(cfg, files.args, ranks)  # the run's config keeps the choice
     memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
@@ -2530,7 +2765,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         ref_model.requires_grad_(False)
     del state, hf_state
     optimizer = make_optimizer(model, cfg)
-    trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks)
+    trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
+                      reward_fn=reward_fn)
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
 
@@ -2593,12 +2829,10 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.steps):
-                try:
+                with stops_at(trainer, step, run_dir):
+                    evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
                     metrics, parity = rl_step(trainer, step)
-                except NonFiniteError as e:
-                    raise nonfinite_stop(e, step, run_dir) from e
-                except torch.OutOfMemoryError as e:
-                    raise oom_stop(trainer, step, run_dir) from e
+                metrics.update(evals)
                 done += 1
                 step_s = (time.perf_counter() - began) / done
                 if metrics_log is not None:
@@ -2623,12 +2857,35 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                         code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
                         raise RunStopped(f"stopped after step {step}; checkpoint {ckpt}; "
                                          f"continue with --resume {ckpt}", code)
+        if eval_due(cfg, cfg.steps):
+            with stops_at(trainer, cfg.steps, run_dir):
+                final = evaluate(trainer, cfg.steps)
+            if metrics_log is not None:
+                metrics_log.write(json.dumps({"step": cfg.steps, **final}) + "\n")
+            print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f} "
+                   f"({len(trainer.task.eval_problems)} problems, greedy)")
     finally:
         if metrics_log is not None:
             metrics_log.close()
         if trainer.writer is not None:
             trainer.writer.close()
     return export_final(trainer, run_dir, source)
+
+
+@contextlib.contextmanager
+def stops_at(trainer: Trainer, step: int, run_dir: Path):
+    """A step's faults as a RunStopped with its exit code, naming the last good checkpoint."""
+    try:
+        yield
+    except NonFiniteError as e:
+        raise nonfinite_stop(e, step, run_dir) from e
+    except RewardError as e:
+        raise RunStopped(f"step {step}: the reward ({trainer.cfg.reward or 'simple_rl.reward'}) "
+                         f"{e} on {e.where}, completion {e.completion[:80]!r}; nothing of this "
+                         f"step was applied. Last good checkpoint: {last_good(run_dir)}.",
+                         EXIT_REWARD) from e
+    except torch.OutOfMemoryError as e:
+        raise oom_stop(trainer, step, run_dir) from e
 
 
 def last_good(run_dir: Path) -> str:

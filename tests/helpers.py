@@ -107,6 +107,7 @@ class TorchEngine:
         self.cfg, self.files = cfg, files
         self.eos_ids = set(files.eos_ids if files else (0,))
         self.sleeps = 0
+        self.greedy_calls = 0
 
     @torch.no_grad()
     def rollout(self, prompts, indices, step):
@@ -122,11 +123,7 @@ class TorchEngine:
         for _ in range(cfg.max_new_tokens):
             if not live:
                 break
-            full = [seqs[i] + comps[i] for i in live]
-            packed = rl.pack(full, [[] for _ in full])
-            h = self.model.hidden(packed)
-            last = h[packed.cu_seqlens[1:].long() - 1]  # (B_live, dim)
-            z = self.model.logits(last).float() / cfg.temperature
+            z = self.next_logits([seqs[i] + comps[i] for i in live]) / cfg.temperature
             lp = torch.log_softmax(z, -1)
             for row, i in enumerate(live):
                 t = int(torch.multinomial(lp[row].exp(), 1, generator=gens[i]))
@@ -139,6 +136,27 @@ class TorchEngine:
             logprobs=torch.tensor([x for l in lps for x in l]),
             stopped=[c[-1] in self.eos_ids for c in comps],
         )
+
+    def next_logits(self, seqs):
+        """fp32 logits (B, V) of the token after each sequence."""
+        packed = rl.pack(seqs, [[] for _ in seqs])
+        h = self.model.hidden(packed)
+        return self.model.logits(h[packed.cu_seqlens[1:].long() - 1]).float()  # (B, V)
+
+    @torch.no_grad()
+    def greedy(self, prompts):
+        """One argmax completion per prompt, as VLLMEngine.greedy."""
+        self.greedy_calls += 1
+        comps = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        for _ in range(self.cfg.max_new_tokens):
+            if not live:
+                break
+            top = self.next_logits([list(prompts[i]) + comps[i] for i in live]).argmax(-1)
+            for i, t in zip(live, top.tolist()):
+                comps[i].append(t)
+            live = [i for i in live if comps[i][-1] not in self.eos_ids]
+        return comps
 
     def sleep(self):
         self.sleeps += 1
@@ -168,6 +186,7 @@ CPU_RUN = dict(
     seed=3,
     save_every=2,
     keep_last=3,
+    eval_size=4,  # the held-out eval runs, at the size of a tiny run
 )
 
 

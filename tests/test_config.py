@@ -33,7 +33,8 @@ def error_of(argv, capsys):
 
 def test_help_is_grouped_by_config_section(help_text):
     groups = [g for g in re.findall(r"^(\w+):$", help_text, flags=re.M) if g != "examples"]
-    assert groups == ["options", "model", "rollout", "grpo", "optim", "logging", "checkpoints"]
+    assert groups == ["options", "model", "rollout", "grpo", "optim", "eval", "logging",
+                      "checkpoints"]
     for f in dataclasses.fields(rl.Config):  # every field, in its section
         section = help_text.split(f"\n{f.metadata['group']}:\n")[1].split("\n\n")[0]
         assert "--" + f.name.replace("_", "-") in section, f.name
@@ -45,7 +46,7 @@ def test_help_shows_defaults_once_choices_and_examples(help_text):
     assert "(default: )" not in flat and flat.count("(default:") == len(re.findall(
         r"\(default: ", flat))
     assert "{bfloat16,float32}" in flat and "{auto,vllm,reference}" in flat
-    assert "{arithmetic,gsm8k}" in flat and "{auto,on,off}" in flat
+    assert "{arithmetic,gsm8k,jsonl}" in flat and "{auto,on,off}" in flat
     assert "--cuda-graphs, --no-cuda-graphs" in flat  # on by default: --no- means something
     for flag in ("debug-parity", "strict-parity", "overwrite", "verbose", "enable-thinking"):
         assert f"--{flag}" in flat and f"--no-{flag}" not in flat  # plain flags

@@ -23,7 +23,7 @@ class ExactEngine(TorchEngine):
 
 
 STEP_LINE = re.compile(
-    r"^step (\d+)/5 \| reward \d\.\d{3} \| loss [+-]\d\.\d{4} \| kl \d\.\d{4} \| ent \d+\.\d{3} \| "
+    r"^step (\d+)/5 \| reward \d\.\d{3}( \| held-out \d\.\d{3})? \| loss [+-]\d\.\d{4} \| kl \d\.\d{4} \| ent \d+\.\d{3} \| "
     r"len \d+\.\d \| mismatched 0/\d+ \| rollout \d+\.\ds train \d+\.\ds push \d\.\d\ds \| "
     r"\d+\.\d s/step \| ETA \d+s$")
 
@@ -39,6 +39,10 @@ def test_one_parity_line_and_one_step_line_per_step_and_the_table_every_n(ckpt, 
     tables = [i for i, line in enumerate(out) if line.split()[:2] == ["token", "vllm"]]
     assert len(tables) == 3  # steps 0, 2 and 4 (--parity-every 2)
     assert steps[-1].endswith("ETA 0s") and out[-1].startswith("saved ")
+    # the held-out eval: before the first step, in its line, and after the last, in its own
+    assert [bool(STEP_LINE.match(s).group(2)) for s in steps] == [True] + [False] * 4
+    assert re.fullmatch(r"held-out accuracy after 5 steps: \d\.\d{3} \(4 problems, greedy\)",
+                        out[-2]), out[-2]
     assert not [line for line in out if "warning" in line.lower()]
 
 

@@ -11,6 +11,7 @@ TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ra
         "determinism/max_abs_diff", "completion_len_mean", "completion_stopped_frac",
         "time/rollout_s", "time/train_s", "time/push_s"]
 GPU_TAGS = ["memory/in_use_gib", "memory/peak_allocated_gib"]  # logged on CUDA only
+EVAL_TAGS = ["eval/accuracy", "eval/completion_len_mean", "time/eval_s"]  # logged by evaluate
 
 
 def make_trainer(path, tmp_path, **overrides):
@@ -105,9 +106,9 @@ def test_parity_report_flags_nan():
 def test_custom_scalars_layout_names_logged_tags():
     layout = rl.tensorboard_layout()["simple_rl"]
     tags = {t for _, (_, ts) in layout.items() for t in ts}
-    assert tags <= set(TAGS) | set(GPU_TAGS)
-    assert {"reward_mean", "loss", "kl_div", "entropy", "determinism/mismatched_tokens",
-            "time/rollout_s"} <= tags
+    assert tags <= set(TAGS) | set(GPU_TAGS) | set(EVAL_TAGS)
+    assert {"reward_mean", "eval/accuracy", "loss", "kl_div", "entropy",
+            "determinism/mismatched_tokens", "time/rollout_s"} <= tags
 
 
 def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(monkeypatch):

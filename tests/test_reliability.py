@@ -227,7 +227,11 @@ def test_resume_drops_what_was_logged_after_the_checkpoint(ckpt, tmp_path):
         f.write('{"step": 3, "loss"')  # a line half-written when the machine died
     time.sleep(1.1)  # TensorBoard orders event files by the second they were created in
     run_cpu(["--resume", str(ckpt_dir(tmp_path, "x", 2)), "--steps", "4"])
-    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3]
+    rows = metrics(run_dir)
+    # the first run's final eval (its own row, at step 3) went with the rest after the checkpoint
+    assert [m["step"] for m in rows] == [0, 1, 2, 3, 4]
+    assert ["loss" in m for m in rows] == [True] * 4 + [False]
+    assert ["eval/accuracy" in m for m in rows] == [True, False, False, False, True]
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [0, 1, 2, 3]

@@ -112,7 +112,7 @@ def test_gsm8k_from_local_files_trains_one_step(ckpt, tmp_path, suffix):
     assert problems[0].question.startswith("Tom has 1 apples") and "Answer: <number>" in \
         problems[0].question
     argv = cpu_argv(ckpt(), tmp_path / "runs", task="gsm8k", data_files=data, steps=1,
-                    max_model_len=160, micro_batch_tokens=512, run_name="g")
+                    max_model_len=160, micro_batch_tokens=512, run_name="g", eval_size=0)
     assert run_cpu(argv)
     rows = (tmp_path / "runs" / "g" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and json.loads(rows[0])["determinism/tokens"] == 2 * 3 * 5
@@ -124,7 +124,7 @@ def test_gsm8k_errors_are_one_sentence(ckpt, tmp_path, capsys, monkeypatch):
         return capsys.readouterr().err.strip().splitlines()[-1]
 
     base = cpu_argv(ckpt(), tmp_path / "runs", task="gsm8k", max_model_len=160,
-                    micro_batch_tokens=512)
+                    micro_batch_tokens=512, eval_size=0)
     assert "--data-files '/no/file.jsonl' is not a file" in err(base + ["--data-files",
                                                                          "/no/file.jsonl"])
     bad = tmp_path / "bad.jsonl"

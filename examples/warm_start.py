@@ -1,0 +1,254 @@
+"""Warm start: a small Qwen3 that half knows simple_rl's arithmetic task, trained from scratch.
+
+RL can only sharpen what a model already does sometimes: a random model never writes a right
+answer, its reward is 0 and every GRPO advantage is 0. This script makes a model worth
+training with RL, with nothing downloaded:
+
+  1. a byte-level BPE tokenizer trained on the task's own text, digits split one per token,
+     with Qwen3's special tokens and the shape of its chat template;
+  2. a Qwen3ForCausalLM of about 25M parameters (8 layers, hidden 512, GQA, head_dim 128),
+     trained with plain next-token loss on the completions only, for worked solutions that
+     take one operation per line:
+
+         47 * 83 = 47 * 80 + 47 * 3 = 3760 + 141 = 3901
+         3901 - 5 = 3896
+         Answer: 3896
+
+  3. stopped on purpose, at the first greedy eval on simple_rl's held-out problems that
+     reaches --target-accuracy (default 30%), so GRPO has room to improve it;
+  4. saved as a Hugging Face checkpoint (bf16 safetensors, config, tokenizer) that
+     transformers, vLLM and `simple_rl.py --model` load.
+
+The training problems never include simple_rl's held-out problems (`rl.EVAL_SEED`).
+
+    python examples/warm_start.py --out warm/qwen3-arith        # one H200: about 2-3 minutes
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py --model warm/qwen3-arith --eval-every 25 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA
+
+import torch  # noqa: E402
+
+import simple_rl as rl  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# The shape of Qwen3's template: user and assistant turns, and the empty think block Qwen3
+# writes when thinking is off (simple_rl's default), so prompts look as they would for Qwen3.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+QUESTION = re.compile(r"What is (\d+) ([-+*]) (\d+) ([-+]) (\d+)\?")
+
+
+def worked_solution(question: str) -> str:
+    """One operation per line; a product a * b splits b into tens and units first."""
+    a, op1, b, op2, c = QUESTION.match(question).groups()
+    a, b, c = int(a), int(b), int(c)
+    v1 = rl.ARITH[op1](a, b)
+    v2 = rl.ARITH[op2](v1, c)
+    if op1 == "*" and b >= 10:
+        tens, units = b // 10 * 10, b % 10
+        first = f"{a} * {b} = {a} * {tens} + {a} * {units} = {a * tens} + {a * units} = {v1}"
+    else:
+        first = f"{a} {op1} {b} = {v1}"
+    return f"{first}\n{v1} {op2} {c} = {v2}\nAnswer: {v2}"
+
+
+def make_tokenizer(vocab_size: int, seed: int):
+    """Byte-level BPE on the task's text; digits are never merged (one token per digit)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    problems = rl.arithmetic_problems(2000, seed)
+    corpus = [f"user\n{p.question}\nassistant\n{worked_solution(p.question)}" for p in problems]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(tokenizer, a: argparse.Namespace):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=a.vocab, hidden_size=a.dim, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=128,
+        intermediate_size=a.ffn, max_position_embeddings=1024, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def prompt_formatter(tokenizer):
+    """A fast stand-in for rl.format_prompts: the chat template rendered once around a
+    placeholder, then filled in (rendering it per problem costs more than a training step).
+    Checked against format_prompts on problems of every kind before it is used."""
+    cfg = rl.Config()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
+                                             tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=cfg.enable_thinking)
+    before, after = rendered.split("\x00")
+
+    def format_prompts(problems: list[rl.Problem]) -> list[list[int]]:
+        texts = [before + p.question + after for p in problems]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    sample = rl.arithmetic_problems(64, 1)
+    assert format_prompts(sample) == rl.format_prompts(sample, tokenizer, cfg)
+    return format_prompts
+
+
+def batch_of(problems: list[rl.Problem], tokenizer, format_prompts, device):
+    """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only."""
+    prompts = format_prompts(problems)  # (B, P_b): the ids simple_rl's prompts have
+    answers = tokenizer([worked_solution(p.question) for p in problems],
+                        add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    rows = [(p, c + [eos]) for p, c in zip(prompts, answers)]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # (B, L)
+    labels = torch.full((len(rows), width), -100)  # (B, L)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        mask[i, : len(p) + len(c)] = 1
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems: list[rl.Problem], device,
+                    max_new_tokens: int = 64) -> float:
+    """Greedy decoding of simple_rl's prompts, scored by simple_rl's reward. Prompts of one
+    length are decoded together, so no padding enters the computation."""
+    model.eval()
+    prompts = rl.format_prompts(problems, tokenizer, rl.Config())
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    score = 0.0
+    for idx in by_length.values():
+        ids = torch.tensor([prompts[i] for i in idx], device=device)  # (B, P)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        score += sum(rl.reward(t, problems[i].answer) for t, i in zip(texts, idx))
+    model.train()
+    return score / len(problems)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the HF checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-accuracy", type=float, default=0.30,
+                   help="stop at the first eval whose greedy held-out accuracy reaches this")
+    p.add_argument("--max-minutes", type=float, default=8.0, help="stop here in any case")
+    p.add_argument("--max-steps", type=int, default=0, help="stop here in any case (0: none)")
+    p.add_argument("--eval-every", type=int, default=250, help="optimizer steps between evals")
+    p.add_argument("--eval-size", type=int, default=256, help="held-out problems per eval")
+    p.add_argument("--batch", type=int, default=256, help="sequences per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args()
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        sys.exit(f"warm_start: {out} is not empty; choose another --out.")
+
+    device = torch.device(a.device)
+    torch.manual_seed(a.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    tokenizer = make_tokenizer(a.vocab, a.seed)
+    assert len(tokenizer) <= a.vocab, "the tokenizer must fit the model's vocab"
+    format_prompts = prompt_formatter(tokenizer)
+    model = make_model(tokenizer, a).to(device)
+    n_params = sum(t.numel() for t in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = 100
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+
+    cfg = rl.Config(eval_size=a.eval_size, seed=0)
+    _, heldout = rl.arithmetic_split(cfg)  # what simple_rl scores at its default seed
+    never = rl.heldout_arithmetic_questions()  # every problem simple_rl may hold out
+    rng = random.Random(a.seed)
+    print(f"warm start | {n_params / 1e6:.1f}M params | vocab {len(tokenizer)} | "
+          f"{len(heldout)} held-out problems | device {device}", flush=True)
+
+    history = []
+    began = time.perf_counter()
+    step = 0
+    while True:
+        problems = [q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
+                    if q.question not in never][: a.batch]
+        ids, mask, labels = batch_of(problems, tokenizer, format_prompts, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        minutes = (time.perf_counter() - began) / 60
+        out_of_time = minutes >= a.max_minutes or (a.max_steps and step >= a.max_steps)
+        if step % a.eval_every == 0 or out_of_time:
+            acc = greedy_accuracy(model, tokenizer, heldout, device)
+            history.append(dict(step=step, minutes=round(minutes, 2), loss=loss.item(),
+                                heldout_accuracy=acc))
+            print(f"step {step} | loss {loss.item():.4f} | held-out greedy accuracy {acc:.3f} "
+                  f"| {minutes:.1f} min", flush=True)
+            if acc >= a.target_accuracy or out_of_time:
+                break
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id,
+                                            tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config.save_pretrained(out)
+    report = dict(args=vars(a), params=n_params, history=history,
+                  reached_target=history[-1]["heldout_accuracy"] >= a.target_accuracy)
+    (out / "warm_start.json").write_text(json.dumps(report, indent=1))
+    print(f"saved {out} | step {step} | held-out greedy accuracy "
+          f"{history[-1]['heldout_accuracy']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

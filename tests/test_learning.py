@@ -1,0 +1,114 @@
+"""It learns: on CPU, GRPO teaches a tiny Qwen3 a skill its warm start lacks, measured on
+held-out problems; the held-out eval leaves the training run bit for bit as it was.
+
+The task (`--task jsonl`): "Q: <word> <digit>\\nA:", answer the digit. The warm start (a few
+supervised steps here) writes one digit and stops, but a random one, so about 1 sample in 10
+is right. Learning to copy the prompt's digit needs the right advantage on the right tokens,
+descending the loss, and each sample scored against its own prompt's answer; the test fails
+when any of these breaks.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+
+import simple_rl as rl
+from helpers import make_checkpoint, run_cpu
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def write_copy_task(path, n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = [{"question": f"{''.join(rng.choices(LETTERS, k=3))} {rng.randrange(10)}"}
+            for _ in range(n)]
+    for r in rows:
+        r["answer"] = r["question"][-1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def warm_start_random_digits(src, out, rows: list[dict], steps: int = 60):
+    """Supervised steps on "Q: <question>\\nA: <a random digit><eos>": the format, not the skill."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(1)
+    for _ in range(steps):
+        batch = rng.sample(rows, 32)
+        prompts = tok([f"Q: {r['question']}\nA:" for r in batch])["input_ids"]
+        answers = tok([f" {rng.randrange(10)}" for _ in batch])["input_ids"]
+        seqs = [p + a + [tok.eos_token_id] for p, a in zip(prompts, answers)]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.eos_token_id] * (width - len(s)) for s in seqs])
+        labels = torch.tensor([[-100] * len(p) + a + [tok.eos_token_id] + [-100] * (width - len(s))
+                               for p, a, s in zip(prompts, answers, seqs)])
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def copy_task(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("learn")
+    rows = write_copy_task(tmp / "copy.jsonl", 600)
+    base = make_checkpoint(tmp / "random", layers=2, hidden=128, heads=4, kv_heads=2,
+                           head_dim=32, inter=256, vocab=320)
+    return warm_start_random_digits(base, tmp / "warm", rows), tmp / "copy.jsonl"
+
+
+def learn(copy_task, log_dir, name: str, **overrides) -> tuple[list[dict], str]:
+    model, data = copy_task
+    flags = dict(dtype="float32", task="jsonl", data_files=data, chat_template="off",
+                 num_prompts=8, group_size=8, max_new_tokens=3, max_model_len=64,
+                 micro_batch_tokens=4096, lr=3e-3, steps=30, eval_every=10, eval_size=60,
+                 seed=0, save_every=0, run_name=name)
+    flags.update(overrides)
+    argv = ["--model", str(model), "--log-dir", str(log_dir)]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    digest = run_cpu(argv)
+    rows = [json.loads(r) for r in (log_dir / name / "metrics.jsonl").read_text().splitlines()]
+    return rows, digest
+
+
+def test_grpo_raises_held_out_accuracy_and_reward(copy_task, tmp_path):
+    rows, _ = learn(copy_task, tmp_path, "learn")
+    acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    assert sorted(acc) == [0, 10, 20, 30]
+    reward = [r["reward_mean"] for r in rows if "reward_mean" in r]
+    assert acc[0] < 0.3 and sum(reward[:3]) / 3 < 0.3  # the warm start guesses
+    assert acc[30] >= acc[0] + 0.4, acc  # it learned to copy, on prompts it never trained on
+    assert sum(reward[-3:]) / 3 >= sum(reward[:3]) / 3 + 0.3, reward
+
+
+def test_the_eval_does_not_change_the_training_run(copy_task, tmp_path):
+    with_eval, a = learn(copy_task, tmp_path, "with", steps=6, eval_every=2)
+    without, b = learn(copy_task, tmp_path, "without", steps=6, eval_size=0)
+    assert a == b
+    train_keys = [k for k in without[0] if not k.startswith(("time/", "eval/"))]
+    assert [[r[k] for k in train_keys] for r in with_eval if "loss" in r] == \
+        [[r[k] for k in train_keys] for r in without]
+    assert [r["step"] for r in with_eval if "eval/accuracy" in r] == [0, 2, 4, 6]
+    assert not any("eval/accuracy" in r for r in without)
+
+
+def test_held_out_arithmetic_is_disjoint_from_every_training_pool():
+    for seed in (0, 1):
+        pool, heldout = rl.arithmetic_split(rl.Config(seed=seed, eval_size=512))
+        questions = [p.question for p in heldout]
+        assert len(questions) == len(set(questions)) == 512
+        assert not set(questions) & {p.question for p in pool}
+        assert set(questions) <= rl.heldout_arithmetic_questions()
+    # the same problems whatever the seed, but for the few that seed's pool happens to hold
+    a = {p.question for p in rl.arithmetic_split(rl.Config(seed=0))[1]}
+    b = {p.question for p in rl.arithmetic_split(rl.Config(seed=1))[1]}
+    assert len(a & b) >= 250
