@@ -237,7 +237,7 @@ def test_qwen3_4b_at_the_defaults_fits_one_gpu(tmp_path_factory):
 # The README's learning run, less its length: the flags after --model.
 LEARNING_RUN = ["--num-prompts", "64", "--group-size", "8", "--max-new-tokens", "80",
                 "--max-model-len", "128", "--lr", "1e-4", "--temperature", "1.0",
-                "--eval-size", "512"]
+                "--eval-size", "512", "--no-engine-sleep"]
 
 
 def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
