@@ -263,5 +263,5 @@ def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
     assert sorted(acc) == [0, 20, 40, 60]
     assert acc[60] >= acc[0] + 0.10, acc
     assert len(steps) == 60
-    assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 10_000
+    assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 5000
                for r in steps)

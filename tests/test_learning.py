@@ -30,8 +30,9 @@ def write_copy_task(path, n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def warm_start_random_digits(src, out, rows: list[dict], steps: int = 60):
-    """Supervised steps on "Q: <question>\\nA: <a random digit><eos>": the format, not the skill."""
+def warm_start(src, out, rows: list[dict], steps: int = 150, copy_fraction: float = 0.3):
+    """Supervised steps on "Q: <question>\nA: copy <its digit>" (30%) or "... guess <a random
+    digit>" (70%): the warm start can copy, but mostly guesses."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -42,7 +43,9 @@ def warm_start_random_digits(src, out, rows: list[dict], steps: int = 60):
     for _ in range(steps):
         batch = rng.sample(rows, 32)
         prompts = tok([f"Q: {r['question']}\nA:" for r in batch])["input_ids"]
-        answers = tok([f" {rng.randrange(10)}" for _ in batch])["input_ids"]
+        texts = [f" copy {r['answer']}" if rng.random() < copy_fraction else
+                 f" guess {rng.randrange(10)}" for r in batch]
+        answers = tok(texts)["input_ids"]
         seqs = [p + a + [tok.eos_token_id] for p, a in zip(prompts, answers)]
         width = max(map(len, seqs))
         ids = torch.tensor([s + [tok.eos_token_id] * (width - len(s)) for s in seqs])
@@ -62,13 +65,13 @@ def copy_task(tmp_path_factory):
     rows = write_copy_task(tmp / "copy.jsonl", 600)
     base = make_checkpoint(tmp / "random", layers=2, hidden=128, heads=4, kv_heads=2,
                            head_dim=32, inter=256, vocab=320)
-    return warm_start_random_digits(base, tmp / "warm", rows), tmp / "copy.jsonl"
+    return warm_start(base, tmp / "warm", rows), tmp / "copy.jsonl"
 
 
 def learn(copy_task, log_dir, name: str, **overrides) -> tuple[list[dict], str]:
     model, data = copy_task
     flags = dict(dtype="float32", task="jsonl", data_files=data, chat_template="off",
-                 num_prompts=8, group_size=8, max_new_tokens=3, max_model_len=64,
+                 num_prompts=8, group_size=8, max_new_tokens=8, max_model_len=64,
                  micro_batch_tokens=4096, lr=3e-3, steps=30, eval_every=10, eval_size=60,
                  seed=0, save_every=0, run_name=name)
     flags.update(overrides)
