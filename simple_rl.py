@@ -214,6 +214,8 @@ EXIT_TERMINATED = 143  # SIGTERM, after saving a checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
+MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
 # Flags a resumed run takes from the command line; every other one comes from the checkpoint.
 RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", "strict_parity",
              "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name"}
@@ -272,12 +274,19 @@ def validate(cfg: Config) -> None:
         if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
             need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
                  f"number (got {value}).")
+            # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
+            need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
+                 f"for fp32 (0, or at least {FP32_TINY:.3g} in magnitude).")
         if f.metadata["choices"]:
             need(value in f.metadata["choices"], f"{flag(f.name)} must be one of "
                  f"{', '.join(f.metadata['choices'])} (got {value!r}).")
     need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
          "normalises rewards within a group.")
     need(cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts}).")
+    need(cfg.num_prompts * cfg.group_size <= MAX_SAMPLES, f"--num-prompts x --group-size is "
+         f"{cfg.num_prompts * cfg.group_size:,} samples a step; a step holds its samples in "
+         f"memory, at most {MAX_SAMPLES:,}.")
+    need(0 <= cfg.seed < 2**32, f"--seed must lie in [0, 2^32) (got {cfg.seed}).")
     need(cfg.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 "
          f"(got {cfg.max_new_tokens}).")
     need(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); greedy "
@@ -431,6 +440,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
+MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
 
 
 @dataclass
@@ -478,10 +488,16 @@ def read_qwen3_config(path: Path):
     need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
          f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
          "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
+    positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
+    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
+         f"max_position_embeddings {positions!r} must be a whole number in [1, "
+         f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
     try:
         hf = AutoConfig.from_pretrained(path)
     except Exception as e:
-        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: {e}).") from e
+        text = " ".join(str(e).split())[:300]  # one line, however the library words it
+        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
+                          f"{text}).") from e
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
     need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
          and rope.get("rope_type", "default") == "default",
@@ -1326,6 +1342,8 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
         if data_files:
             need(Path(data_files).expanduser().is_file(), f"--data-files {data_files!r} is not "
                  "a file.")
+            need(Path(data_files).expanduser().stat().st_size > 0, f"--data-files "
+                 f"{data_files!r} is empty.")
             kind = "parquet" if data_files.endswith(".parquet") else "json"
             rows = datasets.load_dataset(kind, data_files=str(Path(data_files).expanduser()),
                                          split="train")
@@ -1334,15 +1352,24 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
     except ConfigError:
         raise
     except Exception as e:
-        where = data_files or "the hub (openai/gsm8k)"
-        raise ConfigError(f"could not load GSM8K from {where} ({type(e).__name__}); offline, "
-                          "download it and pass --data-files.") from e
+        if data_files:  # a local file: its content, not the network, is the problem
+            kind = "parquet" if data_files.endswith(".parquet") else "jsonl"
+            cause = e
+            while cause.__cause__ is not None:  # datasets wraps the parser's own error
+                cause = cause.__cause__
+            text = " ".join(str(cause).split())[:200]
+            raise ConfigError(f"--data-files {data_files!r} is not readable as {kind} "
+                              f"({type(cause).__name__}: {text}).") from e
+        raise ConfigError(f"could not load GSM8K from the hub (openai/gsm8k) ({type(e).__name__}); "
+                          "offline, download it and pass --data-files.") from e
     source = data_files or "GSM8K"
     need({"question", "answer"} <= set(rows.column_names), f"{source} has columns "
          f"{rows.column_names}; GSM8K rows need 'question' and 'answer'.")
     need(len(rows) > 0, f"{source} has no rows.")
     out = []
     for q, a in zip(rows["question"], rows["answer"]):
+        need(isinstance(q, str) and q.strip() != "", f"{source}: a question that is not text: "
+             f"{str(q)[:60]!r}.")
         need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
              f"'#### <number>': {str(a)[:60]!r}.")
         out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
@@ -1359,10 +1386,14 @@ def uses_chat_template(cfg: Config, tokenizer) -> bool:
 def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list[int]]:
     """Token ids of each prompt: the chat template's user turn, or a plain 'Q: ...\\nA:'."""
     if uses_chat_template(cfg, tokenizer):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                               tokenize=False, add_generation_prompt=True,
-                                               enable_thinking=cfg.enable_thinking)
-                 for p in problems]
+        try:  # a template is code: it may raise, or do what the sandbox refuses
+            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                                   tokenize=False, add_generation_prompt=True,
+                                                   enable_thinking=cfg.enable_thinking)
+                     for p in problems]
+        except Exception as e:
+            raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
+                              f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
     else:
         texts = [f"Q: {p.question}\nA:" for p in problems]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
