@@ -225,6 +225,8 @@ EXIT_TERMINATED = 143  # SIGTERM, after saving a checkpoint
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 REWARD_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
+FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
+MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
 # Flags a resumed run takes from the command line; every other one comes from the checkpoint.
 RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", "strict_parity",
              "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name",
@@ -284,12 +286,19 @@ def validate(cfg: Config) -> None:
         if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
             need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
                  f"number (got {value}).")
+            # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
+            need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
+                 f"for fp32 (0, or at least {FP32_TINY:.3g} in magnitude).")
         if f.metadata["choices"]:
             need(value in f.metadata["choices"], f"{flag(f.name)} must be one of "
                  f"{', '.join(f.metadata['choices'])} (got {value!r}).")
     need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
          "normalises rewards within a group.")
     need(cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts}).")
+    need(cfg.num_prompts * cfg.group_size <= MAX_SAMPLES, f"--num-prompts x --group-size is "
+         f"{cfg.num_prompts * cfg.group_size:,} samples a step; a step holds its samples in "
+         f"memory, at most {MAX_SAMPLES:,}.")
+    need(0 <= cfg.seed < 2**32, f"--seed must lie in [0, 2^32) (got {cfg.seed}).")
     need(cfg.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 "
          f"(got {cfg.max_new_tokens}).")
     need(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); greedy "
@@ -451,6 +460,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
+MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
 
 
 @dataclass
@@ -498,10 +508,16 @@ def read_qwen3_config(path: Path):
     need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
          f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
          "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
+    positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
+    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
+         f"max_position_embeddings {positions!r} must be a whole number in [1, "
+         f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
     try:
         hf = AutoConfig.from_pretrained(path)
     except Exception as e:
-        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: {e}).") from e
+        text = " ".join(str(e).split())[:300]  # one line, however the library words it
+        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
+                          f"{text}).") from e
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
     need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
          and rope.get("rope_type", "default") == "default",
@@ -1385,6 +1401,8 @@ def read_rows(data_files: str, task: str):
         if data_files:
             need(Path(data_files).expanduser().is_file(), f"--data-files {data_files!r} is not "
                  "a file.")
+            need(Path(data_files).expanduser().stat().st_size > 0, f"--data-files "
+                 f"{data_files!r} is empty.")
             kind = "parquet" if data_files.endswith(".parquet") else "json"
             rows = datasets.load_dataset(kind, data_files=str(Path(data_files).expanduser()),
                                          split="train")
@@ -1393,8 +1411,15 @@ def read_rows(data_files: str, task: str):
     except ConfigError:
         raise
     except Exception as e:
-        where = data_files or "the hub (openai/gsm8k)"
-        raise ConfigError(f"could not load --task {task} from {where} ({type(e).__name__}); "
+        if data_files:  # a local file: its content, not the network, is the problem
+            kind = "parquet" if data_files.endswith(".parquet") else "jsonl"
+            cause = e
+            while cause.__cause__ is not None:  # datasets wraps the parser's own error
+                cause = cause.__cause__
+            text = " ".join(str(cause).split())[:200]
+            raise ConfigError(f"--data-files {data_files!r} is not readable as {kind} "
+                              f"({type(cause).__name__}: {text}).") from e
+        raise ConfigError(f"could not load GSM8K from the hub (openai/gsm8k) ({type(e).__name__}); "
                           "offline, download it and pass --data-files.") from e
     source = data_files or "GSM8K"
     need({"question", "answer"} <= set(rows.column_names), f"{source} has columns "
@@ -1413,6 +1438,8 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
     source = data_files or "GSM8K"
     out = []
     for q, a in zip(rows["question"], rows["answer"]):
+        need(isinstance(q, str) and q.strip() != "", f"{source}: a question that is not text: "
+             f"{str(q)[:60]!r}.")
         need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
              f"'#### <number>': {str(a)[:60]!r}.")
         out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
@@ -1459,10 +1486,14 @@ def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list
     if not problems:
         return []
     if uses_chat_template(cfg, tokenizer):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                               tokenize=False, add_generation_prompt=True,
-                                               enable_thinking=cfg.enable_thinking)
-                 for p in problems]
+        try:  # a template is code: it may raise, or do what the sandbox refuses
+            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                                   tokenize=False, add_generation_prompt=True,
+                                                   enable_thinking=cfg.enable_thinking)
+                     for p in problems]
+        except Exception as e:
+            raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
+                              f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
     else:
         texts = [f"Q: {p.question}\nA:" for p in problems]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -2203,17 +2234,35 @@ def tensorboard_layout() -> dict:
 #   model/           the weights in HF format (bf16): loadable by transformers and vLLM
 #   trainer/         fp32 masters + AdamW state: torch.distributed.checkpoint, a shard per rank
 #   rng_rank{r}.pt   each rank's RNG states (tensors and ints: read with weights_only=True)
-#   state.json       next step, world size, the masters' shapes, the next step's sampler seeds
+#   state.json       next step, world size, the masters' shapes, the next step's sampler seeds,
+#                    and the list of every other file of the checkpoint (written last)
 #   run_config.json  the run's config
-# It is written to a temp dir and renamed; it counts only once all of these exist.
+# It is written to a temp dir and renamed; it counts only once every file state.json lists
+# (DCP's shards among them) is there.
+# A run directory is LOG_DIR/RUN_NAME with simple_rl.lock in it: the file marks it as
+# simple_rl's, and the process running it holds an OS lock on that file.
 CHECKPOINT = re.compile(r"step_(\d{6})")
 COMPLETE = ("state.json", "run_config.json", "trainer/.metadata", "model/model.safetensors",
             "model/config.json")
+LOCK_FILE = "simple_rl.lock"
+EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES}  # what an export holds
+# The flags a resume takes from the command line only: where it writes and what it may delete
+# are never chosen by a checkpoint's files.
+PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume"}
 
 
 def is_complete(ckpt: Path) -> bool:
-    return CHECKPOINT.fullmatch(ckpt.name) is not None and \
-        all((ckpt / f).is_file() for f in COMPLETE)
+    """Every file there: the fixed ones, and each one state.json lists (a kill while files were
+    removed leaves the checkpoint incomplete, whichever went first)."""
+    if CHECKPOINT.fullmatch(ckpt.name) is None or \
+            not all((ckpt / f).is_file() for f in COMPLETE):
+        return False
+    try:
+        files = json.loads((ckpt / "state.json").read_text()).get("files", [])
+        return all(isinstance(name, str) and not Path(name).is_absolute()
+                   and ".." not in Path(name).parts and (ckpt / name).is_file() for name in files)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -2222,21 +2271,51 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda c: int(CHECKPOINT.fullmatch(c.name).group(1)))
 
 
+def files_under(root: Path) -> list[str]:
+    return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()]
+
+
 def rank_failures(e: BaseException) -> list[BaseException]:
     """The per-rank errors a DCP CheckpointException wraps ([] for any other error)."""
     return [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
 
 
+# What the libraries raise when the file system refuses a write, without an OSError: PyTorch's
+# zip writer (torch.save, DCP's shards) stops short on a full disk ("unexpected pos 576 vs 534")
+# or names the C error ("open file failed with strerror: Read-only file system"); safetensors
+# says "I/O error: No space left on device (os error 28)".
+SHORT_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)")
+OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+def library_disk_error(e: BaseException) -> OSError | None:
+    """The OSError a library's own error stands for, if its text names a file-system fault."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and SHORT_WRITE.search(text):
+        return OSError(errno.ENOSPC, "the write stopped short")
+    code = OS_ERROR_CODE.search(text)
+    if code and int(code.group(1)) in DISK_ERRNOS:
+        return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+    if "inline_container.cc" in text or "SafetensorError" in type(e).__name__:
+        for n in DISK_ERRNOS:
+            if os.strerror(n) in text:
+                return OSError(n, os.strerror(n))
+    return None
+
+
 def os_error_in(e: BaseException) -> OSError | None:
-    """The OSError behind e, if any (DCP wraps each rank's failure in a CheckpointException)."""
+    """The file-system error behind e, if any: an OSError, or a library error that stands for
+    one, in e's chain or in a DCP CheckpointException's per-rank failures."""
     seen = []
     while e is not None and e not in seen:
         seen.append(e)
-        if isinstance(e, OSError):
-            return e
-        for inner in rank_failures(e):
+        for inner in [e, *rank_failures(e)]:
             if isinstance(inner, OSError):
                 return inner
+            found = library_disk_error(inner)
+            if found is not None:
+                return found
         e = e.__cause__ or e.__context__
     return None
 
@@ -2251,9 +2330,11 @@ def root_cause(e: BaseException) -> str:
 def disk_error(path: Path, e: OSError) -> RunStopped:
     """One sentence for a file-system error: which path, and what to free or change."""
     where = Path(e.filename) if e.filename else path
-    if e.errno == errno.ENOSPC:
-        free = shutil.disk_usage(path.parent if path.parent.exists() else ".").free / 2**30
-        what = (f"no space left on the device holding {where} ({free:.1f} GiB free): free space "
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        near = next((p for p in [path, *path.parents] if p.exists()), Path("."))
+        free = shutil.disk_usage(near).free / 2**30
+        full = "no space left" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        what = (f"{full} on the device holding {where} ({free:.1f} GiB free): free space "
                 "there, lower --keep-last, or point --log-dir at a larger disk")
     elif e.errno == errno.EROFS:
         what = f"{where} is on a read-only file system: choose another --log-dir/--output-dir"
@@ -2266,9 +2347,14 @@ def disk_error(path: Path, e: OSError) -> RunStopped:
 
 @contextlib.contextmanager
 def writing(path: Path, cleanup: Path | None = None):
-    """File-system errors under `path` become one sentence; `cleanup` is removed on failure."""
+    """The one guarded path for writes: a file-system error under `path` becomes one sentence
+    (exit 6), and `cleanup` is removed on any failure."""
     try:
         yield
+    except (ConfigError, RunStopped):  # already one sentence (a held lock: ConfigError)
+        if cleanup is not None and is_main():
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise
     except (Exception, CheckpointException) as e:
         if cleanup is not None and is_main():
             shutil.rmtree(cleanup, ignore_errors=True)
@@ -2276,6 +2362,25 @@ def writing(path: Path, cleanup: Path | None = None):
         if cause is None:
             raise
         raise disk_error(path, cause) from e
+
+
+def replace_dir(new: Path, old: Path) -> None:
+    """Put directory `new` in place of `old` by renames alone: a kill at any moment leaves each
+    of them whole (the old one under .old_NAME until it is removed)."""
+    trash = old.parent / f".old_{old.name}"
+    if old.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(old, trash)
+    os.replace(new, old)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_dir(old: Path) -> None:
+    """Rename, then delete: a kill mid-way never leaves a half-deleted step_N behind."""
+    trash = old.parent / f".old_{old.name}"
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(old, trash)
+    shutil.rmtree(trash)
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
@@ -2287,7 +2392,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
     mid-write leaves the previous checkpoint whole; then all but the newest `keep_last` go.
 
     Every rank writes its shard of the masters and optimizer state (DCP) and gathers the HF
-    export; rank 0 writes the rest and renames.
+    export; rank 0 writes the rest, lists every file in state.json, and renames.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -2296,11 +2401,11 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
     root = run_dir / "checkpoints"
     final = root / f"step_{next_step:06d}"
     tmp = root / f".tmp_step_{next_step:06d}"
-    if is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
     with writing(tmp, cleanup=tmp):
+        if is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
         model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state["state"]},
                  storage_writer=dcp.FileSystemWriter(str(tmp / "trainer")))
@@ -2310,43 +2415,64 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
         torch.save(rng, tmp / f"rng_rank{trainer.ranks.rank}.pt")
         if is_main():
             save_hf_checkpoint(tmp / "model", hf_state, source)
+            (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        barrier()  # every rank's files are written: state.json lists them
+        if is_main():
             state = dict(next_step=next_step, world_size=trainer.ranks.world,
                          shapes=model_shapes(trainer.model),
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
                          sampler_seeds=[sample_seed(cfg, next_step, i)
-                                        for i in range(cfg.num_prompts)])
-            (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+                                        for i in range(cfg.num_prompts)],
+                         files=files_under(tmp))
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        barrier()
-        if is_main():
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # a resume re-saving step_N replaces it by renames only
             for old in complete_checkpoints(run_dir)[: -cfg.keep_last]:
-                shutil.rmtree(old)
-            for leftover in root.glob(".tmp_step_*"):  # a save that died before its rename
-                shutil.rmtree(leftover, ignore_errors=True)
+                remove_dir(old)
+            for leftover in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:
+                shutil.rmtree(leftover, ignore_errors=True)  # from a save killed mid-way
     barrier()
     return final
 
 
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
 class CheckpointUnpickler(pickle.Unpickler):
     """Reads DCP's `.metadata` (a pickle) building only DCP's own metadata types: a checkpoint
-    is data, so a crafted one cannot run code through this reader."""
+    is data, so a crafted one cannot run code through this reader.
 
-    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+    How DCP's metadata is pickled differs by Python version (3.10-3.13): some 3.11 releases
+    (3.11.2, Debian 12's Python, but not 3.11.7) pickle an enum member as
+    builtins.getattr(EnumClass, 'NAME'), so getattr is allowed, only to fetch a member of an
+    allowed enum; 3.13 pickles paths as pathlib._local.PosixPath, pathlib.PosixPath's new home.
+    """
+
+    ALLOWED = {(DCP_METADATA, name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
         ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+    ENUMS = {(DCP_METADATA, "_MEM_FORMAT_ENCODING")}
+    MOVED = {"pathlib._local": "pathlib"}  # 3.13's home of pathlib's classes
 
     def find_class(self, module: str, name: str):
+        module = self.MOVED.get(module, module)
+        if (module, name) == ("builtins", "getattr"):
+            return self.enum_member
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in self.ALLOWED and not dtype:
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint")
         return super().find_class(module, name)
+
+    def enum_member(self, cls, name):
+        """getattr(cls, name) for a member of an allowed enum, and for nothing else."""
+        allowed = [super(CheckpointUnpickler, self).find_class(*e) for e in self.ENUMS]
+        if cls not in allowed or not isinstance(name, str) or name not in cls.__members__:
+            raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', '?')}, "
+                                         f"{name!r}) is not allowed in a checkpoint")
+        return cls.__members__[name]
 
 
 @contextlib.contextmanager
@@ -2387,6 +2513,58 @@ def read_checkpoint_state(ckpt: Path) -> dict:
     return state
 
 
+def unrestorable(ckpt: Path, e: BaseException) -> ConfigError:
+    return ConfigError(f"{ckpt} cannot be restored ({root_cause(e)}); resume from an earlier "
+                       "checkpoint.")
+
+
+def read_dcp_metadata(ckpt: Path):
+    """trainer/.metadata through CheckpointUnpickler, checked to be DCP's Metadata.
+
+    Read before DCP's own load, which on a bad file falls back to per-rank files and logs
+    each failure's traceback to the root logger.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with (ckpt / "trainer" / ".metadata").open("rb") as f:
+            meta = CheckpointUnpickler(f).load()
+    except Exception as e:  # truncated, crafted or foreign: pickle raises many types
+        raise unrestorable(ckpt, e) from e
+    need(isinstance(meta, Metadata) and isinstance(meta.state_dict_metadata, dict)
+         and isinstance(meta.storage_data, dict), f"{ckpt} cannot be restored (trainer/.metadata "
+         "is not DCP's metadata); resume from an earlier checkpoint.")
+    return meta
+
+
+def read_rng(ckpt: Path, rank: int) -> dict | None:
+    """rng_rank{rank}.pt, checked to hold the states restore sets (None: not saved for this
+    rank, as after a change of world size)."""
+    file = ckpt / f"rng_rank{rank}.pt"
+    if not file.is_file():
+        return None
+    try:
+        with data_only_loading():
+            rng = torch.load(file, weights_only=True)
+        torch.Generator().set_state(rng["torch"])  # each state tried on a throwaway generator
+        random.Random().setstate(rng["python"])
+        if not isinstance(rng["cuda"], list) or not all(
+                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in rng["cuda"]):
+            raise TypeError("the CUDA states are not a list of byte tensors")
+    except Exception as e:  # a crafted file, another format, wrong sizes: many error types
+        raise ConfigError(f"{ckpt} cannot be restored ({file.name} is damaged: "
+                          f"{type(e).__name__}); resume from an earlier checkpoint.") from e
+    return rng
+
+
+def check_checkpoint_files(ckpt: Path) -> None:
+    """What a restore reads before the model exists (state, DCP metadata, rank 0's RNG): a bad
+    file ends here, in one sentence, before the run directory or the engine."""
+    read_checkpoint_state(ckpt)
+    read_dcp_metadata(ckpt)
+    read_rng(ckpt, 0)
+
+
 def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     """Load masters, optimizer state and RNG from `ckpt` into `trainer` (resharded by DCP if the
     world size changed); returns the step to run next."""
@@ -2397,17 +2575,16 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     want = model_shapes(trainer.model)
     need(state["shapes"] == want, f"{ckpt} was saved from another model ({len(state['shapes'])} "
          f"weights; --model {trainer.cfg.model} has {len(want)}, or their shapes differ).")
+    read_dcp_metadata(ckpt)
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
     loaded = {"model": model_state, "optimizer": optim_state["state"]}
     try:
         with data_only_loading():
             dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(ckpt / "trainer")))
-            rng_file = ckpt / f"rng_rank{trainer.ranks.rank}.pt"
-            same_world = state["world_size"] == trainer.ranks.world and rng_file.is_file()
-            rng = torch.load(rng_file, weights_only=True) if same_world else None
     except (Exception, CheckpointException) as e:  # truncated, crafted or foreign files
-        raise ConfigError(f"{ckpt} cannot be restored ({root_cause(e)}); resume from an "
-                          "earlier checkpoint.") from e
+        raise unrestorable(ckpt, e) from e
+    same_world = state["world_size"] == trainer.ranks.world
+    rng = read_rng(ckpt, trainer.ranks.rank) if same_world else None
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
                                      "param_groups": optim_state["param_groups"]})
@@ -2427,7 +2604,7 @@ def find_checkpoint(cfg: Config) -> Path:
         need(ckpt.is_dir() and is_complete(ckpt), f"--resume {cfg.resume!r} is not a complete "
              "checkpoint directory (checkpoints/step_NNNNNN with state.json, trainer/, model/).")
         return ckpt
-    log_dir = Path(cfg.log_dir)
+    log_dir = Path(cfg.log_dir).expanduser()
     if cfg.run_name:
         runs = [log_dir / cfg.run_name]
     else:
@@ -2440,10 +2617,31 @@ def find_checkpoint(cfg: Config) -> Path:
     return found[-1]
 
 
+def is_run_dir(path: Path) -> bool:
+    """A directory simple_rl made for a run: a plain name, not a link, with its lock file."""
+    return RUN_NAME.fullmatch(path.name) is not None and path.is_dir() and \
+        not path.is_symlink() and (path / LOCK_FILE).is_file() and \
+        not (path / LOCK_FILE).is_symlink()
+
+
+def resume_location(cfg: Config, passed: set[str], ckpt: Path) -> tuple[str, str]:
+    """(log dir, run name) of a resumed run: --log-dir and --run-name as given; those not given
+    are those of the checkpoint's run when it lies in RUN/checkpoints/ of a run directory
+    simple_rl made, else the defaults (a new run, named by the time)."""
+    home = ckpt.resolve().parent.parent
+    if cfg.resume == "latest":  # found in LOG_DIR/RUN_NAME, or the one run in LOG_DIR
+        return cfg.log_dir, cfg.run_name or home.name
+    in_run = ckpt.resolve().parent.name == "checkpoints" and is_run_dir(home)
+    log_dir = cfg.log_dir if "log_dir" in passed or not in_run else str(home.parent)
+    run_name = cfg.run_name if "run_name" in passed or not in_run else home.name
+    return log_dir, run_name
+
+
 def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
     """The checkpoint's config, with the flags a resume may change; warns about the others.
 
-    The run directory is the checkpoint's own (LOG_DIR/RUN/checkpoints/step_N).
+    Where the run writes and what it may delete come from the command line alone
+    (PATH_FLAGS; see resume_location): never from the checkpoint's run_config.json.
     """
     file = ckpt / "run_config.json"
     try:
@@ -2455,20 +2653,50 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         validate(dataclasses.replace(resumed, resume=""))
     except ConfigError as e:
         raise ConfigError(f"{file} holds an invalid config: {e}") from e
-    ignored = sorted(n for n in passed - RESUMABLE if getattr(cfg, n) != saved.get(n))
+    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS
+                     if getattr(cfg, n) != saved.get(n))
     if ignored:
         flags = ", ".join(flag(n) for n in ignored)
         print0(f"warning: --resume takes these from the checkpoint and ignores the command "
                f"line's: {flags}.")
     keep = {n: getattr(cfg, n) for n in RESUMABLE if n in passed}
-    run_dir = ckpt.parent.parent
-    keep.update(log_dir=str(run_dir.parent), run_name=run_dir.name, resume=str(ckpt))
+    keep.update({n: getattr(cfg, n) for n in PATH_FLAGS})
+    log_dir, run_name = resume_location(cfg, passed, ckpt)
+    keep.update(log_dir=log_dir, run_name=run_name, resume=str(ckpt))
     return dataclasses.replace(resumed, **keep)
 
 
-def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
-    """LOG_DIR/RUN_NAME, a direct child of --log-dir; an old run there is replaced only with
-    --overwrite, which removes that one directory and nothing else."""
+def overlaps(a: Path, b: Path) -> bool:
+    """One of the two paths is the other or lies inside it (after links and '..')."""
+    a, b = a.expanduser().resolve(), b.expanduser().resolve()
+    return a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def is_earlier_export(out: Path) -> bool:
+    """A directory holding only files a final export writes (so replacing it loses nothing)."""
+    return out.is_dir() and not out.is_symlink() and all(
+        p.name in EXPORT_FILES and p.is_file() and not p.is_symlink() for p in out.iterdir())
+
+
+def export_dir(cfg: Config, run_dir: Path) -> Path:
+    return Path(cfg.output_dir).expanduser() if cfg.output_dir else run_dir / "final"
+
+
+def continues(ckpt: Path | None, run_dir: Path) -> bool:
+    """The checkpoint is one of this run directory's own: the run goes on in place."""
+    return ckpt is not None and ckpt.resolve().parent == (run_dir / "checkpoints").resolve()
+
+
+def holds_run(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+
+
+def check_run_paths(cfg: Config, ckpt: Path | None) -> Path:
+    """Every check on where the run writes, before anything is written; returns the run dir.
+
+    The run directory is LOG_DIR/RUN_NAME. The final export and --output-dir never overlap it
+    (but for its own final/), the checkpoint being resumed, or a non-empty directory.
+    """
     log_dir = Path(cfg.log_dir).expanduser()
     run_dir = log_dir / cfg.run_name
     need(RUN_NAME.fullmatch(cfg.run_name) is not None,
@@ -2476,36 +2704,96 @@ def prepare_run_dir(cfg: Config, resuming: bool) -> Path:
     need(not run_dir.is_symlink(), f"{run_dir} is a symbolic link; a run directory must be a "
          "real directory inside --log-dir.")
     need(not run_dir.exists() or run_dir.is_dir(), f"{run_dir} exists and is not a directory.")
-    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else None
-    need(out is None or not out.exists() or (out.is_dir() and not any(out.iterdir())),
+    out = export_dir(cfg, run_dir)
+    own = out.resolve() == (run_dir / "final").resolve()  # the default place, however spelled
+    need(own or not overlaps(out, run_dir), f"--output-dir {out} overlaps the run directory "
+         f"{run_dir}; pick one outside it (the default export is {run_dir / 'final'}).")
+    need(ckpt is None or not overlaps(out, ckpt), f"--output-dir {out} overlaps the checkpoint "
+         f"{ckpt}; pick another.")
+    need(own or not out.exists() or (out.is_dir() and not any(out.iterdir())),
          f"--output-dir {out} is not empty; pick another (simple_rl never deletes outside the "
          "run directory).")
-    holds_run = run_dir.exists() and any(run_dir.iterdir())
-    if holds_run and not resuming:
+    need(not own or not out.exists() or is_earlier_export(out), f"{out} holds files a final "
+         "export does not write; move them out of it, or pass --output-dir.")
+    if holds_run(run_dir) and not continues(ckpt, run_dir):
         need(cfg.overwrite, f"{run_dir} already holds a run; pass --resume latest --run-name "
              f"{cfg.run_name} to continue it, or --overwrite to replace it.")
         need(run_dir.resolve().parent == log_dir.resolve(), f"{run_dir} is not inside "
              f"{log_dir}; nothing was removed.")
-        with writing(run_dir):
-            shutil.rmtree(run_dir)
+        need(ckpt is None or not overlaps(ckpt, run_dir), f"--overwrite would remove {run_dir}, "
+             f"which holds the checkpoint {ckpt}; resume it under another --run-name.")
+    return run_dir
+
+
+RUN_LOCKS: dict[Path, int] = {}  # run dir -> the descriptor of its held lock file
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """An exclusive OS lock (flock) on RUN/simple_rl.lock, held until release_run_dir or the
+    process ends (a crash releases it), so no second process can share or replace the run."""
+    import fcntl
+
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ConfigError(f"{run_dir} is in use by another simple_rl process"
+                          f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to "
+                          "end, or pick another --run-name.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    RUN_LOCKS[run_dir] = fd
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Closing a lock file's descriptor releases its lock (the file stays: it marks the run)."""
+    os.close(RUN_LOCKS.pop(run_dir))
+
+
+def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
+    """LOG_DIR/RUN_NAME, made and locked; an old run there is replaced only with --overwrite,
+    which removes what that one directory holds and nothing else."""
+    run_dir = check_run_paths(cfg, ckpt)
     with writing(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(run_dir)
+    try:  # again under the lock: a run may have started there since the checks
+        check_run_paths(cfg, ckpt)
+    except ConfigError:
+        release_run_dir(run_dir)
+        raise
+    if holds_run(run_dir) and not continues(ckpt, run_dir):
+        with writing(run_dir):
+            for p in run_dir.iterdir():  # everything but the lock this process holds
+                if p.name == LOCK_FILE:
+                    continue
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
     return run_dir
 
 
 def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
-    """The final HF checkpoint, written to a temp dir and renamed; returns its weights' sha256."""
-    out = Path(trainer.cfg.output_dir).expanduser() if trainer.cfg.output_dir else run_dir / "final"
-    tmp = out.parent / f".tmp_{out.name}"
+    """The final HF checkpoint, written to a fresh temp dir and renamed into place; it replaces
+    only this run's own earlier export. Returns the weights' sha256."""
+    import tempfile
+
+    out = export_dir(trainer.cfg, run_dir)
     hf_state = gathered_hf_state(trainer.model)
     digest = ""
     if is_main():
-        with writing(tmp, cleanup=tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        with writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{out.name}.", dir=out.parent))
+        with writing(out, cleanup=tmp):
             save_hf_checkpoint(tmp, hf_state, source)
-            if out.exists() and out.parent == run_dir:  # this run's own earlier export
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            if out.resolve() == (run_dir / "final").resolve() and is_earlier_export(out):
+                replace_dir(tmp, out)
+            else:  # absent or empty (checked at the start); anything else fails, untouched
+                os.replace(tmp, out)
         digest = weights_sha256(hf_state)
         print0(f"saved {out} | weights sha256 {digest}")
     barrier()
@@ -2692,10 +2980,12 @@ def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None]:
     """The config to run (a resume's comes from its checkpoint) and the checkpoint, if any."""
     ckpt = find_checkpoint(cfg) if cfg.resume else None
     if ckpt is not None:
+        check_checkpoint_files(ckpt)
         cfg = resume_config(cfg, passed, ckpt)
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=time.strftime("%Y%m%d-%H%M%S"))
+    check_run_paths(cfg, ckpt)  # before the weights are read, and again under the run's lock
     return cfg, ckpt
 
 
@@ -2708,7 +2998,8 @@ def purge_after(metrics_log: Path, start: int) -> None:
         with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
             if json.loads(line)["step"] < start:
                 kept.append(line)
-    metrics_log.write_text("".join(line + "\n" for line in kept))
+    with writing(metrics_log):
+        metrics_log.write_text("".join(line + "\n" for line in kept))
 
 
 def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -2744,7 +3035,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     print0(f"reading the weights of {files.path} (each checked finite)")
     on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
     hf_state = loaded.get("state", {})
-    run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, resuming=ckpt is not None))))
+    run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
     # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
     kernels = bib.reference_kernels() if cfg.kernels == "reference" or device_type == "cpu" \
@@ -2774,13 +3065,15 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     if ranks.main:
         from torch.utils.tensorboard import SummaryWriter
 
-        trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
-        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-        trainer.writer.add_custom_scalars(tensorboard_layout())
+        with writing(run_dir):
+            trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
+            trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
+            trainer.writer.add_custom_scalars(tensorboard_layout())
         if ckpt:
             purge_after(run_dir / "metrics.jsonl", start)
     if ckpt:
-        print0(f"resuming {ckpt} at step {start} (config from the checkpoint)")
+        where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
+        print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
     n = count_params(files.args)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     memory = f" | {memory} (estimate)" if memory else ""
@@ -2824,7 +3117,8 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     """
     cfg = trainer.cfg
     device = trainer.ranks.device
-    metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
+    with writing(run_dir / "metrics.jsonl"):
+        metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
     began, done = time.perf_counter(), 0
     try:
         with StopRequest() as stop:
@@ -2898,8 +3192,9 @@ def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
     prompts = sorted({p for ps in all_gather_objects(getattr(e, "prompts", [])) for p in ps})
     diag = run_dir / f"nonfinite_step_{step:06d}.json"
     if is_main():
-        diag.write_text(json.dumps(dict(step=step, quantity=e.quantity, update=e.update,
-                                        samples=e.samples, prompts=prompts), indent=1))
+        with writing(diag):
+            diag.write_text(json.dumps(dict(step=step, quantity=e.quantity, update=e.update,
+                                            samples=e.samples, prompts=prompts), indent=1))
     return RunStopped(f"step {step}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
                       f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
@@ -2913,18 +3208,24 @@ def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
 
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         device_type: str = "cuda") -> str:
-    """The whole job; returns the sha256 of the final weights."""
-    trainer, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
-    if trainer.cfg.debug_parity:
-        cfg = trainer.cfg
-        first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
-        prompt = trainer.task.prompt_ids[first]
-        rows, n_bad = debug_parity(trainer.engine.llm, trainer.model, prompt, cfg.max_new_tokens,
-                                   cfg.temperature, cfg.seed)
-        print0(format_debug(rows))
-        print0(f"generated-token logprobs that differ: {n_bad}")
-        return ""
-    return train(trainer, start, run_dir, path)
+    """The whole job; returns the sha256 of the final weights. The run directory's lock is
+    released when it ends, however it ends."""
+    held = set(RUN_LOCKS)
+    try:
+        trainer, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
+        if trainer.cfg.debug_parity:
+            cfg = trainer.cfg
+            first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
+            prompt = trainer.task.prompt_ids[first]
+            rows, n_bad = debug_parity(trainer.engine.llm, trainer.model, prompt,
+                                       cfg.max_new_tokens, cfg.temperature, cfg.seed)
+            print0(format_debug(rows))
+            print0(f"generated-token logprobs that differ: {n_bad}")
+            return ""
+        return train(trainer, start, run_dir, path)
+    finally:
+        for locked in set(RUN_LOCKS) - held:
+            release_run_dir(locked)
 
 
 def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:

@@ -23,7 +23,8 @@ class ExactEngine(TorchEngine):
 
 
 STEP_LINE = re.compile(
-    r"^step (\d+)/5 \| reward \d\.\d{3}( \| held-out \d\.\d{3})? \| loss [+-]\d\.\d{4} \| kl \d\.\d{4} \| ent \d+\.\d{3} \| "
+    r"^step (\d+)/5 \| reward \d\.\d{3}( \| held-out \d\.\d{3})? \| loss [+-]\d\.\d{4} \| "
+    r"kl \d\.\d{4} \| ent \d+\.\d{3} \| "
     r"len \d+\.\d \| mismatched 0/\d+ \| rollout \d+\.\ds train \d+\.\ds push \d\.\d\ds \| "
     r"\d+\.\d s/step \| ETA \d+s$")
 

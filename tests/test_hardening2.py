@@ -1,0 +1,548 @@
+"""Hardening, second pass: real disk faults exit 6, a checkpoint resumes on any Python 3.10-3.13,
+and no flag or file makes simple_rl delete what is not its own. One test (or more) per row of
+the issue, numbered as there; each ends in one sentence and the documented exit code."""
+
+import enum
+import errno
+import io
+import json
+import os
+import pathlib
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import simple_rl as rl
+from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "dcp_metadata"
+FULL_DISK_DCP = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # as seen
+FULL_DISK_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+class CountingEngine(TorchEngine):
+    """The stand-in engine, counting how often it was started."""
+
+    made = 0
+
+    def __init__(self, *a, **k):
+        CountingEngine.made += 1
+        super().__init__(*a, **k)
+
+
+class Killed(BaseException):
+    """A stand-in for SIGKILL: nothing of simple_rl's catches it."""
+
+
+def one_sentence(capsys, code: int, want: int, datasets: bool = False) -> str:
+    """The run's stderr is one line, without a traceback, and the exit code is `want`
+    (`datasets`: its progress bars and logs, printed before simple_rl's line, are left out)."""
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    if datasets:
+        err = err[-1:]
+    assert code == want, err
+    assert len(err) == 1 and err[0].startswith("simple_rl: "), err
+    assert datasets or "Traceback" not in captured.out + captured.err
+    return err[0]
+
+
+def refuse(argv, capsys, datasets: bool = False) -> str:
+    """main on argv: exit 2 in one sentence, before the engine starts."""
+    capsys.readouterr()  # what came before (a checkpoint made for the test) is not the run's
+    CountingEngine.made = 0
+    err = one_sentence(capsys, main_cpu(argv, CountingEngine), 2, datasets)
+    assert CountingEngine.made == 0, "the engine started before the error"
+    return err
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def saved(ckpt, tmp_path_factory):
+    """A 2-step run with its checkpoint at step 2."""
+    tmp = tmp_path_factory.mktemp("saved")
+    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=2, run_name="r"))
+    return tmp / "runs" / "r" / "checkpoints" / "step_000002"
+
+
+@pytest.fixture(scope="module")
+def four(ckpt, tmp_path_factory):
+    """A finished 4-step run: checkpoints at steps 2 and 4, and its final export."""
+    tmp = tmp_path_factory.mktemp("four")
+    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=4, run_name="r"))
+    return tmp / "runs" / "r"
+
+
+def copy_run(run_dir, tmp_path) -> Path:
+    shutil.copytree(run_dir, tmp_path / "runs" / run_dir.name)
+    return tmp_path / "runs" / run_dir.name
+
+
+def copy_checkpoint(saved, tmp_path) -> Path:
+    """A copy of the saved run (lock file included), so a test can damage it."""
+    return copy_run(saved.parent.parent, tmp_path) / "checkpoints" / "step_000002"
+
+
+# ---------------------------------------------------------------- 1. the run directory
+
+
+def test_1_a_checkpoint_copied_out_of_its_run_resumes_into_a_new_run(saved, tmp_path,
+                                                                     monkeypatch, capsys):
+    x = tmp_path / "X"
+    shutil.copytree(saved, x / "dl" / "step_000002")
+    (x / "final").mkdir()
+    (x / "final" / "mine.txt").write_text("mine")
+    (x / "metrics.jsonl").write_text("my own notes\n")
+    monkeypatch.chdir(tmp_path)
+    assert main_cpu(["--resume", str(x / "dl" / "step_000002"), "--steps", "3"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()  # LOG_DIR/RUN_NAME: the defaults, a new run
+    assert f"as the new run runs/{run.name}" in capsys.readouterr().out
+    assert (x / "final" / "mine.txt").read_text() == "mine"
+    assert (x / "metrics.jsonl").read_text() == "my own notes\n"
+    assert sorted(p.name for p in x.iterdir()) == ["dl", "final", "metrics.jsonl"]
+    assert [m["step"] for m in metrics(run)] == [2]
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_1_a_checkpoint_inside_the_run_it_would_overwrite_is_refused(saved, tmp_path, capsys):
+    other = tmp_path / "runs" / "other"  # a copy inside a directory --overwrite would clear
+    shutil.copytree(saved, other / "keep" / "step_000002")
+    err = refuse(["--resume", str(other / "keep" / "step_000002"), "--steps", "3", "--log-dir",
+                  str(tmp_path / "runs"), "--run-name", "other", "--overwrite"], capsys)
+    assert "--overwrite would remove" in err and "resume it under another --run-name" in err
+    assert rl.is_complete(other / "keep" / "step_000002")
+
+
+# ---------------------------------------------------------------- 2, 6. --output-dir
+
+
+@pytest.mark.parametrize("inside", ["r/checkpoints", "r", "."])
+def test_2_6_an_output_dir_overlapping_the_run_is_refused_before_anything(ckpt, tmp_path,
+                                                                          capsys, inside):
+    logs = tmp_path / "logs"
+    err = refuse(cpu_argv(ckpt(), logs, steps=2, run_name="r", output_dir=logs / inside), capsys)
+    assert "overlaps the run directory" in err
+    assert not logs.exists()  # nothing made, nothing trained
+
+
+def test_2_an_output_dir_inside_a_finished_run_deletes_nothing(four, tmp_path, capsys):
+    run_dir = copy_run(four, tmp_path)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    err = refuse(["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
+                  "--steps", "5", "--output-dir", str(run_dir / "checkpoints" / "new")], capsys)
+    assert "overlaps the run directory" in err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_2_the_default_export_replaces_only_an_earlier_export(four, tmp_path, capsys):
+    run_dir = copy_run(four, tmp_path)
+    latest = ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
+              "--steps", "5"]
+    (run_dir / "final" / "notes.txt").write_text("mine")
+    err = refuse(latest, capsys)
+    assert "holds files a final export does not write" in err
+    assert (run_dir / "final" / "notes.txt").read_text() == "mine"
+    (run_dir / "final" / "notes.txt").unlink()
+    old = (run_dir / "final" / "model.safetensors").read_bytes()
+    assert main_cpu(latest) == 0  # its own earlier export: replaced
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1, 2, 3, 4]
+    assert (run_dir / "final" / "model.safetensors").read_bytes() != old
+
+
+# ---------------------------------------------------------------- 3. the run's lock
+
+
+class OverwriteAtStep1(TorchEngine):
+    """Starts a second simple_rl with --overwrite on the same run while this one trains."""
+
+    argv: list = []
+    code = None
+
+    def rollout(self, prompts, indices, step):
+        if step == 1 and OverwriteAtStep1.code is None:
+            OverwriteAtStep1.code = main_cpu(OverwriteAtStep1.argv)
+        return super().rollout(prompts, indices, step)
+
+
+def test_3_a_second_overwrite_cannot_take_a_training_run(ckpt, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    OverwriteAtStep1.argv = cpu_argv(ckpt(), logs, steps=2, run_name="r", overwrite=True)
+    OverwriteAtStep1.code = None
+    assert main_cpu(cpu_argv(ckpt(), logs, steps=4, run_name="r"), OverwriteAtStep1) == 0
+    assert OverwriteAtStep1.code == 2
+    err = capsys.readouterr().err
+    assert f"{logs / 'r'} is in use by another simple_rl process (pid {os.getpid()})" in err
+    root = logs / "r" / "checkpoints"
+    assert [c.name for c in rl.complete_checkpoints(logs / "r")] == ["step_000002", "step_000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004"]
+    assert [m["step"] for m in metrics(logs / "r")] == [0, 1, 2, 3]
+
+
+def test_3_two_runs_of_one_name_started_together_one_is_refused(ckpt, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    cfg = rl.Config(log_dir=str(logs), run_name="r")
+    first = rl.prepare_run_dir(cfg, None)  # the first one, before it has written anything
+    try:
+        assert sorted(p.name for p in first.iterdir()) == ["simple_rl.lock"]
+        err = refuse(cpu_argv(ckpt(), logs, steps=1, run_name="r"), capsys)
+        assert "is in use by another simple_rl process" in err
+    finally:
+        rl.release_run_dir(first)
+    assert sorted(p.name for p in first.iterdir()) == ["simple_rl.lock"]
+
+
+HOLD = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(120)")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_3_the_lock_is_the_os_s_and_a_crashed_holder_leaves_it_free(saved, tmp_path, capsys):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    lock = ckpt.parent.parent / "simple_rl.lock"
+    latest = ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
+              "--steps", "3"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        err = one_sentence(capsys, main_cpu(latest), 2)
+        assert "is in use by another simple_rl process" in err
+    finally:
+        holder.kill()  # dies holding the lock: the OS releases it
+        holder.wait()
+    assert lock.is_file() and main_cpu(latest) == 0
+
+
+# ---------------------------------------------------------------- 4. paths from a checkpoint
+
+
+def test_4_a_checkpoints_run_config_chooses_no_path(saved, tmp_path, capsys):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    config = json.loads((ckpt / "run_config.json").read_text())
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    config.update(output_dir=str(tmp_path / "anywhere" / "deep" / "dir"), log_dir=str(tmp_path),
+                  run_name="victim", overwrite=True)
+    (ckpt / "run_config.json").write_text(json.dumps(config))
+    assert main_cpu(["--resume", str(ckpt), "--steps", "3"]) == 0
+    assert not (tmp_path / "anywhere").exists()
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+    assert (tmp_path / "runs" / "r" / "final" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------- 5. checkpoints stay whole
+
+
+def test_5_a_kill_while_a_resume_re_saves_step_n_leaves_latest_restorable(four, tmp_path,
+                                                                          monkeypatch, capsys):
+    run_dir = copy_run(four, tmp_path)
+    root = run_dir / "checkpoints"
+    real_rmtree = shutil.rmtree
+
+    def killed_while_removing(path, *a, **k):  # removes the shards first, then dies
+        path = Path(path)
+        if path.name in ("step_000004", ".old_step_000004") and path.exists():
+            for shard in path.glob("trainer/*.distcp"):
+                shard.unlink()
+            raise Killed
+        return real_rmtree(path, *a, **k)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_while_removing)
+    with pytest.raises(Killed):
+        main_cpu(["--resume", str(root / "step_000002"), "--steps", "6"])
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    latest = ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs")]
+    assert rl.find_checkpoint(rl.parse_config(latest)[0]) == root / "step_000004"
+    assert main_cpu(latest + ["--steps", "5"]) == 0
+
+
+def test_5_latest_skips_a_checkpoint_that_lost_a_dcp_shard(four, tmp_path):
+    run_dir = copy_run(four, tmp_path)
+    root = run_dir / "checkpoints"
+    assert "trainer/__0_0.distcp" in json.loads((root / "step_000004" / "state.json").read_text(
+    ))["files"]
+    (root / "step_000004" / "trainer" / "__0_0.distcp").unlink()
+    assert not rl.is_complete(root / "step_000004")
+    cfg = rl.Config(resume="latest", run_name="r", log_dir=str(tmp_path / "runs"))
+    assert rl.find_checkpoint(cfg) == root / "step_000002"
+
+
+# ---------------------------------------------------------------- 7, 8, 9. real disk faults
+
+
+def test_7_a_full_disk_in_dcp_save_exits_6(ckpt, tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    real_save = dcp.save
+    root = tmp_path / "runs" / "c" / "checkpoints"
+
+    def full_disk(state, storage_writer):
+        if (root / "step_000002").exists():  # the second checkpoint: the disk is full now
+            (root / ".tmp_step_000004" / "trainer").mkdir(parents=True, exist_ok=True)
+            (root / ".tmp_step_000004" / "trainer" / "__0_0.distcp").write_bytes(b"PK partial")
+            failure = RuntimeError(FULL_DISK_DCP)
+            raise CheckpointException("CheckpointException ranks:dict_keys([0])",
+                                      {0: (failure, [])})
+        return real_save(state, storage_writer=storage_writer)
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    err = one_sentence(capsys, main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=6,
+                                                 run_name="c")), 6)
+    assert err.startswith(f"simple_rl: no space left on the device holding {root}")
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # no temp dir left
+    assert rl.is_complete(root / "step_000002")
+
+
+def test_7_a_full_disk_in_the_final_export_exits_6(ckpt, tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+    from safetensors import torch as st
+
+    real = st.save_file
+    run_dir = tmp_path / "runs" / "f"
+
+    def full_disk(tensors, filename, *a, **k):
+        if (run_dir / "checkpoints" / "step_000002").exists():  # the export after the save
+            Path(filename).write_bytes(b"partial")
+            raise SafetensorError(FULL_DISK_SAFETENSORS)
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(st, "save_file", full_disk)
+    err = one_sentence(capsys, main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=2,
+                                                 run_name="f")), 6)
+    assert f"no space left on the device holding {run_dir / 'final'}" in err
+    assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("events")) == [
+        "checkpoints", "metrics.jsonl", "simple_rl.lock"]  # no final, no temp dir
+    assert rl.is_complete(run_dir / "checkpoints" / "step_000002")
+
+
+@pytest.mark.parametrize("code,words", [(errno.EROFS, "is on a read-only file system"),
+                                        (errno.EACCES, "no permission to write")])
+def test_8_checkpoints_turning_unwritable_mid_run_exit_6(ckpt, tmp_path, monkeypatch, capsys,
+                                                         code, words):
+    real_mkdir = Path.mkdir
+
+    def unwritable(self, *a, **k):
+        if self.name == ".tmp_step_000004":
+            raise OSError(code, os.strerror(code), str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", unwritable)
+    err = one_sentence(capsys, main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=6,
+                                                 run_name="ro")), 6)
+    root = tmp_path / "runs" / "ro" / "checkpoints"
+    assert words in err and str(root / ".tmp_step_000004") in err
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
+    assert rl.is_complete(root / "step_000002")
+
+
+@pytest.mark.parametrize("where", ["tensorboard", "lock file"])
+def test_9_resuming_on_a_read_only_log_dir_exits_6(saved, tmp_path, monkeypatch, capsys, where):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    run_dir = tmp_path / "runs" / "r"
+
+    def read_only(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    if where == "tensorboard":
+        import torch.utils.tensorboard as tb
+
+        monkeypatch.setattr(tb, "SummaryWriter", lambda log_dir, **k: read_only(log_dir))
+    else:
+        real_open = os.open
+
+        def open_read_only(path, flags, *a, **k):
+            if Path(path).name == "simple_rl.lock" and flags & os.O_CREAT:
+                read_only(path)
+            return real_open(path, flags, *a, **k)
+
+        monkeypatch.setattr(os, "open", open_read_only)
+    err = one_sentence(capsys, main_cpu(["--resume", str(ckpt), "--steps", "3"]), 6)
+    assert f"{run_dir}" in err and "is on a read-only file system" in err
+
+
+# ---------------------------------------------------------------- 10. any Python 3.10-3.13
+
+
+@pytest.mark.parametrize("version", ["3.10.13", "3.11.2", "3.11.7", "3.12.1", "3.13.0"])
+def test_10_dcp_metadata_written_by_each_python_loads(version):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    with (FIXTURES / f"py{version}.metadata").open("rb") as f:
+        meta = rl.CheckpointUnpickler(f).load()
+    assert isinstance(meta, Metadata) and meta.version == "1.0.0"
+    weight = meta.state_dict_metadata["weight"]
+    assert weight.properties.memory_format == torch.contiguous_format
+    assert weight.properties.dtype == torch.float32 and weight.properties.layout == torch.strided
+    assert weight.size == torch.Size([2, 3]) and weight.chunks[0].offsets == torch.Size([0, 0])
+    assert isinstance(meta.state_dict_metadata["extra.epoch"], BytesStorageMetadata)
+    assert sorted(s.length for s in meta.storage_data.values()) == [1261, 1577]
+    assert meta.storage_meta.checkpoint_id == Path("/ckpt/trainer")
+
+
+class Python3112Pickler(pickle.Pickler):
+    """Pickles an enum member as Python 3.11.2 does: builtins.getattr(EnumClass, 'NAME')."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_10_a_checkpoint_whose_metadata_python_3_11_2_wrote_resumes(saved, tmp_path):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    file = ckpt / "trainer" / ".metadata"
+    meta = pickle.loads(file.read_bytes())  # the test's own file: a plain load is fine here
+    buf = io.BytesIO()
+    Python3112Pickler(buf).dump(meta)
+    file.write_bytes(buf.getvalue())
+    assert b"getattr" in file.read_bytes()
+    assert main_cpu(["--resume", str(ckpt), "--steps", "3"]) == 0
+
+
+class Getattr:
+    """A pickle that asks builtins.getattr for `target`."""
+
+    def __init__(self, *target):
+        self.target = target
+
+    def __reduce__(self):
+        return getattr, self.target
+
+
+@pytest.mark.parametrize("target", [
+    (pathlib.PosixPath, "write_text"),  # an allowed class, but not an enum
+    (rl.CheckpointUnpickler, "find_class"),
+    ("TORCH_CONTIGUOUS_FORMAT", "upper"),
+])
+def test_10_getattr_fetches_enum_members_and_nothing_else(target):
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as Encoding
+
+    member = pickle.dumps(Getattr(Encoding, "TORCH_CHANNELS_LAST"))
+    assert rl.CheckpointUnpickler(io.BytesIO(member)).load() is Encoding.TORCH_CHANNELS_LAST
+    for bad in (Getattr(*target), Getattr(Encoding, "__class__"), Getattr(Encoding, "_missing_")):
+        with pytest.raises(pickle.UnpicklingError, match="not allowed in a checkpoint"):
+            rl.CheckpointUnpickler(io.BytesIO(pickle.dumps(bad))).load()
+
+
+# ---------------------------------------------------------------- 11-17. one sentence
+
+
+@pytest.mark.parametrize("seed", [2**50, 2**64 - 1, 2**70])
+def test_11_seeds_out_of_range_are_refused_at_parse_time(ckpt, tmp_path, capsys, seed):
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", seed=seed), capsys)
+    assert f"--seed must lie in [0, 2^32) (got {seed})." in err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("rng", [
+    {"torch": torch.zeros(7, dtype=torch.uint8), "python": random.getstate(), "cuda": []},
+    {"x": 1},
+    {"torch": torch.get_rng_state(), "python": (3, (1, 2), None), "cuda": []},
+    {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": [1.5]},
+])
+def test_12_rng_states_of_the_wrong_shape_are_one_sentence(saved, tmp_path, capsys, rng):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    torch.save(rng, ckpt / "rng_rank0.pt")
+    err = refuse(["--resume", str(ckpt), "--steps", "3"], capsys)
+    assert f"{ckpt} cannot be restored (rng_rank0.pt is damaged: " in err
+
+
+@pytest.mark.parametrize("template,kind", [
+    ("{{ raise_exception('no chat here') }}", "TemplateError"),
+    ("{% set turns = [] %}{{ turns.append(1) }}", "SecurityError"),  # the sandbox's refusal
+])
+def test_13_a_chat_template_that_fails_is_one_sentence(ckpt, tmp_path, capsys, template, kind):
+    m = tmp_path / "m"
+    shutil.copytree(ckpt(chat=True), m)
+    (m / "chat_template.jinja").write_text(template)
+    config = json.loads((m / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (m / "tokenizer_config.json").write_text(json.dumps(config))
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert f"the tokenizer's chat template fails ({kind}: " in err
+    assert "pass --chat-template off" in err and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("value", [2**40, 0, "4096", 4096.5])
+def test_14_a_max_position_embeddings_out_of_range_is_refused(ckpt, tmp_path, capsys, value):
+    m = tmp_path / "m"
+    shutil.copytree(ckpt(), m)
+    config = json.loads((m / "config.json").read_text())
+    config["max_position_embeddings"] = value
+    (m / "config.json").write_text(json.dumps(config))
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert f"max_position_embeddings {value!r} must be a whole number in [1, 1,048,576]" in err
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--adv-eps", "1e-320", "--adv-eps 1e-320 is too small for fp32 (0, or at least 1.18e-38"),
+    ("--lr", "1e-45", "--lr 1e-45 is too small for fp32"),
+    ("--num-prompts", "10000000", "--num-prompts x --group-size is 30,000,000 samples a step"),
+    ("--group-size", "100000", "--num-prompts x --group-size is 200,000 samples a step"),
+])
+def test_15_values_the_run_cannot_hold_are_refused_at_parse_time(ckpt, tmp_path, capsys, flag,
+                                                                 value, needle):
+    assert needle in refuse(cpu_argv(ckpt(), tmp_path / "logs") + [flag, value], capsys)
+
+
+class Boom:
+    """A pickle that runs code when loaded: writes a marker file."""
+
+    marker = None
+
+    def __reduce__(self):
+        return (open, (str(Boom.marker), "w"))
+
+
+@pytest.mark.parametrize("content", ["none", "code", "garbage", "truncated"])
+def test_16_a_crafted_metadata_is_one_sentence_and_no_traceback(saved, tmp_path, capsys, caplog,
+                                                               content):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    file = ckpt / "trainer" / ".metadata"
+    Boom.marker = tmp_path / "pwned"
+    data = {"none": pickle.dumps(None), "code": pickle.dumps(Boom()),
+            "garbage": b"\x80\x04not a pickle", "truncated": file.read_bytes()[:100]}[content]
+    file.write_bytes(data)
+    err = refuse(["--resume", str(ckpt), "--steps", "3"], capsys)
+    assert f"{ckpt} cannot be restored (" in err
+    assert not [r for r in caplog.records if r.exc_info]  # DCP logs its fallbacks' tracebacks
+    assert not Boom.marker.exists()
+
+
+def test_17_an_empty_data_file_says_so(ckpt, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys)
+    assert f"--data-files '{data}' is empty." in err and "offline" not in err
+
+
+def test_17_a_data_file_that_is_not_jsonl_names_the_file_not_the_network(ckpt, tmp_path,
+                                                                        capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("this is not json\n")
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys,
+                 datasets=True)
+    assert f"--data-files '{data}' is not readable as jsonl (ArrowInvalid: JSON parse " in err
+    assert "offline" not in err
+
+
+@pytest.mark.parametrize("question", [None, "  "])
+def test_17_a_question_that_is_not_text_is_refused(ckpt, tmp_path, capsys, question):
+    data = tmp_path / "train.jsonl"
+    rows = [{"question": "What is 2 + 2?", "answer": "4 #### 4"},
+            {"question": question, "answer": "so #### 5"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys,
+                 datasets=True)
+    assert "a question that is not text" in err
