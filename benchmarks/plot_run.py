@@ -1,6 +1,7 @@
 """Draw the charts to watch first from a run's TensorBoard event file, as one PNG.
 
     python benchmarks/plot_run.py runs/RUN --out curves.png      (needs matplotlib)
+    python benchmarks/plot_run.py runs/RUN --charts reward,held-out --out learning.png
 
 The charts of the Custom Scalars dashboard simple_rl writes (reward, loss, KL, entropy,
 mismatched tokens, step time, GPU memory, completion length, grad norm), read from the same
@@ -35,16 +36,19 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def plot(scalars: dict, out: str, title: str) -> None:
+def plot(scalars: dict, out: str, title: str, only: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(name, tags) for name, tags in charts() if any(t in scalars for t in tags)]
+    panels = [(name, tags) for name, tags in charts() if any(t in scalars for t in tags)
+              and (not only or name.startswith(tuple(only)))]
     assert panels, "no simple_rl scalars in these event files"
-    rows = math.ceil(len(panels) / 3)
-    fig, axes = plt.subplots(rows, 3, figsize=(10, 2.6 * rows), dpi=90)
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(10 * cols / 3 + 1, 2.6 * rows), dpi=90,
+                             squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (name, tags) in zip(axes.flat, panels):
@@ -69,8 +73,11 @@ def main():
     )
     p.add_argument("--out", default="curves.png")
     p.add_argument("--title", default="")
+    p.add_argument("--charts", default="", help="comma-separated chart titles (their first "
+                   "words) to draw; default: every chart")
     a = p.parse_args()
-    plot(read_scalars(a.run_dir), a.out, a.title or a.run_dir)
+    only = [c.strip() for c in a.charts.split(",") if c.strip()]
+    plot(read_scalars(a.run_dir), a.out, a.title or a.run_dir, only)
     print(f"wrote {a.out}")
 
 
