@@ -2,10 +2,11 @@
 held-out problems; the held-out eval leaves the training run bit for bit as it was.
 
 The task (`--task jsonl`): "Q: <word> <digit>\\nA:", answer the digit. The warm start (a few
-supervised steps here) writes one digit and stops, but a random one, so about 1 sample in 10
-is right. Learning to copy the prompt's digit needs the right advantage on the right tokens,
-descending the loss, and each sample scored against its own prompt's answer; the test fails
-when any of these breaks.
+supervised steps here) can answer "copy <the digit>" but mostly answers "guess <a random
+digit>", so greedy decoding is right about 1 time in 10. Learning to choose "copy" needs the
+right advantage on the right tokens, descending the loss, and each sample scored against its
+own prompt's answer; the test fails when any of these breaks. (The GPU run from
+examples/warm_start.py learns the same kind of choice: to work the sum out, not guess it.)
 """
 
 import json
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import make_checkpoint, run_cpu
+from helpers import cpu_argv, make_checkpoint, run_cpu
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -30,7 +31,7 @@ def write_copy_task(path, n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def warm_start(src, out, rows: list[dict], steps: int = 150, copy_fraction: float = 0.3):
+def warm_start(src, out, rows: list[dict], steps: int = 300, copy_fraction: float = 0.3):
     """Supervised steps on "Q: <question>\nA: copy <its digit>" (30%) or "... guess <a random
     digit>" (70%): the warm start can copy, but mostly guesses."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
@@ -71,8 +72,8 @@ def copy_task(tmp_path_factory):
 def learn(copy_task, log_dir, name: str, **overrides) -> tuple[list[dict], str]:
     model, data = copy_task
     flags = dict(dtype="float32", task="jsonl", data_files=data, chat_template="off",
-                 num_prompts=8, group_size=8, max_new_tokens=8, max_model_len=64,
-                 micro_batch_tokens=4096, lr=3e-3, steps=30, eval_every=10, eval_size=60,
+                 num_prompts=16, group_size=8, max_new_tokens=8, max_model_len=64,
+                 micro_batch_tokens=4096, lr=1e-3, steps=20, eval_every=10, eval_size=60,
                  seed=0, save_every=0, run_name=name)
     flags.update(overrides)
     argv = ["--model", str(model), "--log-dir", str(log_dir)]
@@ -86,16 +87,24 @@ def learn(copy_task, log_dir, name: str, **overrides) -> tuple[list[dict], str]:
 def test_grpo_raises_held_out_accuracy_and_reward(copy_task, tmp_path):
     rows, _ = learn(copy_task, tmp_path, "learn")
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    assert sorted(acc) == [0, 10, 20, 30]
+    assert sorted(acc) == [0, 10, 20]
     reward = [r["reward_mean"] for r in rows if "reward_mean" in r]
-    assert acc[0] < 0.3 and sum(reward[:3]) / 3 < 0.3  # the warm start guesses
-    assert acc[30] >= acc[0] + 0.4, acc  # it learned to copy, on prompts it never trained on
-    assert sum(reward[-3:]) / 3 >= sum(reward[:3]) / 3 + 0.3, reward
+    assert acc[0] < 0.3 and reward[0] < 0.4  # the warm start mostly guesses
+    assert acc[20] >= acc[0] + 0.5, acc  # it learned to copy, on prompts it never trained on
+    assert sum(reward[-3:]) / 3 >= reward[0] + 0.3, reward
 
 
-def test_the_eval_does_not_change_the_training_run(copy_task, tmp_path):
-    with_eval, a = learn(copy_task, tmp_path, "with", steps=6, eval_every=2)
-    without, b = learn(copy_task, tmp_path, "without", steps=6, eval_size=0)
+def test_the_eval_does_not_change_the_training_run(ckpt, tmp_path):
+    """The arithmetic task's training pool does not depend on --eval-size, so a run with an
+    eval every 2 steps and one with none train on the same problems, to the same bits."""
+    def run(name, **eval_flags):
+        digest = run_cpu(cpu_argv(ckpt(), tmp_path, steps=6, save_every=0, run_name=name,
+                                  **eval_flags))
+        return [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text()
+                .splitlines()], digest
+
+    with_eval, a = run("with", eval_every=2, eval_size=4)
+    without, b = run("without", eval_size=0)
     assert a == b
     train_keys = [k for k in without[0] if not k.startswith(("time/", "eval/"))]
     assert [[r[k] for k in train_keys] for r in with_eval if "loss" in r] == \
@@ -114,4 +123,4 @@ def test_held_out_arithmetic_is_disjoint_from_every_training_pool():
     # the same problems whatever the seed, but for the few that seed's pool happens to hold
     a = {p.question for p in rl.arithmetic_split(rl.Config(seed=0))[1]}
     b = {p.question for p in rl.arithmetic_split(rl.Config(seed=1))[1]}
-    assert len(a & b) >= 250
+    assert len(a & b) >= 240

@@ -1,0 +1,173 @@
+"""Your own reward (--reward FILE.py:FUNCTION) and task (--task jsonl), and their bad input."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import simple_rl as rl
+from helpers import cpu_argv, main_cpu, run_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_your_reward_scores_every_sample_and_the_eval(ckpt, tmp_path):
+    """A reward of len(completion) / 100: the logged means are its values, not ours."""
+    fn = write(tmp_path / "my_reward.py",
+               "def score(completion, answer):\n    return len(completion) / 100\n")
+    assert run_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=2, save_every=0, run_name="r",
+                            reward=f"{fn}:score"))
+    got = rows(tmp_path / "runs" / "r")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    steps = [r for r in got if "loss" in r]
+    assert all(0 < r["reward_mean"] <= 0.5 for r in steps)  # 5 tokens of text, not 0 or 1
+    assert 0 < got[-1]["eval/accuracy"] <= 0.5 and got[-1]["eval/accuracy"] != 1.0
+
+
+def test_jsonl_task_holds_out_problems_and_trains(ckpt, tmp_path):
+    data = tmp_path / "mine.jsonl"
+    problems = [{"question": f"What is {i} + 1?", "answer": i + 1} for i in range(20)]
+    write(data, "".join(json.dumps(p) + "\n" for p in problems))
+    cfg = rl.Config(task="jsonl", data_files=str(data), eval_size=5, chat_template="off")
+    from transformers import AutoTokenizer
+
+    task = rl.load_task(cfg, AutoTokenizer.from_pretrained(ckpt()))
+    assert len(task.problems) == 15 and len(task.eval_problems) == 5
+    assert not {p.question for p in task.problems} & {p.question for p in task.eval_problems}
+    assert task.problems[0] == rl.Problem("What is 0 + 1?", "1")  # written as is; numbers read
+    # the same held-out problems whatever the seed
+    again = rl.load_task(rl.Config(**{**cfg.__dict__, "seed": 7}),
+                         AutoTokenizer.from_pretrained(ckpt()))
+    assert again.eval_problems == task.eval_problems
+    assert run_cpu(cpu_argv(ckpt(), tmp_path / "runs", task="jsonl", data_files=data,
+                            eval_size=5, steps=1, save_every=0, run_name="j"))
+    got = rows(tmp_path / "runs" / "j")
+    assert [r["step"] for r in got] == [0, 1] and got[0]["determinism/tokens"] == 2 * 3 * 5
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("x = 1\n", "has no function 'score'"),
+    ("def score(completion):\n    return 1.0\n", "must take (completion, answer)"),
+    ("def score(completion, answer)\n", "importing"),
+    ("import no_such_module_here\n", "ModuleNotFoundError"),
+    ("def score(completion, answer):\n    return None\n", "returned None, not a finite number"),
+    ("def score(completion, answer):\n    return float('nan')\n", "returned nan"),
+    ("def score(completion, answer):\n    return 'yes'\n", "returned 'yes'"),
+    ("def score(completion, answer):\n    return completion[0]\n", "raised IndexError"),
+    ("import sys\nsys.exit(3)\n", "SystemExit"),
+])
+def test_a_bad_reward_is_one_sentence_before_anything_starts(ckpt, tmp_path, capsys, text,
+                                                             expected):
+    fn = write(tmp_path / "bad_reward.py", text)
+    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=f"{fn}:score")
+    assert main_cpu(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("simple_rl: error: --reward") and expected in \
+        err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("reward.py", "FILE.py:FUNCTION"),
+    ("reward.txt:score", "FILE.py:FUNCTION"),
+    ("/no/such/reward.py:score", "is not a file"),
+])
+def test_a_bad_reward_spec_is_one_sentence(ckpt, tmp_path, capsys, spec, expected):
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", reward=spec)) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("value, expected", [("raise ValueError('boom')", "raised ValueError: boom"),
+                                             ("return float('inf')", "returned inf")])
+def test_a_reward_that_fails_mid_run_stops_naming_the_sample(ckpt, tmp_path, capsys, value,
+                                                              expected):
+    """It passes the first call on '' and fails once training has begun: exit 7, the sample
+    and its completion named, the last checkpoint kept and resumable."""
+    fn = write(tmp_path / "late.py", "CALLS = [0]\n\ndef score(completion, answer):\n"
+               "    CALLS[0] += 1\n    if CALLS[0] > 1 + 4 + 2 * 6:  # the probe, the eval, 2 steps\n"
+               f"        {value}\n    return 0.0\n")
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=4, save_every=1, run_name="late",
+                    reward=f"{fn}:score")
+    assert main_cpu(argv) == rl.EXIT_REWARD
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("simple_rl: step 2: the reward (") and expected in err, err
+    assert "sample 0 of training problem" in err and "completion '" in err
+    assert err.endswith("step_000002.")  # the last good checkpoint, named
+    assert rl.is_complete(tmp_path / "runs" / "late" / "checkpoints" / "step_000002")
+    assert [r["step"] for r in rows(tmp_path / "runs" / "late")] == [0, 1]
+
+
+@pytest.mark.parametrize("line, expected", [
+    ({"question": None, "answer": "1"}, "question"),
+    ({"question": "  ", "answer": "1"}, "question"),
+    ({"question": "q?", "answer": None}, "no answer text or number"),
+    ({"question": "q?", "answer": True}, "no answer text or number"),
+])
+def test_bad_jsonl_rows_are_one_sentence(ckpt, tmp_path, capsys, line, expected):
+    data = tmp_path / "bad.jsonl"
+    good = [{"question": f"q{i}?", "answer": str(i)} for i in range(8)]
+    write(data, "".join(json.dumps(r) + "\n" for r in good + [line]))
+    argv = cpu_argv(ckpt(), tmp_path / "runs", task="jsonl", data_files=data, eval_size=2)
+    assert main_cpu(argv) == 2
+    assert expected in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_jsonl_needs_a_file_and_room_for_training(ckpt, tmp_path, capsys):
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", task="jsonl")) == 2
+    assert "--task jsonl reads your problems from --data-files" in capsys.readouterr().err
+    data = write(tmp_path / "few.jsonl", "".join(json.dumps({"question": f"q{i}", "answer": i})
+                                                 + "\n" for i in range(4)))
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", task="jsonl", data_files=data,
+                             eval_size=4)) == 2
+    assert "has 4 problems; --eval-size 4 leaves none to train on" in capsys.readouterr().err
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", eval_size=5000)) == 2
+    assert "holds out at most 2048" in capsys.readouterr().err
+
+
+def test_the_default_reward_reads_text_answers_too():
+    assert rl.reward("so it is Answer: Paris", "Paris") == 1.0
+    assert rl.reward("Answer: 1,234", "1234") == 1.0 and rl.reward("Answer: 12", "1234") == 0.0
+
+
+def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
+    """The warm-start script at a tiny size: a Qwen3 checkpoint that load_model_files accepts,
+    a tokenizer that splits digits, prompts exactly simple_rl's, and solutions the reward
+    scores 1."""
+    import subprocess
+
+    out = tmp_path / "warm"
+    cmd = [sys.executable, str(ROOT / "examples" / "warm_start.py"), "--out", str(out),
+           "--device", "cpu", "--layers", "1", "--dim", "64", "--ffn", "128", "--batch", "8",
+           "--steps", "2", "--eval-every", "2", "--eval-size", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "held-out greedy accuracy" in done.stdout
+    files = rl.load_model_files(rl.Config(model=str(out)))
+    assert files.args.n_layers == 1 and files.args.enable_weight_tying
+    tok = files.tokenizer
+    assert tok.convert_ids_to_tokens(tok.encode("3901", add_special_tokens=False)) == \
+        list("3901")
+    assert set(files.eos_ids) == {tok.convert_tokens_to_ids("<|im_end|>"),
+                                  tok.convert_tokens_to_ids("<|endoftext|>")}
+    sys.path.insert(0, str(ROOT / "examples"))
+    import warm_start
+
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["history"][-1]["step"] == 2 and report["params"] > 0
+    problems = rl.arithmetic_problems(300, 5)
+    for p in problems:
+        assert rl.reward(warm_start.worked_solution(p.question), p.answer) == 1.0
+        assert rl.reward(warm_start.direct_answer(p.question), p.answer) == 1.0
+    text = tok.decode(rl.format_prompts(problems[:1], tok, rl.Config())[0])
+    assert text.startswith("<|im_start|>user\nWhat is ") and text.endswith("</think>\n\n")
