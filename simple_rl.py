@@ -1548,12 +1548,14 @@ def parse_answer(text: str) -> Decimal | None:
 
 
 def reward(completion: str, answer: str) -> float:
-    """1 if the parsed answer equals the reference exactly (1,234 == 1234.0), else 0."""
-    got = parse_answer(completion)
+    """1 if the parsed answer equals the reference exactly (1,234 == 1234.0), else 0. A
+    reference that is not a number is compared with the text after the last 'Answer:'."""
     try:
-        return float(got is not None and got == Decimal(answer.replace(",", "")))
-    except InvalidOperation:  # a reference that is not a number: compare the text
+        want = Decimal(answer.replace(",", ""))
+    except InvalidOperation:
         return float(completion.rsplit("Answer:", 1)[-1].strip() == answer.strip())
+    got = parse_answer(completion)
+    return float(got is not None and got == want)
 
 
 RewardFn = Callable[[str, str], float]
