@@ -41,6 +41,17 @@ Run (vLLM 0.26 + TorchTitan 0.2.2; `pip install -r requirements.txt`):
         simple_rl.py --model Qwen/Qwen3-8B
     tensorboard --logdir runs
     python simple_rl.py --resume latest --run-name RUN --steps 40     # continue a run
+
+It learns (README "It learns"): a 25M Qwen3 warm-started here, then GRPO, on one GPU:
+
+    python examples/warm_start.py --out warm/qwen3-arith
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py --model warm/qwen3-arith --steps 120 \\
+        --num-prompts 64 --max-new-tokens 80 --max-model-len 128 --lr 1e-4 --eval-size 512 \\
+        --eval-every 25 --no-engine-sleep
+
+Held-out problems are scored greedily (T = 0) before the first step, every --eval-every steps
+and after the last (`eval/accuracy`); --reward FILE.py:FUNCTION and --task jsonl bring your
+own reward and problems.
     python simple_rl.py --model DIR --debug-parity                     # where do we differ?
 
 Tests (any machine):
@@ -1568,6 +1579,9 @@ class RewardError(RuntimeError):
         super().__init__(what)
         self.sample = sample  # index among this rank's samples of the step
         self.completion = completion
+
+    def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
+        return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
 
 
 def load_reward(spec: str) -> RewardFn:

@@ -80,3 +80,17 @@ def test_two_rank_checkpoints_resume_at_two_exactly_and_at_one(ckpt, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["loss"] == pytest.approx(metrics(tmp_path / "runs" / "whole")[2]["loss"],
                                             rel=1e-4)
+
+
+def test_a_reward_failing_on_one_rank_stops_every_rank(ckpt, tmp_path):
+    """Rank 1's reward raises in the first eval: both ranks stop at once (no rank waits in a
+    collective until the timeout), and rank 0 says which held-out problem it was."""
+    fn = tmp_path / "rank1.py"
+    fn.write_text("import os\n\nCALLS = [0]\n\n\ndef score(completion, answer):\n"
+                  "    CALLS[0] += 1\n    if os.environ['RANK'] == '1' and CALLS[0] > 1:\n"
+                  "        raise RuntimeError('only on rank 1')\n    return 0.0\n")
+    out = launch(2, "main", *cpu_argv(ckpt(), tmp_path / "runs", steps=2, save_every=0,
+                                      run_name="r1", reward=f"{fn}:score"), check=False)
+    assert out.returncode != 0
+    assert "step 0: the reward" in out.stderr and "raised RuntimeError: only on rank 1 on " \
+        "held-out problem 1," in out.stderr, out.stderr[-3000:]
