@@ -77,7 +77,8 @@ def test_two_rank_checkpoints_resume_at_two_exactly_and_at_one(ckpt, tmp_path):
                    tmp_path / "one")
     assert "1 rank(s)" in again.stdout and (tmp_path / "one" / "model.safetensors").is_file()
     rows = metrics(tmp_path / "runs" / "part")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # 3: the final held-out eval's own row
+    assert "loss" not in rows[3] and "eval/accuracy" in rows[3]
     assert rows[2]["loss"] == pytest.approx(metrics(tmp_path / "runs" / "whole")[2]["loss"],
                                             rel=1e-4)
 
