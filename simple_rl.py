@@ -1,9 +1,12 @@
 """simple_rl: bitwise-deterministic GRPO for Qwen3, with vLLM rollouts, on one GPU or many.
 
-One file, in data-flow order:
+One file, the RL story first, in data-flow order:
 
-    config -> ranks -> load & convert -> model -> rollout -> reward -> advantages -> loss
-           -> parity check -> weight push -> training loop -> checkpoints -> main
+    config -> model -> load & convert -> rollout -> reward -> advantages & loss
+           -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
+
+then, after one banner, the plumbing: validation, ranks, vLLM patches, checkpoints, run
+directory, memory estimate, console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
 TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
@@ -99,6 +102,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 import batch_invariant_backward as bib
 
+
 # ==========================================================================
 # Config
 # ==========================================================================
@@ -192,575 +196,14 @@ class Config:
     overwrite: bool = opt("checkpoints", False, "replace LOG_DIR/RUN_NAME if it holds a run")
 
 
-class ConfigError(ValueError):
-    """Bad user input: one sentence, exit code 2, nothing touched."""
-
-
-class RunStopped(RuntimeError):
-    """The run stopped on purpose or on a fault it can name: a message and an exit code."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-class NonFiniteError(RuntimeError):
-    """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
-
-    def __init__(self, quantity: str, samples: list[int], update: int, updates: int):
-        super().__init__(f"non-finite {quantity}")
-        self.quantity = quantity
-        self.samples = samples
-        self.update = update
-        self.updates = updates
-
-    def applied(self) -> str:
-        """What the in-memory weights already took, in words."""
-        if self.quantity == "weights after the optimizer step":
-            return f"update {self.update + 1} of {self.updates} produced them; nothing was saved"
-        if self.update == 0:
-            return "nothing was applied"
-        return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
-                "none saved")
-
-
-# Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
-EXIT_NONFINITE = 3  # a NaN or Inf: nothing saved or pushed
-EXIT_PARITY = 4  # --strict-parity found a differing token
-EXIT_OOM = 5  # out of GPU memory
-EXIT_DISK = 6  # the file system refused a write
-EXIT_REWARD = 7  # the reward raised or returned a non-finite number
-EXIT_INTERRUPTED = 130  # Ctrl-C, after saving a checkpoint
-EXIT_TERMINATED = 143  # SIGTERM, after saving a checkpoint
-
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-REWARD_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
-FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
-MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
-# Flags a resumed run takes from the command line; every other one comes from the checkpoint.
-RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", "strict_parity",
-             "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name",
-             "eval_every"}
-
-EXAMPLES = """examples:
-  VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
-  VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py --model Qwen/Qwen3-8B
-  python simple_rl.py --model Qwen/Qwen3-1.7B --task gsm8k --data-files gsm8k/train.parquet
-  python simple_rl.py --resume latest --run-name my-run --steps 40
-"""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other bad input
-        self.exit(2, f"simple_rl: error: {message} (see --help).\n")
-
-
-def parse_config(argv: list[str] | None = None) -> tuple[Config, set[str]]:
-    """The CLI, generated from Config: its groups, help texts and choices.
-
-    Returns the config and the names of the flags actually given (a resume warns about those
-    it ignores).
-    """
-    p = Parser(usage="%(prog)s [options]   (several GPUs: torchrun --nproc-per-node N "
-               "%(prog)s [options])", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
-               formatter_class=argparse.RawDescriptionHelpFormatter,
-               argument_default=argparse.SUPPRESS)
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(Config):
-        meta = f.metadata
-        group = groups.setdefault(meta["group"], p.add_argument_group(meta["group"]))
-        if f.type in ("bool", bool) and f.default:  # on by default: --no-X turns it off
-            group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                               help=meta["help"] + " (default: on)")
-        elif f.type in ("bool", bool):
-            group.add_argument(flag(f.name), dest=f.name, action="store_true",
-                               help=meta["help"])
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            shown = f" (default: {f.default})" if f.default != "" else ""
-            group.add_argument(flag(f.name), dest=f.name, type=kind, choices=meta["choices"],
-                               help=meta["help"] + shown)
-    given = vars(p.parse_args(argv))
-    return Config(**given), set(given)
-
-
-def need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(cfg: Config) -> None:
-    """Every check on the config alone, in one place (the checkpoint's checks live in load)."""
-    for f in dataclasses.fields(Config):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
-            need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
-                 f"number (got {value}).")
-            # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
-            need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
-                 f"for fp32 (0, or at least {FP32_TINY:.3g} in magnitude).")
-        if f.metadata["choices"]:
-            need(value in f.metadata["choices"], f"{flag(f.name)} must be one of "
-                 f"{', '.join(f.metadata['choices'])} (got {value!r}).")
-    need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
-         "normalises rewards within a group.")
-    need(cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts}).")
-    need(cfg.num_prompts * cfg.group_size <= MAX_SAMPLES, f"--num-prompts x --group-size is "
-         f"{cfg.num_prompts * cfg.group_size:,} samples a step; a step holds its samples in "
-         f"memory, at most {MAX_SAMPLES:,}.")
-    need(0 <= cfg.seed < 2**32, f"--seed must lie in [0, 2^32) (got {cfg.seed}).")
-    need(cfg.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 "
-         f"(got {cfg.max_new_tokens}).")
-    need(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); greedy "
-         "decoding has no policy gradient.")
-    need(cfg.max_new_tokens < cfg.max_model_len, f"--max-new-tokens ({cfg.max_new_tokens}) "
-         f"leaves no room for a prompt in --max-model-len ({cfg.max_model_len}).")
-    need(cfg.clip_eps > 0, f"--clip-eps must be > 0 (got {cfg.clip_eps}).")
-    need(cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0.")
-    need(cfg.adv_eps > 0, f"--adv-eps must be > 0 (got {cfg.adv_eps}).")
-    need(cfg.updates_per_batch >= 1, "--updates-per-batch must be at least 1.")
-    need(cfg.steps >= 0, f"--steps must be >= 0 (got {cfg.steps}).")
-    need(cfg.lr > 0, f"--lr must be > 0 (got {cfg.lr}).")
-    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay}).")
-    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"--beta1 and --beta2 must lie in [0, 1) "
-         f"(got {cfg.beta1}, {cfg.beta2}).")
-    need(cfg.grad_clip >= 0, f"--grad-clip must be >= 0 (got {cfg.grad_clip}).")
-    need(cfg.kv_cache_gib >= 0, f"--kv-cache-gib must be >= 0 (got {cfg.kv_cache_gib}).")
-    need(cfg.micro_batch_tokens == 0 or cfg.micro_batch_tokens >= cfg.max_model_len,
-         f"--micro-batch-tokens ({cfg.micro_batch_tokens}) must hold one full sequence "
-         f"(--max-model-len {cfg.max_model_len}), or be 0 (auto).")
-    need(cfg.parity_rows >= 0 and cfg.parity_every >= 1, "--parity-rows must be >= 0 and "
-         "--parity-every >= 1.")
-    need(cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and "
-         "--keep-last >= 1.")
-    need(not cfg.data_files or cfg.task in ("gsm8k", "jsonl"), "--data-files goes with --task "
-         "gsm8k or jsonl.")
-    need(cfg.task != "jsonl" or bool(cfg.data_files), "--task jsonl reads your problems from "
-         "--data-files FILE (jsonl or parquet rows with 'question' and 'answer').")
-    need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
-    need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
-         f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
-    need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
-         f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
-    need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
-         "chat template; drop --chat-template off.")
-    need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
-         f"--run-name {cfg.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; "
-         "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
-    if looks_like_path(cfg.model) and not cfg.resume:
-        need(Path(cfg.model).expanduser().is_dir(), f"--model {cfg.model!r} is not a directory.")
-
-
-def looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or \
-        name.count("/") != 1
-
-
-# ==========================================================================
-# Ranks: one process per GPU under torchrun, or a single process
-# ==========================================================================
-
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead or stuck rank ends the job, never hangs it
-
-
-@dataclass(frozen=True)
-class Ranks:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_ranks(device_type: str) -> Ranks:
-    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or one process without a process group.
-
-    The process group is made before vLLM starts: vLLM's external launcher reuses it, and with
-    `device_id` NCCL builds the trainer's communicator now, before vLLM's batch-invariant mode
-    writes NCCL_MAX_NCHANNELS=1 (and friends) into the environment, which would throttle FSDP.
-    """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Ranks(0, 1, torch.device(device_type))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if device_type == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
-    else:
-        device = torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    return Ranks(dist.get_rank(), dist.get_world_size(), device)
-
-
-def world_size() -> int:
-    """Ranks in the job: 1 without a process group."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def is_main() -> bool:
-    if dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK before the group exists
-
-
-def print0(*args, **kw) -> None:
-    """print on rank 0 only: one console for the whole job."""
-    if is_main():
-        print(*args, **kw, flush=True)
-
-
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place over every rank (identity in a single process)."""
-    if world_size() > 1:
-        dist.all_reduce(t, op=op)
-    return t
-
-
-def all_gather_objects(obj) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank (small Python objects only)."""
-    if world_size() == 1:
-        return [obj]
-    out = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def on_rank0(fn: Callable):
-    """fn() on rank 0 only; every rank gets its result, or raises its ConfigError.
-
-    Decisions read from disk (the config to resume, the checkpoint to use, the run directory)
-    are made once, so no two ranks can disagree on them.
-    """
-    if world_size() == 1:
-        return fn()
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except ConfigError as e:
-            box = [("error", str(e))]
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise ConfigError(value)
-    return value
-
-
-def barrier() -> None:
-    if world_size() > 1:
-        dist.barrier()
-
-
-# ==========================================================================
-# Load & convert: HF Qwen3 checkpoint <-> trainer (vLLM layout)
-# ==========================================================================
-
-# The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
-# gate/up fused into one. TorchTitan's adapter maps HF <-> TorchTitan names; this table fuses
-# TorchTitan's parts (concatenated on dim 0, in order).
-FUSED = {
-    "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
-    "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
-}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
-ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
-MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
-
-
-@dataclass
-class ModelFiles:
-    path: Path
-    args: object  # TorchTitan's Qwen3ModelArgs
-    tokenizer: object
-    eos_ids: list[int]
-
-
-def resolve_checkpoint(name: str) -> Path:
-    """A local directory as is; a hub id is fetched (weights, config, tokenizer) into the HF
-    cache, by each host's first rank, then found in the cache by the others."""
-    if looks_like_path(name):
-        return Path(name).expanduser()
-    from huggingface_hub import snapshot_download
-
-    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    try:
-        if not local_first:
-            barrier()
-        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                           "*.jinja"]))
-    except Exception as e:  # offline, unknown repo, gated, ...
-        raise ConfigError(f"could not fetch {name!r} from the Hugging Face hub "
-                          f"({type(e).__name__}); pass a local directory with --model.") from e
-    if local_first:
-        barrier()
-    return path
-
-
-def read_qwen3_config(path: Path):
-    """The HF config, after checking it describes a dense Qwen3 this script supports."""
-    from transformers import AutoConfig
-
-    file = path / "config.json"
-    need(file.is_file(), f"{path} has no config.json; --model must be a Hugging Face "
-         "checkpoint directory.")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file} is not valid JSON ({e}).") from e
-    need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
-    archs = raw.get("architectures") or []
-    need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
-         f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
-         "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
-    positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
-    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
-         f"max_position_embeddings {positions!r} must be a whole number in [1, "
-         f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
-    try:
-        hf = AutoConfig.from_pretrained(path)
-    except Exception as e:
-        text = " ".join(str(e).split())[:300]  # one line, however the library words it
-        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
-                          f"{text}).") from e
-    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
-    need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
-         and rope.get("rope_type", "default") == "default",
-         f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
-    return hf
-
-
-def model_args_from_hf(hf):
-    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config."""
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
-    rope = getattr(hf, "rope_parameters", None) or {}
-    return Qwen3ModelArgs(
-        dim=hf.hidden_size,
-        n_layers=hf.num_hidden_layers,
-        n_heads=hf.num_attention_heads,
-        n_kv_heads=hf.num_key_value_heads,
-        vocab_size=hf.vocab_size,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        hidden_dim=hf.intermediate_size,
-        norm_eps=hf.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
-        max_seq_len=hf.max_position_embeddings,
-        enable_weight_tying=bool(hf.tie_word_embeddings),
-    )
-
-
-def weight_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{index} is not a valid safetensors index ({e}).") from e
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    need(bool(files), f"{path} has no *.safetensors weights (.bin checkpoints are not supported; "
-         "re-save with safe_serialization=True).")
-    return files
-
-
-def expected_hf_shapes(args) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device)."""
-    with torch.device("meta"):
-        model = Qwen3(args, bib.reference_kernels(), torch.float32)
-    state = trainer_to_hf(model.state_dict(), args)
-    return {k: tuple(v.shape) for k, v in state.items()}
-
-
-def check_weight_headers(path: Path, args) -> None:
-    """Open every safetensors header and check names, shapes and dtypes against config.json.
-
-    Reads headers only (seconds even at 8B); a truncated or garbage file fails here, before any
-    slow start.
-    """
-    from safetensors import safe_open
-
-    found: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name in weight_files(path):
-        file = path / name
-        need(file.is_file(), f"{file} is listed in the index but missing.")
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    piece = f.get_slice(key)
-                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
-                              "or re-save the checkpoint.") from e
-    want = expected_hf_shapes(args)
-    found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
-    if args.enable_weight_tying:
-        found.pop("lm_head.weight", None)
-    missing = sorted(set(want) - set(found))
-    extra = sorted(set(found) - set(want))
-    need(not missing, f"{path}: weights missing for config.json's model: {', '.join(missing[:4])}"
-         f"{' ...' if len(missing) > 4 else ''}.")
-    need(not extra, f"{path}: weights config.json's model does not have: {', '.join(extra[:4])}"
-         f"{' ...' if len(extra) > 4 else ''}.")
-    for key, shape in want.items():
-        need(found[key][0] == shape, f"{path}: {key} has shape {list(found[key][0])}, "
-             f"config.json implies {list(shape)}.")
-        need(found[key][1] in ("BF16", "F16", "F32"), f"{path}: {key} is {found[key][1]}; "
-             "simple_rl reads bf16, fp16 or fp32 weights.")
-
-
-def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in weight_files(path):
-        try:
-            state.update(load_file(path / f))
-        except Exception as e:
-            raise ConfigError(f"{path / f} could not be read ({e}).") from e
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
-         "would be meaningless.")
-    return state
-
-
-def load_tokenizer(path: Path, args):
-    """The checkpoint's tokenizer, after checking it is a real one that fits the model."""
-    from transformers import AutoTokenizer
-
-    has_files = (path / "tokenizer.json").is_file() or \
-        ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())
-    need(has_files, f"{path} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); copy "
-         "the tokenizer files of the base model into it.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}: {e}).") from e
-    n = len(tokenizer)
-    need(n >= MIN_VOCAB, f"the tokenizer in {path} has only {n} tokens: it is not a real "
-         "tokenizer (copy the base model's tokenizer files).")
-    need(n <= args.vocab_size, f"the tokenizer ({n} tokens) does not fit the model's vocab of "
-         f"{args.vocab_size}.")
-    need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
-         f"the tokenizer in {path} encodes text to nothing.")
-    return tokenizer
-
-
-def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos and config.json's and
-    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
-    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        with contextlib.suppress(json.JSONDecodeError, AttributeError):
-            found.append(json.loads(gen.read_text()).get("eos_token_id"))
-    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
-    return sorted(set(flat))
-
-
-def load_model_files(cfg: Config) -> ModelFiles:
-    """Path, model args, tokenizer and stop ids, after checking they fit together and the config.
-
-    Opens headers only; nothing here takes more than seconds.
-    """
-    path = resolve_checkpoint(cfg.model)
-    hf_cfg = read_qwen3_config(path)
-    args = model_args_from_hf(hf_cfg)
-    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
-         f"the model's max_position_embeddings ({args.max_seq_len}).")
-    check_weight_headers(path, args)
-    tokenizer = load_tokenizer(path, args)
-    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
-    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
-         f"do not fit the model's vocab of {args.vocab_size}.")
-    return ModelFiles(path, args, tokenizer, eos_ids)
-
-
-def _adapter(args):
-    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
-
-    return Qwen3StateDictAdapter(args, None)
-
-
-def fused_sizes(args) -> dict[str, list[int]]:
-    """Row counts of the parts of each fused projection, in FUSED order."""
-    q = args.n_heads * args.head_dim
-    kv = args.n_kv_heads * args.head_dim
-    return {"attention.wqkv.weight": [q, kv, kv],
-            "feed_forward.w13.weight": [args.hidden_dim, args.hidden_dim]}
-
-
-def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections."""
-    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
-    titan = _adapter(args).from_hf(hf_state)
-    if args.enable_weight_tying:
-        titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
-    try:
-        for i in range(args.n_layers):
-            for fused, parts in FUSED.items():
-                titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
-                                                          for p in parts], dim=0)
-    except (KeyError, RuntimeError) as e:
-        raise ConfigError(f"the checkpoint's weights do not match its config.json "
-                          f"({type(e).__name__}: {e}).") from e
-    return titan
-
-
-def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None):
-    """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped."""
-    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
-    if suffix in FUSED:
-        prefix = name[: -len(suffix)]
-        pieces = tensor.split(fused_sizes(args)[suffix], dim=0)
-        titan = {prefix + part: piece for part, piece in zip(FUSED[suffix], pieces)}
-    else:
-        titan = {name: tensor}
-    return list((adapter or _adapter(args)).to_hf(titan).items())
-
-
-def trainer_to_hf(state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter."""
-    adapter = _adapter(args)
-    return dict(item for name, t in state.items() for item in to_hf_items(name, t, args, adapter))
-
-
-def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Path) -> None:
-    """config + model.safetensors + tokenizer files: loadable by transformers and vLLM."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in hf_state.items()}
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # as saved
-    config.pop("torch_dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
-
-
-def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
-    """sha256 over (name, dtype, shape, raw bytes) of every tensor, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(hf_state):
-        t = hf_state[name].detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 # ==========================================================================
 # Model: Qwen3 that computes exactly what vLLM computes
 # ==========================================================================
+
+
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
 # Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
 # it computes with are exactly those pushed into vLLM. A linear layer's kernel makes that cast
@@ -1031,8 +474,288 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
 
 
 # ==========================================================================
+# Load & convert: HF Qwen3 checkpoint <-> trainer (vLLM layout)
+# ==========================================================================
+
+
+# The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
+# gate/up fused into one. TorchTitan's adapter maps HF <-> TorchTitan names; this table fuses
+# TorchTitan's parts (concatenated on dim 0, in order).
+FUSED = {
+    "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
+ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
+MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
+
+
+@dataclass
+class ModelFiles:
+    path: Path
+    args: object  # TorchTitan's Qwen3ModelArgs
+    tokenizer: object
+    eos_ids: list[int]
+
+
+def load_model_files(cfg: Config) -> ModelFiles:
+    """Path, model args, tokenizer and stop ids, after checking they fit together and the config.
+
+    Opens headers only; nothing here takes more than seconds.
+    """
+    path = resolve_checkpoint(cfg.model)
+    hf_cfg = read_qwen3_config(path)
+    args = model_args_from_hf(hf_cfg)
+    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
+         f"the model's max_position_embeddings ({args.max_seq_len}).")
+    check_weight_headers(path, args)
+    tokenizer = load_tokenizer(path, args)
+    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
+    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
+         f"do not fit the model's vocab of {args.vocab_size}.")
+    return ModelFiles(path, args, tokenizer, eos_ids)
+
+
+def resolve_checkpoint(name: str) -> Path:
+    """A local directory as is; a hub id is fetched (weights, config, tokenizer) into the HF
+    cache, by each host's first rank, then found in the cache by the others."""
+    if looks_like_path(name):
+        return Path(name).expanduser()
+    from huggingface_hub import snapshot_download
+
+    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    try:
+        if not local_first:
+            barrier()
+        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                           "*.jinja"]))
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ConfigError(f"could not fetch {name!r} from the Hugging Face hub "
+                          f"({type(e).__name__}); pass a local directory with --model.") from e
+    if local_first:
+        barrier()
+    return path
+
+
+def read_qwen3_config(path: Path):
+    """The HF config, after checking it describes a dense Qwen3 this script supports."""
+    from transformers import AutoConfig
+
+    file = path / "config.json"
+    need(file.is_file(), f"{path} has no config.json; --model must be a Hugging Face "
+         "checkpoint directory.")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}).") from e
+    need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
+    archs = raw.get("architectures") or []
+    need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
+         f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
+         "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
+    positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
+    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
+         f"max_position_embeddings {positions!r} must be a whole number in [1, "
+         f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        text = " ".join(str(e).split())[:300]  # one line, however the library words it
+        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
+                          f"{text}).") from e
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
+    need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
+         and rope.get("rope_type", "default") == "default",
+         f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
+    return hf
+
+
+def model_args_from_hf(hf):
+    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    rope = getattr(hf, "rope_parameters", None) or {}
+    return Qwen3ModelArgs(
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads,
+        vocab_size=hf.vocab_size,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        hidden_dim=hf.intermediate_size,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
+        max_seq_len=hf.max_position_embeddings,
+        enable_weight_tying=bool(hf.tie_word_embeddings),
+    )
+
+
+def check_weight_headers(path: Path, args) -> None:
+    """Open every safetensors header and check names, shapes and dtypes against config.json.
+
+    Reads headers only (seconds even at 8B); a truncated or garbage file fails here, before any
+    slow start.
+    """
+    from safetensors import safe_open
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name in weight_files(path):
+        file = path / name
+        need(file.is_file(), f"{file} is listed in the index but missing.")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
+                              "or re-save the checkpoint.") from e
+    want = expected_hf_shapes(args)
+    found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
+    if args.enable_weight_tying:
+        found.pop("lm_head.weight", None)
+    missing = sorted(set(want) - set(found))
+    extra = sorted(set(found) - set(want))
+    need(not missing, f"{path}: weights missing for config.json's model: {', '.join(missing[:4])}"
+         f"{' ...' if len(missing) > 4 else ''}.")
+    need(not extra, f"{path}: weights config.json's model does not have: {', '.join(extra[:4])}"
+         f"{' ...' if len(extra) > 4 else ''}.")
+    for key, shape in want.items():
+        need(found[key][0] == shape, f"{path}: {key} has shape {list(found[key][0])}, "
+             f"config.json implies {list(shape)}.")
+        need(found[key][1] in ("BF16", "F16", "F32"), f"{path}: {key} is {found[key][1]}; "
+             "simple_rl reads bf16, fp16 or fp32 weights.")
+
+
+def weight_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is not a valid safetensors index ({e}).") from e
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    need(bool(files), f"{path} has no *.safetensors weights (.bin checkpoints are not supported; "
+         "re-save with safe_serialization=True).")
+    return files
+
+
+def expected_hf_shapes(args) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device)."""
+    with torch.device("meta"):
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+    state = trainer_to_hf(model.state_dict(), args)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def load_tokenizer(path: Path, args):
+    """The checkpoint's tokenizer, after checking it is a real one that fits the model."""
+    from transformers import AutoTokenizer
+
+    has_files = (path / "tokenizer.json").is_file() or \
+        ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())
+    need(has_files, f"{path} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); copy "
+         "the tokenizer files of the base model into it.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}: {e}).") from e
+    n = len(tokenizer)
+    need(n >= MIN_VOCAB, f"the tokenizer in {path} has only {n} tokens: it is not a real "
+         "tokenizer (copy the base model's tokenizer files).")
+    need(n <= args.vocab_size, f"the tokenizer ({n} tokens) does not fit the model's vocab of "
+         f"{args.vocab_size}.")
+    need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
+         f"the tokenizer in {path} encodes text to nothing.")
+    return tokenizer
+
+
+def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and config.json's and
+    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
+    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            found.append(json.loads(gen.read_text()).get("eos_token_id"))
+    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
+    return sorted(set(flat))
+
+
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in weight_files(path):
+        try:
+            state.update(load_file(path / f))
+        except Exception as e:
+            raise ConfigError(f"{path / f} could not be read ({e}).") from e
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
+         "would be meaningless.")
+    return state
+
+
+def _adapter(args):
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(args, None)
+
+
+def fused_sizes(args) -> dict[str, list[int]]:
+    """Row counts of the parts of each fused projection, in FUSED order."""
+    q = args.n_heads * args.head_dim
+    kv = args.n_kv_heads * args.head_dim
+    return {"attention.wqkv.weight": [q, kv, kv],
+            "feed_forward.w13.weight": [args.hidden_dim, args.hidden_dim]}
+
+
+def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections."""
+    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
+    titan = _adapter(args).from_hf(hf_state)
+    if args.enable_weight_tying:
+        titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
+    try:
+        for i in range(args.n_layers):
+            for fused, parts in FUSED.items():
+                titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
+                                                          for p in parts], dim=0)
+    except (KeyError, RuntimeError) as e:
+        raise ConfigError(f"the checkpoint's weights do not match its config.json "
+                          f"({type(e).__name__}: {e}).") from e
+    return titan
+
+
+def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None):
+    """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped."""
+    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if suffix in FUSED:
+        prefix = name[: -len(suffix)]
+        pieces = tensor.split(fused_sizes(args)[suffix], dim=0)
+        titan = {prefix + part: piece for part, piece in zip(FUSED[suffix], pieces)}
+    else:
+        titan = {name: tensor}
+    return list((adapter or _adapter(args)).to_hf(titan).items())
+
+
+def trainer_to_hf(state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter."""
+    adapter = _adapter(args)
+    return dict(item for name, t in state.items() for item in to_hf_items(name, t, args, adapter))
+
+
+# ==========================================================================
 # Rollout: vLLM engine, sampling, packing
 # ==========================================================================
+# VLLMEngine.__init__ first patches two vLLM functions in this process (see "vLLM patches",
+# after the story ends): fused add+RMSNorm is padded to 256 rows, so every batch size
+# normalises alike, and seeded requests draw their sampling noise in one kernel.
 
 
 @dataclass
@@ -1041,114 +764,6 @@ class Rollout:
     completions: list[list[int]]  # sampled token ids
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
-
-
-def route_vllm_add_rms_norm_through_padded_rows() -> None:
-    """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's.
-
-    vLLM 0.26's batch-invariant RMSNorm hands a residual add to a CUDA kernel whose reduction
-    order changes at 256 rows (bib.ADD_RMS_NORM_MIN_ROWS). The engine runs in this process, so
-    replacing the function its RMSNorm layers call is enough: a decode step of fewer than 256
-    sequences is padded to 256 rows, and every row, in any batch, is normalised alike.
-    """
-    from vllm.model_executor.layers import layernorm
-
-    plain = layernorm.rms_norm_batch_invariant
-    if getattr(plain, "padded_rows", False):
-        return
-
-    def rms_norm_rows(x, weight, eps=1e-6, residual=None):
-        if residual is None or weight is None:
-            return plain(x, weight, eps, residual=residual)
-        bib.fused_add_rms_norm_rows(x, residual, weight, eps)
-        return x, residual
-
-    rms_norm_rows.padded_rows = True
-    layernorm.rms_norm_batch_invariant = rms_norm_rows
-
-
-# vLLM draws a seeded request's sampling noise from that request's own torch.Generator, one
-# `exponential_` launch per request per decode step: 256 launches and ~3 ms of host time per
-# step at 256 sequences, the largest host cost of a rollout. The kernel below draws every seeded
-# row of a step in one launch, keyed by the same (seed, generator position), so a sample still
-# depends on its request's seed and step only: not on the batch, its row, or the rank.
-NOISE_BLOCK = 2048
-
-
-@triton.jit
-def _seeded_exponential_kernel(Q, ROWS, SEEDS, OFFSETS, stride, V, BLOCK: tl.constexpr):
-    """q[row, j] = -log(u), u = uniform [0, 1) from Philox4x32-10 with key = the request's seed
-    and counter = (j, offset low, offset high, 0). u = 0 gives q = inf: that token cannot win."""
-    i = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    seed = tl.load(SEEDS + i)  # int64, the seed's 64 bits
-    offset = tl.load(OFFSETS + i)  # int64: the generator's position, +4 per draw
-    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
-    lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
-    hi = zero + (offset >> 32).to(tl.uint32)
-    bits, _, _, _ = tl.philox(seed, cols.to(tl.uint32), lo, hi, zero)
-    u = tl.uint_to_uniform_float(bits)
-    row = tl.load(ROWS + i)  # int64
-    tl.store(Q + row * stride + cols, -tl.log(u), mask=cols < V)
-
-
-def seeded_exponential_(q: torch.Tensor, generators: dict) -> None:
-    """Fill row i of q (R, V) fp32 with Exp(1) noise for generators[i], all rows in one launch.
-
-    Each generator advances as one `exponential_` call advances it (offset + 4), which is what
-    vLLM undoes when it discards a token sampled for a partly prefilled prompt.
-    """
-    gens = list(generators.values())
-    offsets = [g.get_offset() for g in gens]
-    for g, offset in zip(gens, offsets):
-        g.set_offset(offset + 4)
-    seeds = [s - 2**64 if s >= 2**63 else s for s in (g.initial_seed() for g in gens)]  # as int64
-    # pinned, so the copy does not wait for the GPU (a pageable one waits for the step's forward)
-    meta = torch.tensor([list(generators), seeds, offsets], pin_memory=q.is_cuda)
-    rows, seeds, offsets = meta.to(q.device, non_blocking=True)  # (R,) x 3
-    grid = (len(gens), triton.cdiv(q.shape[1], NOISE_BLOCK))
-    _seeded_exponential_kernel[grid](q, rows, seeds, offsets, q.stride(0), q.shape[1],
-                                     BLOCK=NOISE_BLOCK)
-
-
-def route_vllm_seeded_sampling_through_one_kernel() -> None:
-    """Make vLLM's sampler draw the noise of all seeded requests with seeded_exponential_.
-
-    It samples argmax(p / q) with q ~ Exp(1) per token (the exponential race: a draw from p);
-    only how q is drawn changes. The temperature, the logprobs and every other step are vLLM's.
-    """
-    from vllm.v1.sample.ops import topk_topp_sampler as sampler
-
-    plain = sampler.random_sample
-    if getattr(plain, "one_kernel", False):
-        return
-
-    def random_sample(probs, generators, use_fp64_gumbel=False):
-        if use_fp64_gumbel or not generators or not probs.is_cuda:
-            return plain(probs, generators, use_fp64_gumbel)
-        q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)  # (R, V), dense
-        if len(generators) < probs.shape[0]:
-            q.exponential_()  # rows without a seed of their own (simple_rl seeds every request)
-        seeded_exponential_(q, generators)
-        return sampler.sample_with_exponential_noise(probs, q)
-
-    random_sample.one_kernel = True
-    sampler.random_sample = random_sample
-
-
-def samples_per_rank(cfg: Config, world: int) -> int:
-    return -(-cfg.num_prompts // world) * cfg.group_size
-
-
-def kv_cache_bytes(cfg: Config, args, world: int) -> int:
-    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption).
-
-    KV bytes per token = 2 (K and V) x layers x kv heads x head_dim x 2 (bf16).
-    """
-    if cfg.kv_cache_gib > 0:
-        return int(cfg.kv_cache_gib * 2**30)
-    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
-    return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * per_token
 
 
 class VLLMEngine:
@@ -1246,6 +861,10 @@ class VLLMEngine:
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         push_weights(self, weights)
+
+
+def samples_per_rank(cfg: Config, world: int) -> int:
+    return -(-cfg.num_prompts // world) * cfg.group_size
 
 
 def sample_seed(cfg: Config, step: int, prompt: int) -> int:
@@ -1679,207 +1298,8 @@ def kl_k3(logp, ref_logp) -> torch.Tensor:
 
 
 # ==========================================================================
-# Parity check: trainer vs vLLM, every generated token, fp32 bit patterns
+# Train step & parity check: trainer vs vLLM, every generated token, fp32 bit patterns
 # ==========================================================================
-
-
-@dataclass
-class Parity:
-    n_tokens: int
-    n_mismatch: int
-    max_abs_diff: float
-    table: str
-
-
-def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
-                  rows: int) -> Parity:
-    """Compare int32 views of two fp32 vectors (N,): equal bits are the same float (-0, NaN)."""
-    a = vllm_lp.float().cpu()
-    b = trainer_lp.detach().float().cpu()
-    bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
-    bad = (bits_a != bits_b).nonzero()[:, 0]
-    delta = (a - b).abs()
-    head = f"{'token':>8} {'vllm':>14} {'trainer':>14} {'vllm bits':>10} {'trainer bits':>12}"
-    lines = [head + f" {'delta':>10}"]
-    show = bad[:rows].tolist() if len(bad) else range(min(rows, len(a)))  # the first that differ
-    for i in show:
-        lines.append(f"{int(tokens[i]):>8} {a[i].item():>14.8f} {b[i].item():>14.8f} "
-                     f"{bits_a[i].item() & 0xFFFFFFFF:>10x} {bits_b[i].item() & 0xFFFFFFFF:>12x} "
-                     f"{delta[i].item():>10.3g}")
-    max_abs = float(delta.max()) if len(a) else 0.0
-    return Parity(len(a), len(bad), max_abs, "\n".join(lines))
-
-
-def parity_over_ranks(p: Parity, device) -> Parity:
-    """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
-    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch], device=device))
-    # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
-    worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
-                       dist.ReduceOp.MAX)
-    n_tokens, n_mismatch = counts.tolist()
-    return Parity(n_tokens, n_mismatch, worst.item(), p.table)
-
-
-def parity_line(p: Parity) -> str:
-    return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
-            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}")
-
-
-# ==========================================================================
-# Parity debugger: trainer vs vLLM's own model, op by op, on one sequence
-# ==========================================================================
-
-# Trainer module (per layer) -> the vLLM module of the same role, in execution order. Both
-# sides are recorded by forward hooks. vLLM shares one rotary module across layers, so the
-# rotation is checked through `attn`.
-TRACED = {"attention_norm": "input_layernorm", "attention.wqkv": "self_attn.qkv_proj",
-          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
-          "attention.attn": "self_attn.attn", "attention.wo": "self_attn.o_proj",
-          "ffn_norm": "post_attention_layernorm", "feed_forward.w13": "mlp.gate_up_proj",
-          "feed_forward.act_fn": "mlp.act_fn", "feed_forward.w2": "mlp.down_proj"}
-
-
-def trace_names(n_layers: int) -> list[tuple[str, str]]:
-    """(trainer module, vLLM module) for every traced op, in execution order."""
-    names = [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}")
-             for i in range(n_layers) for ours, theirs in TRACED.items()]
-    return names + [("norm", "model.norm")]
-
-
-@contextlib.contextmanager
-def recording(model: nn.Module, names: dict[str, str]):
-    """Forward hooks on the named modules: every call appends its output tensors.
-
-    Yields {key: [[tensors of call 1], [tensors of call 2], ...]}; names maps module -> key.
-    """
-    calls: dict[str, list[list[torch.Tensor]]] = {}
-
-    def hook_for(key):
-        def hook(_module, _inputs, out):
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            tensors = [o.detach().clone() for o in outs if isinstance(o, torch.Tensor)]
-            calls.setdefault(key, []).append(tensors)
-        return hook
-
-    handles = [module.register_forward_hook(hook_for(names[name]))
-               for name, module in model.named_modules() if name in names]
-    try:
-        yield calls
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def concat_calls(calls: dict[str, list[list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
-    """Rows of every call (prefill, then each decode step) joined: one trace per op."""
-    return {k: [torch.cat(parts) for parts in zip(*v)] for k, v in calls.items()}
-
-
-def compare_traces(ours: dict[str, list[torch.Tensor]], theirs: dict[str, list[torch.Tensor]],
-                   order: list[str]) -> list[dict]:
-    """Per op: elements that differ bitwise, and the max |delta| (tensors seen as (rows, -1))."""
-    rows = []
-    for name in (n for n in order if n in ours and n in theirs):
-        pairs = [(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
-                 for a, b in zip(ours[name], theirs[name])]
-        if any(a.shape != b.shape for a, b in pairs):
-            shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in pairs]
-            rows.append(dict(op=name, n_diff=-1, numel=0, max_abs=float("nan"),
-                             note=f"shapes differ: {shapes}"))
-            continue
-        differ = [(a != b) for a, b in pairs]
-        rows.append(dict(op=name, n_diff=sum(int(d.sum()) for d in differ),
-                         numel=sum(a.numel() for a, _ in pairs),
-                         max_abs=max(float((a.float() - b.float()).abs().max()) for a, b in pairs),
-                         rows=sorted({int(i) for d in differ
-                                      for i in d.any(-1).nonzero()[:, 0].tolist()})[:8]))
-    return rows
-
-
-def first_divergence(rows: list[dict]) -> str | None:
-    return next((r["op"] for r in rows if r["n_diff"] != 0), None)
-
-
-def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperature: float,
-                 seed: int) -> tuple[list[dict], int]:
-    """Trainer vs vLLM on one generated sequence, op by op over prefill and decode rows.
-
-    Returns the per-op rows (print with `format_debug`) and how many generated tokens'
-    logprobs differ.
-    """
-    from vllm import SamplingParams, TokensPrompt
-
-    names = trace_names(model.args.n_layers)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                            logprobs=0, detokenize=False)
-    llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
-    theirs_by_module = {v: k for k, v in names}
-    stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
-    calls = llm.apply_model(lambda m: stack.enter_context(recording(m, theirs_by_module)))[0]
-    try:
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                           use_tqdm=False)[0].outputs[0]
-    finally:
-        stack.close()
-    theirs = concat_calls(calls)
-    vllm_lp = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
-    full = pack([prompt], [list(out.token_ids)])
-    # vLLM never feeds the last sampled token: drop it from the trainer's input too
-    fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],
-                              cu_seqlens=full.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32),
-                              max_seqlen=full.max_seqlen - 1)
-    fed = fed.to(model.norm.weight.device)
-    with recording(model, {ours: ours for ours, _ in names}) as ours_calls, torch.no_grad():
-        logp, _ = model(fed, temperature)
-    ours = concat_calls(ours_calls)
-    want = torch.tensor(vllm_lp, dtype=torch.float32).view(torch.int32)
-    n_bad = int((want != logp.cpu().view(torch.int32)).sum())
-    return compare_traces(ours, theirs, [n for n, _ in names]), n_bad
-
-
-def format_debug(rows: list[dict]) -> str:
-    lines = [f"{'op':<36} {'differ':>10} {'of':>10} {'max |delta|':>12}"]
-    for r in rows:
-        lines.append(f"{r['op']:<36} {r['n_diff']:>10} {r['numel']:>10} {r['max_abs']:>12.3g} "
-                     f"{r.get('note', '')}{r.get('rows') or ''}")
-    first = first_divergence(rows)
-    lines.append(f"first divergence: {first}" if first else
-                 "no divergence: every traced op is bitwise equal")
-    return "\n".join(lines)
-
-
-# ==========================================================================
-# Weight push: trainer -> the running vLLM engine, in memory
-# ==========================================================================
-
-
-def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
-
-    The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
-    sleeping engine gets its weight memory back first and its KV cache after; then the prefix
-    cache is dropped, since its KV was computed with the old weights.
-    """
-    if engine.asleep:
-        free, _ = torch.cuda.mem_get_info()
-        if free < engine.wake_bytes:  # the trainer's allocator caches blocks the engine needs
-            torch.cuda.empty_cache()
-        engine.llm.wake_up(tags=["weights"])
-    engine.llm.apply_model(lambda m: m.load_weights(weights))
-    if engine.asleep:
-        engine.llm.wake_up(tags=["kv_cache"])
-        engine.asleep = False
-    engine.llm.reset_prefix_cache()
-
-
-# ==========================================================================
-# Training loop
-# ==========================================================================
-
-
-def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
-    lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
-    return micro_batches(lengths, cfg.micro_batch_tokens)
 
 
 def batch_over_ranks(packed: Packed, cfg: Config, device) -> tuple[int, int]:
@@ -1889,6 +1309,11 @@ def batch_over_ranks(packed: Packed, cfg: Config, device) -> tuple[int, int]:
     n_micro = all_reduce(n_micro, dist.ReduceOp.MAX)
     n_tokens = all_reduce(torch.tensor([len(packed.targets)], device=device))
     return int(n_micro), int(n_tokens)
+
+
+def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
+    lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
+    return micro_batches(lengths, cfg.micro_batch_tokens)
 
 
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
@@ -1972,49 +1397,75 @@ def weights_finite(model: nn.Module, device) -> bool:
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
 
 
-def layer_of(name: str) -> str:
-    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+@dataclass
+class Parity:
+    n_tokens: int
+    n_mismatch: int
+    max_abs_diff: float
+    table: str
 
 
-def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
-                  per_param: bool) -> dict[str, float]:
-    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
+def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
+                  rows: int) -> Parity:
+    """Compare int32 views of two fp32 vectors (N,): equal bits are the same float (-0, NaN)."""
+    a = vllm_lp.float().cpu()
+    b = trainer_lp.detach().float().cpu()
+    bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
+    bad = (bits_a != bits_b).nonzero()[:, 0]
+    delta = (a - b).abs()
+    head = f"{'token':>8} {'vllm':>14} {'trainer':>14} {'vllm bits':>10} {'trainer bits':>12}"
+    lines = [head + f" {'delta':>10}"]
+    show = bad[:rows].tolist() if len(bad) else range(min(rows, len(a)))  # the first that differ
+    for i in show:
+        lines.append(f"{int(tokens[i]):>8} {a[i].item():>14.8f} {b[i].item():>14.8f} "
+                     f"{bits_a[i].item() & 0xFFFFFFFF:>10x} {bits_b[i].item() & 0xFFFFFFFF:>12x} "
+                     f"{delta[i].item():>10.3g}")
+    max_abs = float(delta.max()) if len(a) else 0.0
+    return Parity(len(a), len(bad), max_abs, "\n".join(lines))
 
-    Reconstructed from the optimizer's state, without a copy of the old weights:
-        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
-    One parameter's temporaries at a time; local shards summed over ranks.
+
+def parity_over_ranks(p: Parity, device) -> Parity:
+    """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
+    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch], device=device))
+    # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
+    worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
+                       dist.ReduceOp.MAX)
+    n_tokens, n_mismatch = counts.tolist()
+    return Parity(n_tokens, n_mismatch, worst.item(), p.table)
+
+
+def parity_line(p: Parity) -> str:
+    return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
+            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}")
+
+
+# ==========================================================================
+# Weight push: trainer -> the running vLLM engine, in memory
+# ==========================================================================
+
+
+def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
+
+    The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
+    sleeping engine gets its weight memory back first and its KV cache after; then the prefix
+    cache is dropped, since its KV was computed with the old weights.
     """
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    wd = group["weight_decay"]
-    eps = group["eps"]
-    b1, b2 = group["betas"]
-    if not optimizer.state:
-        return {}
-    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
-    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
-    index = {k: i for i, k in enumerate(keys)}
-    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
-    for name, p in named.items():
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
-        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
-        old = (w + step) / (1 - lr * wd)
-        row = torch.stack([(w - old).square().sum(), old.square().sum()])
-        sq[index[layer_of(name)]] += row
-        if per_param:
-            sq[index[name]] += row
-    sq = all_reduce(sq).sqrt().tolist()  # one host sync
-    out = {}
-    for key, (delta, old) in zip(keys, sq):
-        out[f"weight_delta/{key}/magnitude"] = delta
-        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
-    return out
+    if engine.asleep:
+        free, _ = torch.cuda.mem_get_info()
+        if free < engine.wake_bytes:  # the trainer's allocator caches blocks the engine needs
+            torch.cuda.empty_cache()
+        engine.llm.wake_up(tags=["weights"])
+    engine.llm.apply_model(lambda m: m.load_weights(weights))
+    if engine.asleep:
+        engine.llm.wake_up(tags=["kv_cache"])
+        engine.asleep = False
+    engine.llm.reset_prefix_cache()
+
+
+# ==========================================================================
+# Training loop: rl_step, evaluate, train, setup, main
+# ==========================================================================
 
 
 @dataclass
@@ -2031,21 +1482,6 @@ class Trainer:
     ranks: Ranks
     writer: object = None  # TensorBoard SummaryWriter, on rank 0
     reward_fn: RewardFn = reward  # reward(completion, answer) -> float: ours or --reward's
-
-
-def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW on the fp32 masters (or their shards); fused on CUDA (deterministic)."""
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay, fused=fused)
-
-
-def in_prompt_order(per_rank: list[list]) -> list:
-    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
-    out = []
-    for j in range(max(len(x) for x in per_rank)):
-        out += [x[j] for x in per_rank if j < len(x)]
-    return out
 
 
 def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
@@ -2131,6 +1567,104 @@ def score_on_every_rank(trainer: Trainer, texts: list[str], answers: list[str],
     return rewards
 
 
+def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
+                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
+                 times: tuple[float, float, float]) -> dict[str, float]:
+    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
+    from their summed token sums, and reward and length statistics over every sample, taken
+    in the step's prompt order (so they equal a single process's)."""
+    G = cfg.group_size
+    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
+                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
+                   rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
+    every = in_prompt_order(all_gather_objects(per_prompt))
+    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss in every for s in ss]
+    return {
+        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg, "kl_div": kl,
+        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
+        "grad_norm": float(grad_norm),
+        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        "completion_len_mean": lens.mean().item(),
+        "completion_stopped_frac": sum(stopped) / len(stopped),
+        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
+        "determinism/max_abs_diff": parity.max_abs_diff,
+        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
+    }
+
+
+def in_prompt_order(per_rank: list[list]) -> list:
+    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
+    out = []
+    for j in range(max(len(x) for x in per_rank)):
+        out += [x[j] for x in per_rank if j < len(x)]
+    return out
+
+
+def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
+                  per_param: bool) -> dict[str, float]:
+    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
+
+    Reconstructed from the optimizer's state, without a copy of the old weights:
+        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
+    One parameter's temporaries at a time; local shards summed over ranks.
+    """
+    group = optimizer.param_groups[0]
+    lr = group["lr"]
+    wd = group["weight_decay"]
+    eps = group["eps"]
+    b1, b2 = group["betas"]
+    if not optimizer.state:
+        return {}
+    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
+    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
+    index = {k: i for i, k in enumerate(keys)}
+    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
+    for name, p in named.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
+        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+        old = (w + step) / (1 - lr * wd)
+        row = torch.stack([(w - old).square().sum(), old.square().sum()])
+        sq[index[layer_of(name)]] += row
+        if per_param:
+            sq[index[name]] += row
+    sq = all_reduce(sq).sqrt().tolist()  # one host sync
+    out = {}
+    for key, (delta, old) in zip(keys, sq):
+        out[f"weight_delta/{key}/magnitude"] = delta
+        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
+    return out
+
+
+def layer_of(name: str) -> str:
+    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def device_in_use(device: torch.device) -> int:
+    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
+    """GiB per GPU, the largest over ranks: in use after the rollout and after the update, and
+    the PyTorch allocator's peak (trainer tensors; vLLM's sleep-mode pool is not in it)."""
+    peak = torch.cuda.max_memory_allocated(device)
+    gib = all_reduce(torch.tensor([*in_use, peak], dtype=torch.float64, device=device),
+                     dist.ReduceOp.MAX) / 2**30
+    return {"memory/in_use_gib": gib[:-1].max().item(), "memory/peak_allocated_gib": gib[-1].item()}
+
+
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     """Greedy (T = 0) mean reward on the held-out problems, over every rank: for a 0/1 reward,
     the accuracy of the weights after `step` updates. Logged to TensorBoard at `step`."""
@@ -2162,55 +1696,62 @@ def eval_due(cfg: Config, step: int) -> bool:
     return step in (0, cfg.steps) or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
 
-def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
-                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
-                 times: tuple[float, float, float]) -> dict[str, float]:
-    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
-    from their summed token sums, and reward and length statistics over every sample, taken
-    in the step's prompt order (so they equal a single process's)."""
-    G = cfg.group_size
-    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
-    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
-                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
-                   rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
-    every = in_prompt_order(all_gather_objects(per_prompt))
-    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
-    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss in every for s in ss]
-    return {
-        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg, "kl_div": kl,
-        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
-        "grad_norm": float(grad_norm),
-        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-        "completion_len_mean": lens.mean().item(),
-        "completion_stopped_frac": sum(stopped) / len(stopped),
-        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
-        "determinism/max_abs_diff": parity.max_abs_diff,
-        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
-    }
+def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
+    """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
 
-
-def device_in_use(device: torch.device) -> int:
-    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
-def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
-    """GiB per GPU, the largest over ranks: in use after the rollout and after the update, and
-    the PyTorch allocator's peak (trainer tensors; vLLM's sleep-mode pool is not in it)."""
-    peak = torch.cuda.max_memory_allocated(device)
-    gib = all_reduce(torch.tensor([*in_use, peak], dtype=torch.float64, device=device),
-                     dist.ReduceOp.MAX) / 2**30
-    return {"memory/in_use_gib": gib[:-1].max().item(), "memory/peak_allocated_gib": gib[-1].item()}
-
-
-def format_duration(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+    Ctrl-C or SIGTERM lets the current step finish, saves a checkpoint and closes TensorBoard.
+    A non-finite logprob, loss, gradient norm or weight stops the run before anything is saved
+    or pushed, writes a diagnostic and keeps the last good checkpoint.
+    """
+    cfg = trainer.cfg
+    device = trainer.ranks.device
+    with writing(run_dir / "metrics.jsonl"):
+        metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
+    began, done = time.perf_counter(), 0
+    try:
+        with StopRequest() as stop:
+            for step in range(start, cfg.steps):
+                with stops_at(trainer, step, run_dir):
+                    evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
+                    metrics, parity = rl_step(trainer, step)
+                metrics.update(evals)
+                done += 1
+                step_s = (time.perf_counter() - began) / done
+                if metrics_log is not None:
+                    row = {k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}
+                    metrics_log.write(json.dumps({"step": step, **row}) + "\n")
+                    metrics_log.flush()
+                if parity.n_mismatch or step % cfg.parity_every == 0 or step == start:
+                    print0(parity.table)
+                print0(parity_line(parity))
+                print0(format_step(step, cfg.steps, metrics, step_s,
+                                   step_s * (cfg.steps - step - 1)))
+                if cfg.strict_parity and parity.n_mismatch:
+                    raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
+                                     "mismatched tokens.", EXIT_PARITY)
+                # every rank stops together, after the signal any of them received
+                asked = int(all_reduce(torch.tensor([stop.signal or 0], device=device),
+                                       dist.ReduceOp.MAX))
+                if asked or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                    print0(f"saving checkpoint step_{step + 1:06d}")
+                    ckpt = save_checkpoint(run_dir, trainer, step + 1, source)
+                    if asked:
+                        code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
+                        raise RunStopped(f"stopped after step {step}; checkpoint {ckpt}; "
+                                         f"continue with --resume {ckpt}", code)
+        if eval_due(cfg, cfg.steps):
+            with stops_at(trainer, cfg.steps, run_dir):
+                final = evaluate(trainer, cfg.steps)
+            if metrics_log is not None:
+                metrics_log.write(json.dumps({"step": cfg.steps, **final}) + "\n")
+            print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f} "
+                   f"({len(trainer.task.eval_problems)} problems, greedy)")
+    finally:
+        if metrics_log is not None:
+            metrics_log.close()
+        if trainer.writer is not None:
+            trainer.writer.close()
+    return export_final(trainer, run_dir, source)
 
 
 def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
@@ -2222,6 +1763,99 @@ def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
             f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
             f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
+
+
+def format_duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
+          device_type: str = "cuda"):
+    """Build (or rebuild from a checkpoint) everything `train` needs; returns
+    (trainer, first step, run dir, model dir).
+
+    Every check that needs only the config, the checkpoint and the tokenizer runs before the
+    run directory is made and before the engine starts. engine_factory(cfg, files, ranks)
+    makes the rollout engine: VLLMEngine by default (tests pass a CPU stand-in).
+    """
+    # 1. Ranks. The process group exists before vLLM starts: vLLM joins it.
+    if engine_factory is None:
+        prepare_environment(cfg)
+        engine_factory = VLLMEngine
+    ranks = init_ranks(device_type)
+
+    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
+    cfg, ckpt = on_rank0(lambda: resolve_run(cfg, passed))
+    need(ranks.world <= cfg.num_prompts, f"{ranks.world} ranks but --num-prompts "
+         f"{cfg.num_prompts}: every rank needs at least one prompt per step.")
+    need(not (cfg.debug_parity and ranks.world > 1), "--debug-parity runs in one process; "
+         "start it with python, not torchrun.")
+
+    # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
+    files = load_model_files(cfg)
+    task = load_task(cfg, files.tokenizer)
+    reward_fn = load_reward(cfg.reward)
+    check_reward(reward_fn, cfg.reward, task)
+    cfg = with_micro_batch(cfg, files.args, ranks)  # the run's config keeps the choice
+    memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
+    loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
+    print0(f"reading the weights of {files.path} (each checked finite)")
+    on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
+    hf_state = loaded.get("state", {})
+    run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
+
+    # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
+    kernels = bib.reference_kernels() if cfg.kernels == "reference" or device_type == "cpu" \
+        else bib.vllm_kernels()
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if device_type == "cuda":
+        print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
+               "kernels: 1-2 minutes)")
+    engine = engine_factory(cfg, files, ranks)
+    dtype = DTYPES[cfg.dtype]
+    world = ranks.world
+    state = hf_to_trainer(hf_state, files.args) if hf_state else {}
+    model = build_model(files.args, state, kernels, dtype, ranks.device, world)
+    ref_model = None
+    if cfg.kl_coef > 0:
+        ref_model = build_model(files.args, state, kernels, dtype, ranks.device, world)
+        ref_model.requires_grad_(False)
+    del state, hf_state
+    optimizer = make_optimizer(model, cfg)
+    trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
+                      reward_fn=reward_fn)
+    start = restore_checkpoint(trainer, ckpt) if ckpt else 0
+    engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
+
+    # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
+    if ranks.main:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with writing(run_dir):
+            trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
+            trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
+            trainer.writer.add_custom_scalars(tensorboard_layout())
+        if ckpt:
+            purge_after(run_dir / "metrics.jsonl", start)
+    if ckpt:
+        where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
+        print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
+    n = count_params(files.args)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    memory = f" | {memory} (estimate)" if memory else ""
+    print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
+           f"{kernels.name} | micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
+    return trainer, start, run_dir, files.path
+
+
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW on the fp32 masters (or their shards); fused on CUDA (deterministic)."""
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay, fused=fused)
 
 
 def tensorboard_layout() -> dict:
@@ -2243,9 +1877,434 @@ def tensorboard_layout() -> dict:
     }}
 
 
+def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
+        device_type: str = "cuda") -> str:
+    """The whole job; returns the sha256 of the final weights. The run directory's lock is
+    released when it ends, however it ends."""
+    held = set(RUN_LOCKS)
+    try:
+        trainer, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
+        if trainer.cfg.debug_parity:
+            cfg = trainer.cfg
+            first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
+            prompt = trainer.task.prompt_ids[first]
+            rows, n_bad = debug_parity(trainer.engine.llm, trainer.model, prompt,
+                                       cfg.max_new_tokens, cfg.temperature, cfg.seed)
+            print0(format_debug(rows))
+            print0(f"generated-token logprobs that differ: {n_bad}")
+            return ""
+        return train(trainer, start, run_dir, path)
+    finally:
+        for locked in set(RUN_LOCKS) - held:
+            release_run_dir(locked)
+
+
+def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:
+    try:
+        cfg, passed = parse_config(argv)
+    except SystemExit as e:  # --help, or a flag argparse refused (said in one line)
+        return int(e.code or 0)
+    quiet_console(cfg.verbose)
+    try:
+        validate(cfg)
+        run(cfg, passed, engine_factory, device_type)
+    except ConfigError as e:
+        if is_main():
+            print(f"simple_rl: error: {e}", file=sys.stderr)
+        return 2
+    except RunStopped as e:
+        if is_main():
+            print(f"simple_rl: {e}", file=sys.stderr)
+        return e.code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+# ==========================================================================
+# The RL story ends here. What follows is plumbing a researcher need not read: config
+# parsing and validation, errors and exit codes, rank helpers, the vLLM patches, checkpoints
+# and resume, the run directory and export, the memory estimate, console filtering, stops
+# (signals, NaN, OOM) and the parity debugger.
+# ==========================================================================
+
+
+# ==========================================================================
+# Config: parsing and validation
+# ==========================================================================
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+REWARD_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
+FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
+MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
+
+
+EXAMPLES = """examples:
+  VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
+  VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py --model Qwen/Qwen3-8B
+  python simple_rl.py --model Qwen/Qwen3-1.7B --task gsm8k --data-files gsm8k/train.parquet
+  python simple_rl.py --resume latest --run-name my-run --steps 40
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other bad input
+        self.exit(2, f"simple_rl: error: {message} (see --help).\n")
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[Config, set[str]]:
+    """The CLI, generated from Config: its groups, help texts and choices.
+
+    Returns the config and the names of the flags actually given (a resume warns about those
+    it ignores).
+    """
+    p = Parser(usage="%(prog)s [options]   (several GPUs: torchrun --nproc-per-node N "
+               "%(prog)s [options])", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter,
+               argument_default=argparse.SUPPRESS)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Config):
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], p.add_argument_group(meta["group"]))
+        if f.type in ("bool", bool) and f.default:  # on by default: --no-X turns it off
+            group.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               help=meta["help"] + " (default: on)")
+        elif f.type in ("bool", bool):
+            group.add_argument(flag(f.name), dest=f.name, action="store_true",
+                               help=meta["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            shown = f" (default: {f.default})" if f.default != "" else ""
+            group.add_argument(flag(f.name), dest=f.name, type=kind, choices=meta["choices"],
+                               help=meta["help"] + shown)
+    given = vars(p.parse_args(argv))
+    return Config(**given), set(given)
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Every check on the config alone, in one place (the checkpoint's checks live in load)."""
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
+            need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
+                 f"number (got {value}).")
+            # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
+            need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
+                 f"for fp32 (0, or at least {FP32_TINY:.3g} in magnitude).")
+        if f.metadata["choices"]:
+            need(value in f.metadata["choices"], f"{flag(f.name)} must be one of "
+                 f"{', '.join(f.metadata['choices'])} (got {value!r}).")
+    need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
+         "normalises rewards within a group.")
+    need(cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts}).")
+    need(cfg.num_prompts * cfg.group_size <= MAX_SAMPLES, f"--num-prompts x --group-size is "
+         f"{cfg.num_prompts * cfg.group_size:,} samples a step; a step holds its samples in "
+         f"memory, at most {MAX_SAMPLES:,}.")
+    need(0 <= cfg.seed < 2**32, f"--seed must lie in [0, 2^32) (got {cfg.seed}).")
+    need(cfg.max_new_tokens >= 1, f"--max-new-tokens must be at least 1 "
+         f"(got {cfg.max_new_tokens}).")
+    need(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); greedy "
+         "decoding has no policy gradient.")
+    need(cfg.max_new_tokens < cfg.max_model_len, f"--max-new-tokens ({cfg.max_new_tokens}) "
+         f"leaves no room for a prompt in --max-model-len ({cfg.max_model_len}).")
+    need(cfg.clip_eps > 0, f"--clip-eps must be > 0 (got {cfg.clip_eps}).")
+    need(cfg.kl_coef >= 0 and cfg.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0.")
+    need(cfg.adv_eps > 0, f"--adv-eps must be > 0 (got {cfg.adv_eps}).")
+    need(cfg.updates_per_batch >= 1, "--updates-per-batch must be at least 1.")
+    need(cfg.steps >= 0, f"--steps must be >= 0 (got {cfg.steps}).")
+    need(cfg.lr > 0, f"--lr must be > 0 (got {cfg.lr}).")
+    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay}).")
+    need(0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1, f"--beta1 and --beta2 must lie in [0, 1) "
+         f"(got {cfg.beta1}, {cfg.beta2}).")
+    need(cfg.grad_clip >= 0, f"--grad-clip must be >= 0 (got {cfg.grad_clip}).")
+    need(cfg.kv_cache_gib >= 0, f"--kv-cache-gib must be >= 0 (got {cfg.kv_cache_gib}).")
+    need(cfg.micro_batch_tokens == 0 or cfg.micro_batch_tokens >= cfg.max_model_len,
+         f"--micro-batch-tokens ({cfg.micro_batch_tokens}) must hold one full sequence "
+         f"(--max-model-len {cfg.max_model_len}), or be 0 (auto).")
+    need(cfg.parity_rows >= 0 and cfg.parity_every >= 1, "--parity-rows must be >= 0 and "
+         "--parity-every >= 1.")
+    need(cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and "
+         "--keep-last >= 1.")
+    need(not cfg.data_files or cfg.task in ("gsm8k", "jsonl"), "--data-files goes with --task "
+         "gsm8k or jsonl.")
+    need(cfg.task != "jsonl" or bool(cfg.data_files), "--task jsonl reads your problems from "
+         "--data-files FILE (jsonl or parquet rows with 'question' and 'answer').")
+    need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
+    need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
+         f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
+    need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
+         f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
+    need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
+         "chat template; drop --chat-template off.")
+    need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
+         f"--run-name {cfg.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; "
+         "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
+    if looks_like_path(cfg.model) and not cfg.resume:
+        need(Path(cfg.model).expanduser().is_dir(), f"--model {cfg.model!r} is not a directory.")
+
+
+def looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or \
+        name.count("/") != 1
+
+
+# ==========================================================================
+# Errors and exit codes
+# ==========================================================================
+
+
+class ConfigError(ValueError):
+    """Bad user input: one sentence, exit code 2, nothing touched."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on purpose or on a fault it can name: a message and an exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class NonFiniteError(RuntimeError):
+    """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
+
+    def __init__(self, quantity: str, samples: list[int], update: int, updates: int):
+        super().__init__(f"non-finite {quantity}")
+        self.quantity = quantity
+        self.samples = samples
+        self.update = update
+        self.updates = updates
+
+    def applied(self) -> str:
+        """What the in-memory weights already took, in words."""
+        if self.quantity == "weights after the optimizer step":
+            return f"update {self.update + 1} of {self.updates} produced them; nothing was saved"
+        if self.update == 0:
+            return "nothing was applied"
+        return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
+                "none saved")
+
+
+# Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
+EXIT_NONFINITE = 3  # a NaN or Inf: nothing saved or pushed
+EXIT_PARITY = 4  # --strict-parity found a differing token
+EXIT_OOM = 5  # out of GPU memory
+EXIT_DISK = 6  # the file system refused a write
+EXIT_REWARD = 7  # the reward raised or returned a non-finite number
+EXIT_INTERRUPTED = 130  # Ctrl-C, after saving a checkpoint
+EXIT_TERMINATED = 143  # SIGTERM, after saving a checkpoint
+
+
+# ==========================================================================
+# Ranks: one process per GPU under torchrun, or a single process
+# ==========================================================================
+
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead or stuck rank ends the job, never hangs it
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_ranks(device_type: str) -> Ranks:
+    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or one process without a process group.
+
+    The process group is made before vLLM starts: vLLM's external launcher reuses it, and with
+    `device_id` NCCL builds the trainer's communicator now, before vLLM's batch-invariant mode
+    writes NCCL_MAX_NCHANNELS=1 (and friends) into the environment, which would throttle FSDP.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Ranks(0, 1, torch.device(device_type))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
+    else:
+        device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def world_size() -> int:
+    """Ranks in the job: 1 without a process group."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK before the group exists
+
+
+def print0(*args, **kw) -> None:
+    """print on rank 0 only: one console for the whole job."""
+    if is_main():
+        print(*args, **kw, flush=True)
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place over every rank (identity in a single process)."""
+    if world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (small Python objects only)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def on_rank0(fn: Callable):
+    """fn() on rank 0 only; every rank gets its result, or raises its ConfigError.
+
+    Decisions read from disk (the config to resume, the checkpoint to use, the run directory)
+    are made once, so no two ranks can disagree on them.
+    """
+    if world_size() == 1:
+        return fn()
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except ConfigError as e:
+            box = [("error", str(e))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise ConfigError(value)
+    return value
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+# ==========================================================================
+# vLLM patches: two of the engine's ops routed through the trainer's kernels
+# ==========================================================================
+
+
+def route_vllm_add_rms_norm_through_padded_rows() -> None:
+    """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's.
+
+    vLLM 0.26's batch-invariant RMSNorm hands a residual add to a CUDA kernel whose reduction
+    order changes at 256 rows (bib.ADD_RMS_NORM_MIN_ROWS). The engine runs in this process, so
+    replacing the function its RMSNorm layers call is enough: a decode step of fewer than 256
+    sequences is padded to 256 rows, and every row, in any batch, is normalised alike.
+    """
+    from vllm.model_executor.layers import layernorm
+
+    plain = layernorm.rms_norm_batch_invariant
+    if getattr(plain, "padded_rows", False):
+        return
+
+    def rms_norm_rows(x, weight, eps=1e-6, residual=None):
+        if residual is None or weight is None:
+            return plain(x, weight, eps, residual=residual)
+        bib.fused_add_rms_norm_rows(x, residual, weight, eps)
+        return x, residual
+
+    rms_norm_rows.padded_rows = True
+    layernorm.rms_norm_batch_invariant = rms_norm_rows
+
+
+# vLLM draws a seeded request's sampling noise from that request's own torch.Generator, one
+# `exponential_` launch per request per decode step: 256 launches and ~3 ms of host time per
+# step at 256 sequences, the largest host cost of a rollout. The kernel below draws every seeded
+# row of a step in one launch, keyed by the same (seed, generator position), so a sample still
+# depends on its request's seed and step only: not on the batch, its row, or the rank.
+NOISE_BLOCK = 2048
+
+
+@triton.jit
+def _seeded_exponential_kernel(Q, ROWS, SEEDS, OFFSETS, stride, V, BLOCK: tl.constexpr):
+    """q[row, j] = -log(u), u = uniform [0, 1) from Philox4x32-10 with key = the request's seed
+    and counter = (j, offset low, offset high, 0). u = 0 gives q = inf: that token cannot win."""
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seed = tl.load(SEEDS + i)  # int64, the seed's 64 bits
+    offset = tl.load(OFFSETS + i)  # int64: the generator's position, +4 per draw
+    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
+    lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
+    hi = zero + (offset >> 32).to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, cols.to(tl.uint32), lo, hi, zero)
+    u = tl.uint_to_uniform_float(bits)
+    row = tl.load(ROWS + i)  # int64
+    tl.store(Q + row * stride + cols, -tl.log(u), mask=cols < V)
+
+
+def seeded_exponential_(q: torch.Tensor, generators: dict) -> None:
+    """Fill row i of q (R, V) fp32 with Exp(1) noise for generators[i], all rows in one launch.
+
+    Each generator advances as one `exponential_` call advances it (offset + 4), which is what
+    vLLM undoes when it discards a token sampled for a partly prefilled prompt.
+    """
+    gens = list(generators.values())
+    offsets = [g.get_offset() for g in gens]
+    for g, offset in zip(gens, offsets):
+        g.set_offset(offset + 4)
+    seeds = [s - 2**64 if s >= 2**63 else s for s in (g.initial_seed() for g in gens)]  # as int64
+    # pinned, so the copy does not wait for the GPU (a pageable one waits for the step's forward)
+    meta = torch.tensor([list(generators), seeds, offsets], pin_memory=q.is_cuda)
+    rows, seeds, offsets = meta.to(q.device, non_blocking=True)  # (R,) x 3
+    grid = (len(gens), triton.cdiv(q.shape[1], NOISE_BLOCK))
+    _seeded_exponential_kernel[grid](q, rows, seeds, offsets, q.stride(0), q.shape[1],
+                                     BLOCK=NOISE_BLOCK)
+
+
+def route_vllm_seeded_sampling_through_one_kernel() -> None:
+    """Make vLLM's sampler draw the noise of all seeded requests with seeded_exponential_.
+
+    It samples argmax(p / q) with q ~ Exp(1) per token (the exponential race: a draw from p);
+    only how q is drawn changes. The temperature, the logprobs and every other step are vLLM's.
+    """
+    from vllm.v1.sample.ops import topk_topp_sampler as sampler
+
+    plain = sampler.random_sample
+    if getattr(plain, "one_kernel", False):
+        return
+
+    def random_sample(probs, generators, use_fp64_gumbel=False):
+        if use_fp64_gumbel or not generators or not probs.is_cuda:
+            return plain(probs, generators, use_fp64_gumbel)
+        q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)  # (R, V), dense
+        if len(generators) < probs.shape[0]:
+            q.exponential_()  # rows without a seed of their own (simple_rl seeds every request)
+        seeded_exponential_(q, generators)
+        return sampler.sample_with_exponential_noise(probs, q)
+
+    random_sample.one_kernel = True
+    sampler.random_sample = random_sample
+
+
 # ==========================================================================
 # Checkpoints & resume
 # ==========================================================================
+
+
 # checkpoints/step_NNNNNN/ (NNNNNN: the step to run next) holds
 #   model/           the weights in HF format (bf16): loadable by transformers and vLLM
 #   trainer/         fp32 masters + AdamW state: torch.distributed.checkpoint, a shard per rank
@@ -2260,11 +2319,6 @@ def tensorboard_layout() -> dict:
 CHECKPOINT = re.compile(r"step_(\d{6})")
 COMPLETE = ("state.json", "run_config.json", "trainer/.metadata", "model/model.safetensors",
             "model/config.json")
-LOCK_FILE = "simple_rl.lock"
-EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES}  # what an export holds
-# The flags a resume takes from the command line only: where it writes and what it may delete
-# are never chosen by a checkpoint's files.
-PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume"}
 
 
 def is_complete(ckpt: Path) -> bool:
@@ -2633,6 +2687,17 @@ def find_checkpoint(cfg: Config) -> Path:
     return found[-1]
 
 
+# Flags a resumed run takes from the command line; every other one comes from the checkpoint.
+RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", "strict_parity",
+             "verbose", "output_dir", "log_param_deltas", "resume", "log_dir", "run_name",
+             "eval_every"}
+
+
+# The flags a resume takes from the command line only: where it writes and what it may delete
+# are never chosen by a checkpoint's files.
+PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume"}
+
+
 def is_run_dir(path: Path) -> bool:
     """A directory simple_rl made for a run: a plain name, not a link, with its lock file."""
     return RUN_NAME.fullmatch(path.name) is not None and path.is_dir() and \
@@ -2680,6 +2745,40 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
     log_dir, run_name = resume_location(cfg, passed, ckpt)
     keep.update(log_dir=log_dir, run_name=run_name, resume=str(ckpt))
     return dataclasses.replace(resumed, **keep)
+
+
+def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None]:
+    """The config to run (a resume's comes from its checkpoint) and the checkpoint, if any."""
+    ckpt = find_checkpoint(cfg) if cfg.resume else None
+    if ckpt is not None:
+        check_checkpoint_files(ckpt)
+        cfg = resume_config(cfg, passed, ckpt)
+    validate(cfg)
+    if not cfg.run_name:
+        cfg = dataclasses.replace(cfg, run_name=time.strftime("%Y%m%d-%H%M%S"))
+    check_run_paths(cfg, ckpt)  # before the weights are read, and again under the run's lock
+    return cfg, ckpt
+
+
+def purge_after(metrics_log: Path, start: int) -> None:
+    """Drop what an interrupted run logged after its checkpoint (and a half-written line)."""
+    if not metrics_log.is_file():
+        return
+    kept = []
+    for line in metrics_log.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
+            if json.loads(line)["step"] < start:
+                kept.append(line)
+    with writing(metrics_log):
+        metrics_log.write_text("".join(line + "\n" for line in kept))
+
+
+# ==========================================================================
+# Run directory: paths, lock, export
+# ==========================================================================
+
+
+LOCK_FILE = "simple_rl.lock"
 
 
 def overlaps(a: Path, b: Path) -> bool:
@@ -2792,6 +2891,9 @@ def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
     return run_dir
 
 
+EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES}  # what an export holds
+
+
 def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     """The final HF checkpoint, written to a fresh temp dir and renamed into place; it replaces
     only this run's own earlier export. Returns the weights' sha256."""
@@ -2816,8 +2918,34 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     return digest
 
 
+def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Path) -> None:
+    """config + model.safetensors + tokenizer files: loadable by transformers and vLLM."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in hf_state.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # as saved
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+
+
+def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) of every tensor, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(hf_state):
+        t = hf_state[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 # ==========================================================================
-# Main
+# Memory estimate
 # ==========================================================================
 
 
@@ -2926,6 +3054,22 @@ def check_memory(cfg: Config, args, ranks: Ranks) -> str:
                       f"with {hint}.")
 
 
+def kv_cache_bytes(cfg: Config, args, world: int) -> int:
+    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption).
+
+    KV bytes per token = 2 (K and V) x layers x kv heads x head_dim x 2 (bf16).
+    """
+    if cfg.kv_cache_gib > 0:
+        return int(cfg.kv_cache_gib * 2**30)
+    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+    return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * per_token
+
+
+# ==========================================================================
+# Console and environment
+# ==========================================================================
+
+
 # vLLM warnings that simple_rl's settings cause on purpose, or that name a one-time cost: the
 # user can do nothing about them. Everything else vLLM warns about is shown.
 EXPECTED_VLLM_WARNINGS = (
@@ -2992,110 +3136,9 @@ def prepare_environment(cfg: Config) -> None:
     quiet_vllm(cfg.verbose)
 
 
-def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None]:
-    """The config to run (a resume's comes from its checkpoint) and the checkpoint, if any."""
-    ckpt = find_checkpoint(cfg) if cfg.resume else None
-    if ckpt is not None:
-        check_checkpoint_files(ckpt)
-        cfg = resume_config(cfg, passed, ckpt)
-    validate(cfg)
-    if not cfg.run_name:
-        cfg = dataclasses.replace(cfg, run_name=time.strftime("%Y%m%d-%H%M%S"))
-    check_run_paths(cfg, ckpt)  # before the weights are read, and again under the run's lock
-    return cfg, ckpt
-
-
-def purge_after(metrics_log: Path, start: int) -> None:
-    """Drop what an interrupted run logged after its checkpoint (and a half-written line)."""
-    if not metrics_log.is_file():
-        return
-    kept = []
-    for line in metrics_log.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
-            if json.loads(line)["step"] < start:
-                kept.append(line)
-    with writing(metrics_log):
-        metrics_log.write_text("".join(line + "\n" for line in kept))
-
-
-def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
-          device_type: str = "cuda"):
-    """Build (or rebuild from a checkpoint) everything `train` needs; returns
-    (trainer, first step, run dir, model dir).
-
-    Every check that needs only the config, the checkpoint and the tokenizer runs before the
-    run directory is made and before the engine starts. engine_factory(cfg, files, ranks)
-    makes the rollout engine: VLLMEngine by default (tests pass a CPU stand-in).
-    """
-    # 1. Ranks. The process group exists before vLLM starts: vLLM joins it.
-    if engine_factory is None:
-        prepare_environment(cfg)
-        engine_factory = VLLMEngine
-    ranks = init_ranks(device_type)
-
-    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
-    cfg, ckpt = on_rank0(lambda: resolve_run(cfg, passed))
-    need(ranks.world <= cfg.num_prompts, f"{ranks.world} ranks but --num-prompts "
-         f"{cfg.num_prompts}: every rank needs at least one prompt per step.")
-    need(not (cfg.debug_parity and ranks.world > 1), "--debug-parity runs in one process; "
-         "start it with python, not torchrun.")
-
-    # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
-    files = load_model_files(cfg)
-    task = load_task(cfg, files.tokenizer)
-    reward_fn = load_reward(cfg.reward)
-    check_reward(reward_fn, cfg.reward, task)
-    cfg = with_micro_batch(cfg, files.args, ranks)  # the run's config keeps the choice
-    memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
-    loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
-    print0(f"reading the weights of {files.path} (each checked finite)")
-    on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
-    hf_state = loaded.get("state", {})
-    run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
-
-    # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
-    kernels = bib.reference_kernels() if cfg.kernels == "reference" or device_type == "cpu" \
-        else bib.vllm_kernels()
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if device_type == "cuda":
-        print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
-               "kernels: 1-2 minutes)")
-    engine = engine_factory(cfg, files, ranks)
-    dtype = DTYPES[cfg.dtype]
-    world = ranks.world
-    state = hf_to_trainer(hf_state, files.args) if hf_state else {}
-    model = build_model(files.args, state, kernels, dtype, ranks.device, world)
-    ref_model = None
-    if cfg.kl_coef > 0:
-        ref_model = build_model(files.args, state, kernels, dtype, ranks.device, world)
-        ref_model.requires_grad_(False)
-    del state, hf_state
-    optimizer = make_optimizer(model, cfg)
-    trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
-                      reward_fn=reward_fn)
-    start = restore_checkpoint(trainer, ckpt) if ckpt else 0
-    engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
-
-    # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
-    if ranks.main:
-        from torch.utils.tensorboard import SummaryWriter
-
-        with writing(run_dir):
-            trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
-            trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-            trainer.writer.add_custom_scalars(tensorboard_layout())
-        if ckpt:
-            purge_after(run_dir / "metrics.jsonl", start)
-    if ckpt:
-        where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
-        print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
-    n = count_params(files.args)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    memory = f" | {memory} (estimate)" if memory else ""
-    print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
-           f"{kernels.name} | micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
-    return trainer, start, run_dir, files.path
+# ==========================================================================
+# Stops: signals, non-finite numbers, out of memory
+# ==========================================================================
 
 
 class StopRequest:
@@ -3122,64 +3165,6 @@ class StopRequest:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
-    """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
-
-    Ctrl-C or SIGTERM lets the current step finish, saves a checkpoint and closes TensorBoard.
-    A non-finite logprob, loss, gradient norm or weight stops the run before anything is saved
-    or pushed, writes a diagnostic and keeps the last good checkpoint.
-    """
-    cfg = trainer.cfg
-    device = trainer.ranks.device
-    with writing(run_dir / "metrics.jsonl"):
-        metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
-    began, done = time.perf_counter(), 0
-    try:
-        with StopRequest() as stop:
-            for step in range(start, cfg.steps):
-                with stops_at(trainer, step, run_dir):
-                    evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
-                    metrics, parity = rl_step(trainer, step)
-                metrics.update(evals)
-                done += 1
-                step_s = (time.perf_counter() - began) / done
-                if metrics_log is not None:
-                    row = {k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}
-                    metrics_log.write(json.dumps({"step": step, **row}) + "\n")
-                    metrics_log.flush()
-                if parity.n_mismatch or step % cfg.parity_every == 0 or step == start:
-                    print0(parity.table)
-                print0(parity_line(parity))
-                print0(format_step(step, cfg.steps, metrics, step_s,
-                                   step_s * (cfg.steps - step - 1)))
-                if cfg.strict_parity and parity.n_mismatch:
-                    raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
-                                     "mismatched tokens.", EXIT_PARITY)
-                # every rank stops together, after the signal any of them received
-                asked = int(all_reduce(torch.tensor([stop.signal or 0], device=device),
-                                       dist.ReduceOp.MAX))
-                if asked or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-                    print0(f"saving checkpoint step_{step + 1:06d}")
-                    ckpt = save_checkpoint(run_dir, trainer, step + 1, source)
-                    if asked:
-                        code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
-                        raise RunStopped(f"stopped after step {step}; checkpoint {ckpt}; "
-                                         f"continue with --resume {ckpt}", code)
-        if eval_due(cfg, cfg.steps):
-            with stops_at(trainer, cfg.steps, run_dir):
-                final = evaluate(trainer, cfg.steps)
-            if metrics_log is not None:
-                metrics_log.write(json.dumps({"step": cfg.steps, **final}) + "\n")
-            print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f} "
-                   f"({len(trainer.task.eval_problems)} problems, greedy)")
-    finally:
-        if metrics_log is not None:
-            metrics_log.close()
-        if trainer.writer is not None:
-            trainer.writer.close()
-    return export_final(trainer, run_dir, source)
 
 
 @contextlib.contextmanager
@@ -3222,49 +3207,128 @@ def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
 
 
-def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
-        device_type: str = "cuda") -> str:
-    """The whole job; returns the sha256 of the final weights. The run directory's lock is
-    released when it ends, however it ends."""
-    held = set(RUN_LOCKS)
-    try:
-        trainer, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
-        if trainer.cfg.debug_parity:
-            cfg = trainer.cfg
-            first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
-            prompt = trainer.task.prompt_ids[first]
-            rows, n_bad = debug_parity(trainer.engine.llm, trainer.model, prompt,
-                                       cfg.max_new_tokens, cfg.temperature, cfg.seed)
-            print0(format_debug(rows))
-            print0(f"generated-token logprobs that differ: {n_bad}")
-            return ""
-        return train(trainer, start, run_dir, path)
-    finally:
-        for locked in set(RUN_LOCKS) - held:
-            release_run_dir(locked)
+# ==========================================================================
+# Parity debugger: trainer vs vLLM's own model, op by op, on one sequence
+# ==========================================================================
 
 
-def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:
+# Trainer module (per layer) -> the vLLM module of the same role, in execution order. Both
+# sides are recorded by forward hooks. vLLM shares one rotary module across layers, so the
+# rotation is checked through `attn`.
+TRACED = {"attention_norm": "input_layernorm", "attention.wqkv": "self_attn.qkv_proj",
+          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+          "attention.attn": "self_attn.attn", "attention.wo": "self_attn.o_proj",
+          "ffn_norm": "post_attention_layernorm", "feed_forward.w13": "mlp.gate_up_proj",
+          "feed_forward.act_fn": "mlp.act_fn", "feed_forward.w2": "mlp.down_proj"}
+
+
+def trace_names(n_layers: int) -> list[tuple[str, str]]:
+    """(trainer module, vLLM module) for every traced op, in execution order."""
+    names = [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}")
+             for i in range(n_layers) for ours, theirs in TRACED.items()]
+    return names + [("norm", "model.norm")]
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, names: dict[str, str]):
+    """Forward hooks on the named modules: every call appends its output tensors.
+
+    Yields {key: [[tensors of call 1], [tensors of call 2], ...]}; names maps module -> key.
+    """
+    calls: dict[str, list[list[torch.Tensor]]] = {}
+
+    def hook_for(key):
+        def hook(_module, _inputs, out):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            tensors = [o.detach().clone() for o in outs if isinstance(o, torch.Tensor)]
+            calls.setdefault(key, []).append(tensors)
+        return hook
+
+    handles = [module.register_forward_hook(hook_for(names[name]))
+               for name, module in model.named_modules() if name in names]
     try:
-        cfg, passed = parse_config(argv)
-    except SystemExit as e:  # --help, or a flag argparse refused (said in one line)
-        return int(e.code or 0)
-    quiet_console(cfg.verbose)
-    try:
-        validate(cfg)
-        run(cfg, passed, engine_factory, device_type)
-    except ConfigError as e:
-        if is_main():
-            print(f"simple_rl: error: {e}", file=sys.stderr)
-        return 2
-    except RunStopped as e:
-        if is_main():
-            print(f"simple_rl: {e}", file=sys.stderr)
-        return e.code
+        yield calls
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        for h in handles:
+            h.remove()
+
+
+def concat_calls(calls: dict[str, list[list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
+    """Rows of every call (prefill, then each decode step) joined: one trace per op."""
+    return {k: [torch.cat(parts) for parts in zip(*v)] for k, v in calls.items()}
+
+
+def compare_traces(ours: dict[str, list[torch.Tensor]], theirs: dict[str, list[torch.Tensor]],
+                   order: list[str]) -> list[dict]:
+    """Per op: elements that differ bitwise, and the max |delta| (tensors seen as (rows, -1))."""
+    rows = []
+    for name in (n for n in order if n in ours and n in theirs):
+        pairs = [(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+                 for a, b in zip(ours[name], theirs[name])]
+        if any(a.shape != b.shape for a, b in pairs):
+            shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in pairs]
+            rows.append(dict(op=name, n_diff=-1, numel=0, max_abs=float("nan"),
+                             note=f"shapes differ: {shapes}"))
+            continue
+        differ = [(a != b) for a, b in pairs]
+        rows.append(dict(op=name, n_diff=sum(int(d.sum()) for d in differ),
+                         numel=sum(a.numel() for a, _ in pairs),
+                         max_abs=max(float((a.float() - b.float()).abs().max()) for a, b in pairs),
+                         rows=sorted({int(i) for d in differ
+                                      for i in d.any(-1).nonzero()[:, 0].tolist()})[:8]))
+    return rows
+
+
+def first_divergence(rows: list[dict]) -> str | None:
+    return next((r["op"] for r in rows if r["n_diff"] != 0), None)
+
+
+def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperature: float,
+                 seed: int) -> tuple[list[dict], int]:
+    """Trainer vs vLLM on one generated sequence, op by op over prefill and decode rows.
+
+    Returns the per-op rows (print with `format_debug`) and how many generated tokens'
+    logprobs differ.
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    names = trace_names(model.args.n_layers)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                            logprobs=0, detokenize=False)
+    llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
+    theirs_by_module = {v: k for k, v in names}
+    stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
+    calls = llm.apply_model(lambda m: stack.enter_context(recording(m, theirs_by_module)))[0]
+    try:
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        stack.close()
+    theirs = concat_calls(calls)
+    vllm_lp = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+    full = pack([prompt], [list(out.token_ids)])
+    # vLLM never feeds the last sampled token: drop it from the trainer's input too
+    fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],
+                              cu_seqlens=full.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32),
+                              max_seqlen=full.max_seqlen - 1)
+    fed = fed.to(model.norm.weight.device)
+    with recording(model, {ours: ours for ours, _ in names}) as ours_calls, torch.no_grad():
+        logp, _ = model(fed, temperature)
+    ours = concat_calls(ours_calls)
+    want = torch.tensor(vllm_lp, dtype=torch.float32).view(torch.int32)
+    n_bad = int((want != logp.cpu().view(torch.int32)).sum())
+    return compare_traces(ours, theirs, [n for n, _ in names]), n_bad
+
+
+def format_debug(rows: list[dict]) -> str:
+    lines = [f"{'op':<36} {'differ':>10} {'of':>10} {'max |delta|':>12}"]
+    for r in rows:
+        lines.append(f"{r['op']:<36} {r['n_diff']:>10} {r['numel']:>10} {r['max_abs']:>12.3g} "
+                     f"{r.get('note', '')}{r.get('rows') or ''}")
+    first = first_divergence(rows)
+    lines.append(f"first divergence: {first}" if first else
+                 "no divergence: every traced op is bitwise equal")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
