@@ -1848,6 +1848,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     memory = f" | {memory} (estimate)" if memory else ""
     print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
            f"{kernels.name} | micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
+    if kernels.name == "reference":
+        print0("reference kernels are plain PyTorch, not vLLM's: differing tokens in the parity "
+               "line are expected (only --kernels vllm on a GPU is bitwise)")
     return trainer, start, run_dir, files.path
 
 
