@@ -202,8 +202,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # ==========================================================================
 # Model: Qwen3 that computes exactly what vLLM computes
 # ==========================================================================
-
-
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
 # Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
 # it computes with are exactly those pushed into vLLM. A linear layer's kernel makes that cast
@@ -476,8 +474,6 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
 # ==========================================================================
 # Load & convert: HF Qwen3 checkpoint <-> trainer (vLLM layout)
 # ==========================================================================
-
-
 # The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
 # gate/up fused into one. TorchTitan's adapter maps HF <-> TorchTitan names; this table fuses
 # TorchTitan's parts (concatenated on dim 0, in order).
@@ -516,27 +512,6 @@ def load_model_files(cfg: Config) -> ModelFiles:
     need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
          f"do not fit the model's vocab of {args.vocab_size}.")
     return ModelFiles(path, args, tokenizer, eos_ids)
-
-
-def resolve_checkpoint(name: str) -> Path:
-    """A local directory as is; a hub id is fetched (weights, config, tokenizer) into the HF
-    cache, by each host's first rank, then found in the cache by the others."""
-    if looks_like_path(name):
-        return Path(name).expanduser()
-    from huggingface_hub import snapshot_download
-
-    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    try:
-        if not local_first:
-            barrier()
-        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt",
-                                                           "*.jinja"]))
-    except Exception as e:  # offline, unknown repo, gated, ...
-        raise ConfigError(f"could not fetch {name!r} from the Hugging Face hub "
-                          f"({type(e).__name__}); pass a local directory with --model.") from e
-    if local_first:
-        barrier()
-    return path
 
 
 def read_qwen3_config(path: Path):
@@ -590,65 +565,6 @@ def model_args_from_hf(hf):
         max_seq_len=hf.max_position_embeddings,
         enable_weight_tying=bool(hf.tie_word_embeddings),
     )
-
-
-def check_weight_headers(path: Path, args) -> None:
-    """Open every safetensors header and check names, shapes and dtypes against config.json.
-
-    Reads headers only (seconds even at 8B); a truncated or garbage file fails here, before any
-    slow start.
-    """
-    from safetensors import safe_open
-
-    found: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name in weight_files(path):
-        file = path / name
-        need(file.is_file(), f"{file} is listed in the index but missing.")
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    piece = f.get_slice(key)
-                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
-                              "or re-save the checkpoint.") from e
-    want = expected_hf_shapes(args)
-    found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
-    if args.enable_weight_tying:
-        found.pop("lm_head.weight", None)
-    missing = sorted(set(want) - set(found))
-    extra = sorted(set(found) - set(want))
-    need(not missing, f"{path}: weights missing for config.json's model: {', '.join(missing[:4])}"
-         f"{' ...' if len(missing) > 4 else ''}.")
-    need(not extra, f"{path}: weights config.json's model does not have: {', '.join(extra[:4])}"
-         f"{' ...' if len(extra) > 4 else ''}.")
-    for key, shape in want.items():
-        need(found[key][0] == shape, f"{path}: {key} has shape {list(found[key][0])}, "
-             f"config.json implies {list(shape)}.")
-        need(found[key][1] in ("BF16", "F16", "F32"), f"{path}: {key} is {found[key][1]}; "
-             "simple_rl reads bf16, fp16 or fp32 weights.")
-
-
-def weight_files(path: Path) -> list[str]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{index} is not a valid safetensors index ({e}).") from e
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    need(bool(files), f"{path} has no *.safetensors weights (.bin checkpoints are not supported; "
-         "re-save with safe_serialization=True).")
-    return files
-
-
-def expected_hf_shapes(args) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device)."""
-    with torch.device("meta"):
-        model = Qwen3(args, bib.reference_kernels(), torch.float32)
-    state = trainer_to_hf(model.state_dict(), args)
-    return {k: tuple(v.shape) for k, v in state.items()}
 
 
 def load_tokenizer(path: Path, args):
@@ -1567,104 +1483,6 @@ def score_on_every_rank(trainer: Trainer, texts: list[str], answers: list[str],
     return rewards
 
 
-def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
-                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
-                 times: tuple[float, float, float]) -> dict[str, float]:
-    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
-    from their summed token sums, and reward and length statistics over every sample, taken
-    in the step's prompt order (so they equal a single process's)."""
-    G = cfg.group_size
-    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
-    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
-                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
-                   rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
-    every = in_prompt_order(all_gather_objects(per_prompt))
-    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
-    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss in every for s in ss]
-    return {
-        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg, "kl_div": kl,
-        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
-        "grad_norm": float(grad_norm),
-        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-        "completion_len_mean": lens.mean().item(),
-        "completion_stopped_frac": sum(stopped) / len(stopped),
-        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
-        "determinism/max_abs_diff": parity.max_abs_diff,
-        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
-    }
-
-
-def in_prompt_order(per_rank: list[list]) -> list:
-    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
-    out = []
-    for j in range(max(len(x) for x in per_rank)):
-        out += [x[j] for x in per_rank if j < len(x)]
-    return out
-
-
-def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
-                  per_param: bool) -> dict[str, float]:
-    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
-
-    Reconstructed from the optimizer's state, without a copy of the old weights:
-        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
-    One parameter's temporaries at a time; local shards summed over ranks.
-    """
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    wd = group["weight_decay"]
-    eps = group["eps"]
-    b1, b2 = group["betas"]
-    if not optimizer.state:
-        return {}
-    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
-    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
-    index = {k: i for i, k in enumerate(keys)}
-    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
-    for name, p in named.items():
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
-        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
-        old = (w + step) / (1 - lr * wd)
-        row = torch.stack([(w - old).square().sum(), old.square().sum()])
-        sq[index[layer_of(name)]] += row
-        if per_param:
-            sq[index[name]] += row
-    sq = all_reduce(sq).sqrt().tolist()  # one host sync
-    out = {}
-    for key, (delta, old) in zip(keys, sq):
-        out[f"weight_delta/{key}/magnitude"] = delta
-        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
-    return out
-
-
-def layer_of(name: str) -> str:
-    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-
-
-def device_in_use(device: torch.device) -> int:
-    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
-def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
-    """GiB per GPU, the largest over ranks: in use after the rollout and after the update, and
-    the PyTorch allocator's peak (trainer tensors; vLLM's sleep-mode pool is not in it)."""
-    peak = torch.cuda.max_memory_allocated(device)
-    gib = all_reduce(torch.tensor([*in_use, peak], dtype=torch.float64, device=device),
-                     dist.ReduceOp.MAX) / 2**30
-    return {"memory/in_use_gib": gib[:-1].max().item(), "memory/peak_allocated_gib": gib[-1].item()}
-
-
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     """Greedy (T = 0) mean reward on the held-out problems, over every rank: for a 0/1 reward,
     the accuracy of the weights after `step` updates. Logged to TensorBoard at `step`."""
@@ -1769,6 +1587,104 @@ def format_duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
+                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
+                 times: tuple[float, float, float]) -> dict[str, float]:
+    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
+    from their summed token sums, and reward and length statistics over every sample, taken
+    in the step's prompt order (so they equal a single process's)."""
+    G = cfg.group_size
+    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
+                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
+                   rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
+    every = in_prompt_order(all_gather_objects(per_prompt))
+    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss in every for s in ss]
+    return {
+        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg, "kl_div": kl,
+        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
+        "grad_norm": float(grad_norm),
+        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        "completion_len_mean": lens.mean().item(),
+        "completion_stopped_frac": sum(stopped) / len(stopped),
+        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
+        "determinism/max_abs_diff": parity.max_abs_diff,
+        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
+    }
+
+
+def in_prompt_order(per_rank: list[list]) -> list:
+    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
+    out = []
+    for j in range(max(len(x) for x in per_rank)):
+        out += [x[j] for x in per_rank if j < len(x)]
+    return out
+
+
+def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
+                  per_param: bool) -> dict[str, float]:
+    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
+
+    Reconstructed from the optimizer's state, without a copy of the old weights:
+        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
+    One parameter's temporaries at a time; local shards summed over ranks.
+    """
+    group = optimizer.param_groups[0]
+    lr = group["lr"]
+    wd = group["weight_decay"]
+    eps = group["eps"]
+    b1, b2 = group["betas"]
+    if not optimizer.state:
+        return {}
+    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
+    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
+    index = {k: i for i, k in enumerate(keys)}
+    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
+    for name, p in named.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
+        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+        old = (w + step) / (1 - lr * wd)
+        row = torch.stack([(w - old).square().sum(), old.square().sum()])
+        sq[index[layer_of(name)]] += row
+        if per_param:
+            sq[index[name]] += row
+    sq = all_reduce(sq).sqrt().tolist()  # one host sync
+    out = {}
+    for key, (delta, old) in zip(keys, sq):
+        out[f"weight_delta/{key}/magnitude"] = delta
+        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
+    return out
+
+
+def layer_of(name: str) -> str:
+    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def device_in_use(device: torch.device) -> int:
+    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
+    """GiB per GPU, the largest over ranks: in use after the rollout and after the update, and
+    the PyTorch allocator's peak (trainer tensors; vLLM's sleep-mode pool is not in it)."""
+    peak = torch.cuda.max_memory_allocated(device)
+    gib = all_reduce(torch.tensor([*in_use, peak], dtype=torch.float64, device=device),
+                     dist.ReduceOp.MAX) / 2**30
+    return {"memory/in_use_gib": gib[:-1].max().item(), "memory/peak_allocated_gib": gib[-1].item()}
 
 
 def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -1927,9 +1843,9 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 
 # ==========================================================================
 # The RL story ends here. What follows is plumbing a researcher need not read: config
-# parsing and validation, errors and exit codes, rank helpers, the vLLM patches, checkpoints
-# and resume, the run directory and export, the memory estimate, console filtering, stops
-# (signals, NaN, OOM) and the parity debugger.
+# parsing and validation, model-file checks, errors and exit codes, rank helpers, the vLLM
+# patches, checkpoints and resume, the run directory and export, the memory estimate, console
+# filtering, stops (signals, NaN, OOM) and the parity debugger.
 # ==========================================================================
 
 
@@ -2056,6 +1972,91 @@ def validate(cfg: Config) -> None:
 def looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or \
         name.count("/") != 1
+
+
+# ==========================================================================
+# Model files: checked before anything slow starts
+# ==========================================================================
+
+
+def resolve_checkpoint(name: str) -> Path:
+    """A local directory as is; a hub id is fetched (weights, config, tokenizer) into the HF
+    cache, by each host's first rank, then found in the cache by the others."""
+    if looks_like_path(name):
+        return Path(name).expanduser()
+    from huggingface_hub import snapshot_download
+
+    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    try:
+        if not local_first:
+            barrier()
+        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                           "*.jinja"]))
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ConfigError(f"could not fetch {name!r} from the Hugging Face hub "
+                          f"({type(e).__name__}); pass a local directory with --model.") from e
+    if local_first:
+        barrier()
+    return path
+
+
+def check_weight_headers(path: Path, args) -> None:
+    """Open every safetensors header and check names, shapes and dtypes against config.json.
+
+    Reads headers only (seconds even at 8B); a truncated or garbage file fails here, before any
+    slow start.
+    """
+    from safetensors import safe_open
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name in weight_files(path):
+        file = path / name
+        need(file.is_file(), f"{file} is listed in the index but missing.")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
+                              "or re-save the checkpoint.") from e
+    want = expected_hf_shapes(args)
+    found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
+    if args.enable_weight_tying:
+        found.pop("lm_head.weight", None)
+    missing = sorted(set(want) - set(found))
+    extra = sorted(set(found) - set(want))
+    need(not missing, f"{path}: weights missing for config.json's model: {', '.join(missing[:4])}"
+         f"{' ...' if len(missing) > 4 else ''}.")
+    need(not extra, f"{path}: weights config.json's model does not have: {', '.join(extra[:4])}"
+         f"{' ...' if len(extra) > 4 else ''}.")
+    for key, shape in want.items():
+        need(found[key][0] == shape, f"{path}: {key} has shape {list(found[key][0])}, "
+             f"config.json implies {list(shape)}.")
+        need(found[key][1] in ("BF16", "F16", "F32"), f"{path}: {key} is {found[key][1]}; "
+             "simple_rl reads bf16, fp16 or fp32 weights.")
+
+
+def weight_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is not a valid safetensors index ({e}).") from e
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    need(bool(files), f"{path} has no *.safetensors weights (.bin checkpoints are not supported; "
+         "re-save with safe_serialization=True).")
+    return files
+
+
+def expected_hf_shapes(args) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device)."""
+    with torch.device("meta"):
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+    state = trainer_to_hf(model.state_dict(), args)
+    return {k: tuple(v.shape) for k, v in state.items()}
 
 
 # ==========================================================================
@@ -2306,8 +2307,6 @@ def route_vllm_seeded_sampling_through_one_kernel() -> None:
 # ==========================================================================
 # Checkpoints & resume
 # ==========================================================================
-
-
 # checkpoints/step_NNNNNN/ (NNNNNN: the step to run next) holds
 #   model/           the weights in HF format (bf16): loadable by transformers and vLLM
 #   trainer/         fp32 masters + AdamW state: torch.distributed.checkpoint, a shard per rank
@@ -3213,8 +3212,6 @@ def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
 # ==========================================================================
 # Parity debugger: trainer vs vLLM's own model, op by op, on one sequence
 # ==========================================================================
-
-
 # Trainer module (per layer) -> the vLLM module of the same role, in execution order. Both
 # sides are recorded by forward hooks. vLLM shares one rotary module across layers, so the
 # rotation is checked through `attn`.
