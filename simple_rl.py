@@ -943,22 +943,20 @@ def read_rows(data_files: str, task: str):
     except ImportError as e:
         raise ConfigError(f"--task {task} needs the `datasets` package: pip install "
                           "datasets.") from e
+    file = Path(data_files).expanduser()
+    kind = "parquet" if data_files.endswith(".parquet") else "json"
     try:
         if data_files:
-            need(Path(data_files).expanduser().is_file(), f"--data-files {data_files!r} is not "
-                 "a file.")
-            need(Path(data_files).expanduser().stat().st_size > 0, f"--data-files "
-                 f"{data_files!r} is empty.")
-            kind = "parquet" if data_files.endswith(".parquet") else "json"
-            rows = datasets.load_dataset(kind, data_files=str(Path(data_files).expanduser()),
-                                         split="train")
+            need(file.is_file(), f"--data-files {data_files!r} is not a file.")
+            need(file.stat().st_size > 0, f"--data-files {data_files!r} is empty.")
+            rows = datasets.load_dataset(kind, data_files=str(file), split="train")
         else:
             rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
     except ConfigError:
         raise
     except Exception as e:
         if data_files:  # a local file: its content, not the network, is the problem
-            kind = "parquet" if data_files.endswith(".parquet") else "jsonl"
+            kind = "parquet" if kind == "parquet" else "jsonl"
             cause = e
             while cause.__cause__ is not None:  # datasets wraps the parser's own error
                 cause = cause.__cause__
@@ -972,6 +970,11 @@ def read_rows(data_files: str, task: str):
          f"{rows.column_names}; {'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' "
          "and 'answer'.")
     need(len(rows) > 0, f"{source} has no rows.")
+    bad = next(((i, q) for i, q in enumerate(rows["question"])
+                if not isinstance(q, str) or q.strip() == ""), None)
+    if bad is not None:  # null or blank: it would be trained on as the text "None" or ""
+        raise ConfigError(f"{source}: row {bad[0]} has a question that is not text "
+                          f"({str(bad[1])[:60]!r}).")
     return rows
 
 
@@ -984,8 +987,6 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
     source = data_files or "GSM8K"
     out = []
     for q, a in zip(rows["question"], rows["answer"]):
-        need(isinstance(q, str) and q.strip() != "", f"{source}: a question that is not text: "
-             f"{str(q)[:60]!r}.")
         need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
              f"'#### <number>': {str(a)[:60]!r}.")
         out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
@@ -998,8 +999,6 @@ def jsonl_problems(data_files: str) -> list[Problem]:
     rows = read_rows(data_files, "jsonl")
     out = []
     for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
-        need(isinstance(q, str) and q.strip() != "", f"{data_files}: row {i} has no question "
-             f"text (got {q!r}).")
         need(isinstance(a, (str, int, float)) and not isinstance(a, bool), f"{data_files}: row "
              f"{i} has no answer text or number (got {a!r}).")
         out.append(Problem(q, str(a)))
@@ -1055,11 +1054,11 @@ def load_task(cfg: Config, tokenizer) -> Task:
         problems, heldout = split_heldout(read(cfg.data_files), cfg.eval_size, source)
     prompt_ids = format_prompts(problems, tokenizer, cfg)
     eval_ids = format_prompts(heldout, tokenizer, cfg)
-    longest = max(map(len, prompt_ids + eval_ids))
-    need(longest + cfg.max_new_tokens <= cfg.max_model_len, f"the longest prompt has {longest} "
-         f"tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds --max-model-len "
-         f"{cfg.max_model_len}.")
-    need(min(map(len, prompt_ids + eval_ids)) > 0, "a prompt encodes to no tokens.")
+    lengths = [len(p) for p in prompt_ids + eval_ids]
+    need(max(lengths) + cfg.max_new_tokens <= cfg.max_model_len, f"the longest prompt has "
+         f"{max(lengths)} tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds "
+         f"--max-model-len {cfg.max_model_len}.")
+    need(min(lengths) > 0, "a prompt encodes to no tokens.")
     return Task(problems, prompt_ids, heldout, eval_ids)
 
 
@@ -1114,6 +1113,7 @@ class RewardError(RuntimeError):
         super().__init__(what)
         self.sample = sample  # index among this rank's samples of the step
         self.completion = completion
+        self.where = f"sample {sample}"  # the caller names it better: see score_on_every_rank
 
     def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
         return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
@@ -1475,11 +1475,12 @@ def score_on_every_rank(trainer: Trainer, texts: list[str], answers: list[str],
     except RewardError as e:
         rewards, failure = None, e
         e.where = where(e.sample)
-    failed = all_reduce(torch.tensor([failure is not None], device=trainer.ranks.device).int(),
-                        dist.ReduceOp.MAX)
-    if int(failed):
-        first = next(f for f in all_gather_objects(failure) if f is not None)
-        raise first
+    if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
+        flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
+        if int(all_reduce(flag, dist.ReduceOp.MAX)):
+            failure = next(f for f in all_gather_objects(failure) if f is not None)
+    if failure is not None:
+        raise failure
     return rewards
 
 

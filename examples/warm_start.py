@@ -57,10 +57,9 @@ CHAT_TEMPLATE = (
 QUESTION = re.compile(r"What is (\d+) ([-+*]) (\d+) ([-+]) (\d+)\?")
 
 
-def direct_answer(question: str) -> str:
+def direct_answer(problem: rl.Problem) -> str:
     """The guess: the value at once, no steps (a small model gets few of these right)."""
-    a, op1, b, op2, c = QUESTION.match(question).groups()
-    return f"Answer: {rl.ARITH[op2](rl.ARITH[op1](int(a), int(b)), int(c))}"
+    return f"Answer: {problem.answer}"
 
 
 def worked_solution(question: str) -> str:
@@ -136,19 +135,17 @@ def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, format_p
     """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only.
     direct[i]: problem i is answered at once, else worked out step by step."""
     prompts = format_prompts(problems)  # (B, P_b): the ids simple_rl's prompts have
-    texts = [direct_answer(p.question) if d else worked_solution(p.question)
+    from torch.nn.utils.rnn import pad_sequence
+
+    texts = [direct_answer(p) if d else worked_solution(p.question)
              for p, d in zip(problems, direct)]
     answers = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
-    rows = [(p, c + [eos]) for p, c in zip(prompts, answers)]
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # (B, L)
-    labels = torch.full((len(rows), width), -100)  # (B, L)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-        mask[i, : len(p) + len(c)] = 1
+    seqs = [torch.tensor(p + c + [eos]) for p, c in zip(prompts, answers)]
+    targets = [torch.tensor([-100] * len(p) + c + [eos]) for p, c in zip(prompts, answers)]
+    ids = pad_sequence(seqs, batch_first=True, padding_value=tokenizer.pad_token_id)  # (B, L)
+    labels = pad_sequence(targets, batch_first=True, padding_value=-100)  # (B, L)
+    mask = pad_sequence([torch.ones_like(t) for t in seqs], batch_first=True)  # (B, L)
     return ids.to(device), mask.to(device), labels.to(device)
 
 

@@ -88,14 +88,17 @@ def test_a_bad_reward_spec_is_one_sentence(ckpt, tmp_path, capsys, spec, expecte
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("value, expected", [("raise ValueError('boom')", "raised ValueError: boom"),
-                                             ("return float('inf')", "returned inf")])
+@pytest.mark.parametrize("value, expected", [
+    ("raise ValueError('boom')", "raised ValueError: boom"),
+    ("return float('inf')", "returned inf"),
+])
 def test_a_reward_that_fails_mid_run_stops_naming_the_sample(ckpt, tmp_path, capsys, value,
                                                               expected):
     """It passes the first call on '' and fails once training has begun: exit 7, the sample
     and its completion named, the last checkpoint kept and resumable."""
+    # calls: the probe, the first eval (4 problems), 2 steps of 2 x 3 samples; then it fails
     fn = write(tmp_path / "late.py", "CALLS = [0]\n\ndef score(completion, answer):\n"
-               "    CALLS[0] += 1\n    if CALLS[0] > 1 + 4 + 2 * 6:  # the probe, the eval, 2 steps\n"
+               "    CALLS[0] += 1\n    if CALLS[0] > 1 + 4 + 2 * 6:\n"
                f"        {value}\n    return 0.0\n")
     argv = cpu_argv(ckpt(), tmp_path / "runs", steps=4, save_every=1, run_name="late",
                     reward=f"{fn}:score")
@@ -168,6 +171,6 @@ def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
     problems = rl.arithmetic_problems(300, 5)
     for p in problems:
         assert rl.reward(warm_start.worked_solution(p.question), p.answer) == 1.0
-        assert rl.reward(warm_start.direct_answer(p.question), p.answer) == 1.0
+        assert rl.reward(warm_start.direct_answer(p), p.answer) == 1.0
     text = tok.decode(rl.format_prompts(problems[:1], tok, rl.Config())[0])
     assert text.startswith("<|im_start|>user\nWhat is ") and text.endswith("</think>\n\n")
