@@ -257,8 +257,8 @@ def measure(
         }[design]
     engine = engine_factory(cfg, files, ranks)
     if design == "d":
-        trainer = HFTrainer(files.path, cfg, ranks.device)
-        engine.push(trainer.weights())
+        hf_trainer = HFTrainer(files.path, cfg, ranks.device)
+        engine.push(hf_trainer.weights())
         model = optimizer = None
     else:
         kernels = (
@@ -274,7 +274,7 @@ def measure(
         )
         engine.push(rl.hf_weights(model))
         optimizer = rl.make_optimizer(model, cfg)
-        trainer = None
+        hf_trainer = None
     vocab = min(files.args.vocab_size, len(files.tokenizer))
     prompts = workload_prompts(prompts_n, prompt_len, vocab, 0)
     packed_micro_batches = rl.micro_batches
@@ -283,27 +283,19 @@ def measure(
             range(i, i + 1) for i in range(len(lengths))
         ]
     try:
-        rows = [
-            one_step(
-                step,
-                step < warmup,
-                design,
-                engine,
-                model,
-                optimizer,
-                trainer,
-                prompts,
-                cfg,
-                ranks,
-                files.args,
-            )
-            for step in range(warmup + steps)
-        ]
+        if design == "d":
+            rows = [user_step(step, step < warmup, engine, hf_trainer, prompts, cfg, ranks,
+                              files) for step in range(warmup + steps)]
+        else:
+            trainer = bench_trainer(cfg, Recording(engine), model, optimizer, files, ranks,
+                                    prompts)
+            rows = [timed_rl_step(trainer, step, step < warmup, files.args)
+                    for step in range(warmup + steps)]
         if profile_to and design in "ab":
             profile_train_step(model, optimizer, prompts, engine, cfg, ranks, profile_to)
     finally:
         rl.micro_batches = packed_micro_batches
-    out = summarize(rows, design, ranks.world, trainer.attn if trainer else "fa3-varlen")
+    out = summarize(rows, design, ranks.world, hf_trainer.attn if hf_trainer else "fa3-varlen")
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
     if ranks.world > 1:
         out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
@@ -359,12 +351,63 @@ def device_used_gib(ranks) -> float:
     return float(rl.all_reduce(used, rl.dist.ReduceOp.MAX))
 
 
-def one_step(
-    step, warmup, design, engine, model, optimizer, trainer, prompts, cfg, ranks, args
-) -> dict:
-    """rollout -> update with the parity check -> push, each phase on a synchronised clock.
+def stand_in_reward(completion: str, answer: str) -> float:
+    """A reward that needs no task: 1 for a completion whose text has an even length. Random
+    tokens give both kinds in a group, so the advantages, and the update, are not zero."""
+    return float(len(completion) % 2 == 0)
+
+
+def bench_trainer(cfg, engine, model, optimizer, files, ranks, prompts):
+    """simple_rl's own Trainer over the workload: the random prompts as the task's prompts,
+    scored by the stand-in reward."""
+    import simple_rl as rl
+
+    problems = [rl.Problem(f"prompt {i}", "") for i in range(len(prompts))]
+    task = rl.Task(problems, prompts, eval_problems=[], eval_prompt_ids=[])
+    return rl.Trainer(cfg, engine, files.tokenizer, model, None, optimizer, task, ranks,
+                      reward_fn=stand_in_reward)
+
+
+class Recording:
+    """An engine that keeps its last rollout: its lengths give the step's trained tokens."""
+
+    def __init__(self, engine):
+        self.engine, self.last = engine, None
+
+    def rollout(self, prompts, indices, step):
+        self.last = self.engine.rollout(prompts, indices, step)
+        return self.last
+
+    def __getattr__(self, name):  # sleep, push, greedy, llm: the engine's own
+        return getattr(self.engine, name)
+
+
+def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
+    """simple_rl's `rl_step` as it is, timed by the phases it already separates (rollout,
+    update with the parity check, push), with optimizer.step timed apart.
 
     Times are the slowest rank's; token counts are summed over ranks."""
+    import torch
+
+    import simple_rl as rl
+
+    dev = trainer.ranks.device
+    spent = time_optimizer(trainer.optimizer, dev)
+    sync(dev)
+    metrics, parity = rl.rl_step(trainer, step)
+    ro = trainer.engine.last
+    lens = [len(p) + len(c) for p, c in zip(ro.prompts, ro.completions)]
+    rollout_s, train_s, push_s = (metrics[f"time/{k}_s"] for k in ("rollout", "train", "push"))
+    local = torch.tensor([rollout_s, train_s - spent["s"], spent["s"], push_s,
+                          rollout_s + train_s + push_s], device=dev)
+    return step_row(step, warmup, local, lens, sum(map(len, ro.completions)), parity, args,
+                    trainer.ranks, len(trainer.task.prompt_ids) * trainer.cfg.group_size,
+                    metrics.get("memory/in_use_gib", 0.0))
+
+
+def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict:
+    """(d)'s step, which differs from simple_rl's by design (an HF trainer on padded batches):
+    rollout -> the same stand-in reward -> update with the parity count -> push."""
     import torch
 
     import simple_rl as rl
@@ -376,39 +419,38 @@ def one_step(
     ro = engine.rollout([prompts[i] for i in mine], mine, step)
     sync(dev)
     peak = device_used_gib(ranks)
-    engine.sleep()
     t1 = time.perf_counter()
     packed = rl.pack(ro.prompts, ro.completions)
-    # a stand-in reward: the fraction of even token ids in each completion, in one batched pass
-    B = len(ro.completions)
-    even = torch.bincount(packed.sample, (packed.targets % 2 == 0).double(), minlength=B)
-    rewards = (even / torch.bincount(packed.sample, minlength=B).clamp(min=1)).float()
+    texts = rl.decode(files.tokenizer, ro.completions)
+    rewards = rl.score(stand_in_reward, texts, [""] * len(texts))
     adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).to(dev)
-    n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, dev)
-    opt_s = 0.0
-    if design == "d":
-        logp = trainer.step(ro, adv, n_tokens)
-    else:
-        timed = time_optimizer(optimizer, dev)
-        _, _, logp = rl.train_step(
-            model, None, optimizer, packed, ro.logprobs.to(dev), adv, cfg, n_micro, n_tokens
-        )
-        opt_s = timed["s"]
+    _, n_tokens = rl.batch_over_ranks(packed, cfg, dev)
+    logp = trainer.step(ro, adv, n_tokens)
     parity = rl.parity_over_ranks(rl.parity_report(ro.logprobs, logp, packed.targets, 0), dev)
     sync(dev)
     peak = max(peak, device_used_gib(ranks))
     t2 = time.perf_counter()
-    engine.push(trainer.weights() if design == "d" else rl.hf_weights(model))
+    engine.push(trainer.weights())
     sync(dev)
     t3 = time.perf_counter()
     lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
-    local = torch.tensor([t1 - t0, t2 - t1 - opt_s, opt_s, t3 - t2, t3 - t0], device=dev)
+    local = torch.tensor([t1 - t0, t2 - t1, 0.0, t3 - t2, t3 - t0], device=dev)
+    return step_row(step, warmup, local, lens, len(logp), parity, files.args, ranks,
+                    len(prompts) * cfg.group_size, max(peak, device_used_gib(ranks)))
+
+
+def step_row(step, warmup, local, lens, n_generated, parity, args, ranks, samples,
+             peak_gib) -> dict:
+    """One step's row: times (rollout, fwd+bwd, optimizer, push, step) as the slowest rank's,
+    tokens and FLOPs summed over ranks (lens and n_generated are this rank's); printed as JSON
+    on rank 0."""
+    import torch
+
+    import simple_rl as rl
+
     times = rl.all_reduce(local, rl.dist.ReduceOp.MAX).tolist()
-    counts = rl.all_reduce(
-        torch.tensor(
-            [sum(lens), flops_per_step(args, lens, len(logp))], device=dev, dtype=torch.float64
-        )
-    ).tolist()
+    counts = rl.all_reduce(torch.tensor([sum(lens), flops_per_step(args, lens, n_generated)],
+                                        device=ranks.device, dtype=torch.float64)).tolist()
     row = dict(
         step=step,
         warmup=warmup,
@@ -419,10 +461,10 @@ def one_step(
         step_s=times[4],
         generated_tokens=parity.n_tokens,
         trained_tokens=int(counts[0]),
-        samples=len(prompts) * cfg.group_size,
+        samples=samples,
         mismatched=parity.n_mismatch,
         flops=counts[1],
-        peak_gib=max(peak, device_used_gib(ranks)),
+        peak_gib=peak_gib,
     )
     if ranks.main:
         print(json.dumps(row), flush=True)

@@ -48,7 +48,7 @@ def test_plain_attention_matches_reference():
     )
 
 
-def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
+def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path, monkeypatch):
     kw = dict(
         steps=1,
         warmup=1,
@@ -61,6 +61,9 @@ def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
         device_type="cpu",
     )
     packed = rl.micro_batches
+    steps_run = []  # the benchmark times simple_rl's own step, not a copy of it
+    real_step = rl.rl_step
+    monkeypatch.setattr(rl, "rl_step", lambda t, s: steps_run.append(s) or real_step(t, s))
     results = [
         bench_rl.measure(d, str(ckpt()), **kw, profile_to=tmp_path / f"{d}.txt") for d in "ac"
     ]
@@ -69,6 +72,7 @@ def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path):
     assert "== update (1 micro-batches): wall " in profile
     assert "aten::mm" in profile.split("== update")[1]  # the profile names the costly ops
     assert rl.micro_batches is packed  # design c's per-sample patch is undone
+    assert steps_run == [0, 1, 0, 1]  # warm-up and measured step of a, then of c
     for r in results:
         assert r["generated_tokens"] == 2 * 2 * 4 and r["trained_tokens"] == 4 * (6 + 4)
         assert r["samples"] == 4 and r["samples_s"] > 0 and r["nproc"] == 1
