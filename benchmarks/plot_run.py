@@ -3,10 +3,10 @@
     python benchmarks/plot_run.py runs/RUN --out curves.png      (needs matplotlib)
     python benchmarks/plot_run.py runs/RUN --charts reward,held-out --out learning.png
 
-The charts of the Custom Scalars dashboard simple_rl writes (reward, loss, KL, entropy,
-mismatched tokens, step time, GPU memory, completion length, grad norm), read from the same
-layout, so the picture and the dashboard never disagree. A chart with no data in the run (GPU
-memory on CPU, say) is left out.
+The first group of charts on the Custom Scalars dashboard simple_rl writes (reward, held-out
+accuracy, loss, KL, entropy, the mismatched-token total, step time), read from the same
+layout, so the picture and the dashboard never disagree. A chart with no data in the run (the
+held-out accuracy without an eval, say) is left out.
 """
 
 from __future__ import annotations

@@ -83,3 +83,43 @@ def test_expected_vllm_warnings_are_dropped_and_others_kept():
 def test_durations_read_like_a_clock():
     assert [rl.format_duration(s) for s in (0, 9.6, 61, 3599, 3600 * 2 + 65)] == \
         ["0s", "10s", "1m01s", "59m59s", "2h01m"]
+
+
+class OneOff(TorchEngine):
+    """The stand-in engine with one token's logprob off per step: a known mismatch."""
+
+    def rollout(self, prompts, indices, step):
+        ro = super().rollout(prompts, indices, step)
+        ro.logprobs[0] += 0.5
+        return ro
+
+
+def test_reference_kernels_say_once_that_tokens_may_differ(ckpt, tmp_path, capsys):
+    """Differences are expected with reference kernels: one note at the start, no
+    `identical=no` line and no table each step; the step line still counts them."""
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=3, save_every=0, eval_size=0)
+    assert main_cpu(argv, OneOff) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sum("only --kernels vllm on a GPU is bitwise" in line for line in out) == 1
+    assert not [line for line in out if line.startswith("parity:")]
+    assert not [line for line in out if line.split()[:2] == ["token", "vllm"]]
+    steps = [line for line in out if line.startswith("step ")]
+    assert len(steps) == 3 and all(re.search(r"mismatched [1-9]\d*/", s) for s in steps)
+
+
+def test_the_mismatch_total_runs_across_a_resume(ckpt, tmp_path):
+    """determinism/mismatched_tokens_total (the dashboard's chart): once off 0, never back,
+    and a resume continues it from the steps before its checkpoint."""
+    import itertools
+    import json
+
+    runs = tmp_path / "runs"
+    assert main_cpu(cpu_argv(ckpt(), runs, steps=3, save_every=2, eval_size=0,
+                             run_name="r"), OneOff) == 0
+    step2 = runs / "r" / "checkpoints" / "step_000002"
+    assert main_cpu(["--resume", str(step2), "--steps", "4"], OneOff) == 0
+    rows = [json.loads(x) for x in (runs / "r" / "metrics.jsonl").read_text().splitlines()]
+    per_step = [r["determinism/mismatched_tokens"] for r in rows]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and min(per_step) >= 1
+    assert [r["determinism/mismatched_tokens_total"] for r in rows] == list(
+        itertools.accumulate(per_step))

@@ -9,7 +9,8 @@ from helpers import TorchEngine, cpu_argv
 TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ratio_mean",
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
         "determinism/max_abs_diff", "completion_len_mean", "completion_stopped_frac",
-        "time/rollout_s", "time/train_s", "time/push_s"]
+        "time/rollout_s", "time/train_s", "time/push_s", "time/step_s",
+        "determinism/mismatched_tokens_total"]
 GPU_TAGS = ["memory/in_use_gib", "memory/peak_allocated_gib"]  # logged on CUDA only
 EVAL_TAGS = ["eval/accuracy", "eval/completion_len_mean", "time/eval_s"]  # logged by evaluate
 
@@ -103,12 +104,15 @@ def test_parity_report_flags_nan():
     assert rep.n_mismatch == 1
 
 
-def test_custom_scalars_layout_names_logged_tags():
-    layout = rl.tensorboard_layout()["simple_rl"]
-    tags = {t for _, (_, ts) in layout.items() for t in ts}
-    assert tags <= set(TAGS) | set(GPU_TAGS) | set(EVAL_TAGS)
-    assert {"reward_mean", "eval/accuracy", "loss", "kl_div", "entropy",
-            "determinism/mismatched_tokens", "time/rollout_s"} <= tags
+def test_custom_scalars_layout_names_logged_tags_one_per_chart():
+    layout = rl.tensorboard_layout()
+    charts = [c for category in layout.values() for c in category.values()]
+    assert all(len(tags) == 1 for _, tags in charts)  # TensorBoard shows no legend
+    tags = [ts[0] for _, ts in charts]
+    assert len(tags) == len(set(tags)) and set(tags) <= set(TAGS) | set(GPU_TAGS) | set(EVAL_TAGS)
+    first = [ts[0] for _, ts in layout["simple_rl"].values()]
+    assert first == ["reward_mean", "eval/accuracy", "loss", "kl_div", "entropy",
+                     "determinism/mismatched_tokens_total", "time/step_s"]
 
 
 def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(monkeypatch):
