@@ -135,3 +135,27 @@ def test_gsm8k_errors_are_one_sentence(ckpt, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     assert "--task gsm8k needs the `datasets` package" in err(base + ["--data-files", str(bad)])
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_unreachable_hub_is_one_sentence_within_seconds(ckpt, tmp_path, capsys, monkeypatch):
+    """GSM8K from the hub with no network: the error at once, not after 30 s of retries;
+    a hub model id the same (HF_HUB_OFFLINE=1 behaves as no network)."""
+    import socket
+    import time
+
+    def no_network(*a, **k):
+        raise OSError("Name or service not known")
+
+    path = ckpt()
+    capsys.readouterr()
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    t0 = time.perf_counter()
+    assert main_cpu(cpu_argv(path, tmp_path / "runs", task="gsm8k")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert time.perf_counter() - t0 < 10
+    assert err == ["simple_rl: error: could not load GSM8K (openai/gsm8k): the hub cannot be "
+                   "reached and it is not in the cache; download it and pass --data-files."]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main_cpu(["--model", "Qwen/Qwen3-0.6B", "--log-dir", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not fetch 'Qwen/Qwen3-0.6B'" in err[0]
