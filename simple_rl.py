@@ -1606,8 +1606,9 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
 def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
     memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
     held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    kl = f" | kl {m['kl_div']:.4f}" if "kl_div" in m else ""  # only with --kl-coef > 0
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
-            f"{m['loss']:+.4f} | kl {m['kl_div']:.4f} | ent {m['entropy']:.3f} | len "
+            f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f} | mismatched "
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
             f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
@@ -1636,7 +1637,8 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
     stopped = [s for _, _, ss in every for s in ss]
     return {
-        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg, "kl_div": kl,
+        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
+        **({"kl_div": kl} if cfg.kl_coef > 0 else {}),  # no reference model: no KL to show
         "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
         "grad_norm": float(grad_norm),
         "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
@@ -1821,7 +1823,7 @@ def tensorboard_layout() -> dict:
             ("reward (mean over the step's samples)", "reward_mean"),
             ("held-out accuracy (greedy)", "eval/accuracy"),
             ("loss", "loss"),
-            ("KL to the initial policy", "kl_div"),
+            ("KL to the initial policy (with --kl-coef > 0)", "kl_div"),
             ("entropy (nats per token)", "entropy"),
             # a running total: smoothing cannot hide a mismatch, and the line never comes back
             ("mismatched tokens, run total (must stay 0)", "determinism/mismatched_tokens_total"),

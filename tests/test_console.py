@@ -24,7 +24,7 @@ class ExactEngine(TorchEngine):
 
 STEP_LINE = re.compile(
     r"^step (\d+)/5 \| reward \d\.\d{3}( \| held-out \d\.\d{3})? \| loss [+-]\d\.\d{4} \| "
-    r"kl \d\.\d{4} \| ent \d+\.\d{3} \| "
+    r"(?:kl \d\.\d{4} \| )?ent \d+\.\d{3} \| "
     r"len \d+\.\d \| mismatched 0/\d+ \| rollout \d+\.\ds train \d+\.\ds push \d\.\d\ds \| "
     r"\d+\.\d s/step \| ETA \d+s$")
 
@@ -53,6 +53,8 @@ def test_step_line_shows_gpu_memory_when_measured():
                 "time/rollout_s": 1.0, "time/train_s": 2.0, "time/push_s": 0.03})
     plain = rl.format_step(0, 2, m, 3.0, 3.0)
     assert "GiB" not in plain and "push 0.03s | 3.0 s/step" in plain
+    assert " kl " not in rl.format_step(0, 2, {k: v for k, v in m.items() if k != "kl_div"},
+                                        3.0, 3.0)  # --kl-coef 0: no reference model, no KL
     m["memory/in_use_gib"] = 66.6
     assert "push 0.03s | 67 GiB | 3.0 s/step | ETA 3s" in rl.format_step(0, 2, m, 3.0, 3.0)
 
