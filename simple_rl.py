@@ -1271,12 +1271,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     """
     device = old_logp.device
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
-    # (batch, its targets' slice of the N, its samples' range of the B, loss weight)
-    parts = [(*sub_pack(packed, g), g, 1.0) for g in plan_micro_batches(packed, cfg)]
-    n_micro = len(parts) if n_micro is None else n_micro
-    padding = (*sub_pack(packed, range(0, 1)), range(0, 1), 0.0)  # runs the collectives only
-    parts += [padding] * (n_micro - len(parts))
-    parts = [(batch.to(device), owned, samples, w) for batch, owned, samples, w in parts]
+    parts = micro_batch_parts(packed, cfg, n_micro, device)
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
     # rank's part is scaled by the world size (a power of two: exact).
     scale = world_size() / n_tokens
@@ -1285,40 +1280,13 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     grad_norm = torch.zeros((), device=device)
     first_logp = logps
     for update in range(cfg.updates_per_batch):
-        # forward + backward of every micro-batch; gradients accumulate in fp32
         optimizer.zero_grad(set_to_none=True)
-        loss_total = torch.zeros((), device=device)
-        with weights_cast_once(model):  # the weights do not change until the step below
-            for batch, owned, samples, weight in parts:
-                logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-                adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
-                pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
-                kl = torch.zeros_like(logp)
-                if cfg.kl_coef > 0:
-                    with torch.no_grad():
-                        ref_logp, _ = ref_model(batch, cfg.temperature)
-                    kl = kl_k3(logp, ref_logp)
-                loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
-                loss.backward()
-                if weight == 0:
-                    continue  # a padding micro-batch: its collectives ran, its numbers don't count
-                loss_total += loss.detach()
-                logps[owned] = logp.detach()
-                if update == 0:
-                    sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
-                                         clipped.sum()]).detach()
+        loss_total = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, scale,
+                                          logps, sums if update == 0 else None)
         # clip on the global norm; every rank agrees that all is finite before stepping
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
-                              torch.isfinite(norm)])
-        finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()  # one host sync
-        if not all(finite):
-            quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
-            bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
-            all_samples = sorted(set(packed.sample.tolist()))
-            raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
-                                 update, cfg.updates_per_batch)
+        check_finite(logps, loss_total, norm, packed, update, cfg.updates_per_batch)
         if update == 0:
             grad_norm = norm.detach()
             first_logp = logps.clone() if cfg.updates_per_batch > 1 else logps
@@ -1328,6 +1296,60 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
                                  cfg.updates_per_batch)
     optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the rollout's until next step
     return sums, grad_norm, first_logp
+
+
+def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None, device) -> list:
+    """(batch on `device`, its targets' slice of the N, its samples' range of the B, loss
+    weight) per micro-batch, padded to n_micro with zero-weight copies of the first sample
+    (they run FSDP's collectives only)."""
+    parts = [(*sub_pack(packed, g), g, 1.0) for g in plan_micro_batches(packed, cfg)]
+    n_micro = len(parts) if n_micro is None else n_micro
+    padding = (*sub_pack(packed, range(0, 1)), range(0, 1), 0.0)
+    parts += [padding] * (n_micro - len(parts))
+    return [(batch.to(device), owned, samples, w) for batch, owned, samples, w in parts]
+
+
+def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Config,
+                         scale: float, logps, sums) -> torch.Tensor:
+    """Forward + backward of every micro-batch; gradients accumulate in fp32.
+
+    Fills logps (N,) with this pass's logprobs and, when given, adds the token sums of (pg,
+    kl, entropy, ratio, clipped) to sums (5,). Returns the summed loss (0-dim)."""
+    loss_total = torch.zeros((), device=old_logp.device)
+    with weights_cast_once(model):  # the weights do not change until the optimizer steps
+        for batch, owned, samples, weight in parts:
+            logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
+            adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
+            pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
+            kl = torch.zeros_like(logp)
+            if cfg.kl_coef > 0:
+                with torch.no_grad():
+                    ref_logp, _ = ref_model(batch, cfg.temperature)
+                kl = kl_k3(logp, ref_logp)
+            loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
+            loss.backward()
+            if weight == 0:
+                continue  # a padding micro-batch: its collectives ran, its numbers don't count
+            loss_total += loss.detach()
+            logps[owned] = logp.detach()
+            if sums is not None:
+                sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
+                                     clipped.sum()]).detach()
+    return loss_total
+
+
+def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: int) -> None:
+    """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
+    the gradient norm is not finite: before the optimizer steps, nothing has changed."""
+    finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
+                          torch.isfinite(norm)])
+    finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()
+    if not all(finite):
+        quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
+        bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
+        all_samples = sorted(set(packed.sample.tolist()))
+        raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
+                             update, updates)
 
 
 def weights_finite(model: nn.Module, device) -> bool:
@@ -1480,11 +1502,16 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
     if device.type == "cuda":
         metrics.update(memory_metrics(device, in_use))
-    if trainer.writer is not None:
-        for k, v in metrics.items():
-            trainer.writer.add_scalar(k, v, step)
-        trainer.writer.flush()
+    write_scalars(trainer.writer, metrics, step)
     return metrics, parity
+
+
+def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
+    """Each metric to TensorBoard at `step` (on rank 0; the other ranks have no writer)."""
+    if writer is not None:
+        for k, v in metrics.items():
+            writer.add_scalar(k, v, step)
+        writer.flush()
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
@@ -1528,10 +1555,7 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     total, length = (all_reduce(sums) / len(task.eval_problems)).tolist()
     metrics = {"eval/accuracy": total, "eval/completion_len_mean": length,
                "time/eval_s": time.perf_counter() - t0}
-    if trainer.writer is not None:
-        for k, v in metrics.items():
-            trainer.writer.add_scalar(k, v, step)
-        trainer.writer.flush()
+    write_scalars(trainer.writer, metrics, step)
     return metrics
 
 
@@ -1552,7 +1576,6 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     """
     cfg = trainer.cfg
     device = trainer.ranks.device
-    bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
     with writing(run_dir / "metrics.jsonl"):
         metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
     began, done = time.perf_counter(), 0
@@ -1564,17 +1587,8 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                     metrics, parity = rl_step(trainer, step)
                 metrics.update(evals)
                 done += 1
-                step_s = (time.perf_counter() - began) / done
-                if metrics_log is not None:
-                    row = {k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}
-                    metrics_log.write(json.dumps({"step": step, **row}) + "\n")
-                    metrics_log.flush()
-                if bitwise or not parity.n_mismatch:  # setup said once why they may differ
-                    if parity.n_mismatch or step % cfg.parity_every == 0 or step == start:
-                        print0(parity.table)
-                    print0(parity_line(parity))
-                print0(format_step(step, cfg.steps, metrics, step_s,
-                                   step_s * (cfg.steps - step - 1)))
+                report_step(trainer, step, step == start, metrics, parity, metrics_log,
+                            (time.perf_counter() - began) / done)
                 if cfg.strict_parity and parity.n_mismatch:
                     raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
                                      "mismatched tokens.", EXIT_PARITY)
@@ -1601,6 +1615,23 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
         if trainer.writer is not None:
             trainer.writer.close()
     return export_final(trainer, run_dir, source)
+
+
+def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, float],
+                parity: Parity, metrics_log, step_s: float) -> None:
+    """The step's row in metrics.jsonl (rank 0), its parity line (with the token table every
+    --parity-every steps, the run's first, and any that differs) and its step line."""
+    cfg = trainer.cfg
+    if metrics_log is not None:
+        row = {k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}
+        metrics_log.write(json.dumps({"step": step, **row}) + "\n")
+        metrics_log.flush()
+    bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
+    if bitwise or not parity.n_mismatch:  # with reference kernels setup said once why
+        if parity.n_mismatch or step % cfg.parity_every == 0 or first:
+            print0(parity.table)
+        print0(parity_line(parity))
+    print0(format_step(step, cfg.steps, metrics, step_s, step_s * (cfg.steps - step - 1)))
 
 
 def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
@@ -1757,23 +1788,16 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
     # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
-    kernels = bib.reference_kernels() if cfg.kernels == "reference" or device_type == "cpu" \
-        else bib.vllm_kernels()
+    kernels = bib.vllm_kernels() if cfg.kernels != "reference" and device_type == "cuda" \
+        else bib.reference_kernels()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if device_type == "cuda":
         print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
                "kernels: 1-2 minutes)")
     engine = engine_factory(cfg, files, ranks)
-    dtype = DTYPES[cfg.dtype]
-    world = ranks.world
-    state = hf_to_trainer(hf_state, files.args) if hf_state else {}
-    model = build_model(files.args, state, kernels, dtype, ranks.device, world)
-    ref_model = None
-    if cfg.kl_coef > 0:
-        ref_model = build_model(files.args, state, kernels, dtype, ranks.device, world)
-        ref_model.requires_grad_(False)
-    del state, hf_state
+    model, ref_model = build_models(cfg, files.args, hf_state, kernels, ranks)
+    del hf_state
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
                       reward_fn=reward_fn)
@@ -1782,27 +1806,51 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
 
     # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
     if ranks.main:
-        from torch.utils.tensorboard import SummaryWriter
-
-        with writing(run_dir):
-            trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
-            trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-            trainer.writer.add_custom_scalars(tensorboard_layout())
-        if ckpt:
-            purge_after(run_dir / "metrics.jsonl", start)
-            trainer.mismatched_total = mismatched_before(run_dir / "metrics.jsonl")
+        open_logs(trainer, run_dir, start if ckpt else None)
     if ckpt:
         where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
         print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
-    n = count_params(files.args)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    memory = f" | {memory} (estimate)" if memory else ""
-    print0(f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels "
-           f"{kernels.name} | micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
+    print0(run_banner(cfg, files, ranks.world, kernels.name, memory, run_dir))
     if kernels.name == "reference":
         print0("reference kernels are plain PyTorch, not vLLM's: differing tokens in the parity "
                "line are expected (only --kernels vllm on a GPU is bitwise)")
     return trainer, start, run_dir, files.path
+
+
+def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks):
+    """The policy and, with --kl-coef > 0, a frozen copy of it: (model, ref_model or None),
+    sharded over the ranks (rank 0 holds hf_state; the others get their shards from it)."""
+    dtype = DTYPES[cfg.dtype]
+    state = hf_to_trainer(hf_state, args) if hf_state else {}
+    model = build_model(args, state, kernels, dtype, ranks.device, ranks.world)
+    ref_model = None
+    if cfg.kl_coef > 0:
+        ref_model = build_model(args, state, kernels, dtype, ranks.device, ranks.world)
+        ref_model.requires_grad_(False)
+    return model, ref_model
+
+
+def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
+    """TensorBoard with the config and the dashboard's layout; after a resume, without what
+    was logged after the checkpoint, and with the run's mismatch total so far."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with writing(run_dir):
+        trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
+        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
+        trainer.writer.add_custom_scalars(tensorboard_layout())
+    if resumed_at is not None:
+        purge_after(run_dir / "metrics.jsonl", resumed_at)
+        trainer.mismatched_total = mismatched_before(run_dir / "metrics.jsonl")
+
+
+def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
+               run_dir: Path) -> str:
+    n = count_params(files.args)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    memory = f" | {memory} (estimate)" if memory else ""
+    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
+            f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
