@@ -14,6 +14,9 @@ here. Every op below has
     forwards and the Triton backwards it is the GPU training path; with the reference
     forwards it lets CPU tests check every backward against autograd.
 
+The MoE experts' backward has no Triton version: it is per-expert PyTorch GEMMs over the (token,
+slot) pairs sorted by expert, deterministic on CUDA as on CPU, and serves both sets.
+
 One forward is our own: the logprob head's. vLLM's log_softmax writes the whole (N, V) fp32
 lp; the loss needs only lp[target] and the entropy, so `_logprobs_entropy_kernel` computes
 those with vLLM's reduction, in vLLM's order (the same bits), and writes nothing else.
