@@ -1,0 +1,202 @@
+"""The MoE ops (Kernels.moe_topk, Kernels.moe_experts) on CPU: the hand-written backwards against
+autograd through the reference forwards (fp64), the math against a per-token loop, the dtype
+contracts, and bitwise repeatability. The GPU side (vLLM's kernels) is test_moe_kernels_gpu.py.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import batch_invariant_backward as bib
+
+F64 = dict(dtype=torch.float64)
+CUSTOM = bib.custom_backward_kernels(bib.reference_forwards())
+REF = bib.reference_kernels()
+
+
+def moe_inputs(T=5, D=8, E=6, inter=3, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g, dtype=dtype)
+    w13 = torch.randn(E, 2 * inter, D, generator=g, dtype=dtype) / D**0.5
+    w2 = torch.randn(E, D, inter, generator=g, dtype=dtype) / inter**0.5
+    return x, w13, w2
+
+
+def grads_of(fn, inputs, seed=1):
+    """Gradients of sum(out * fixed random weights) w.r.t. every input (all floating)."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), **F64)
+    g = g.to(out.dtype)  # the same numbers whatever the dtype
+    return out, torch.autograd.grad((out * g).sum(), inputs)
+
+
+def assert_grads_close(custom_fn, ref_fn, inputs, **tol):
+    (out_c, got), (out_r, want) = grads_of(custom_fn, inputs), grads_of(ref_fn, inputs)
+    assert torch.equal(out_c, out_r)  # the same forward: only the backward differs
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **(tol or dict(atol=1e-10, rtol=1e-8)))
+
+
+# --------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_topk_backward(renormalize):
+    z = torch.randn(9, 16, **F64) * 2
+    assert_grads_close(lambda z: CUSTOM.moe_topk(z, 4, renormalize)[0],
+                       lambda z: REF.moe_topk(z, 4, renormalize)[0], [z])
+
+
+def test_moe_topk_contract():
+    z = torch.randn(11, 128).bfloat16()  # the gate's output dtype in a bf16 model
+    for renormalize in (True, False):
+        w, ids = CUSTOM.moe_topk(z, 8, renormalize)
+        assert w.shape == ids.shape == (11, 8)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32
+        assert (w[:, :-1] >= w[:, 1:]).all()  # descending, as topk_softmax writes them
+        assert all(len(set(r.tolist())) == 8 for r in ids)  # k distinct experts per token
+        p = torch.softmax(z.float(), -1)
+        want = p.gather(-1, ids.long())
+        if renormalize:
+            want = want / want.sum(-1, keepdim=True)
+            torch.testing.assert_close(w.sum(-1), torch.ones(11))
+        torch.testing.assert_close(w, want)
+
+
+def test_moe_topk_gradient_is_zero_off_the_chosen_experts_when_renormalised():
+    z = torch.randn(4, 10, **F64, requires_grad=True)
+    w, ids = CUSTOM.moe_topk(z, 3, True)
+    (gz,) = torch.autograd.grad((w * torch.randn(4, 3, **F64)).sum(), z)
+    off = torch.ones_like(gz, dtype=torch.bool).scatter(-1, ids.long(), False)
+    assert (gz[off] == 0).all() and (gz[~off] != 0).all()
+    torch.testing.assert_close(gz.sum(-1), torch.zeros(4, **F64))  # softmax: shift-invariant
+
+
+# --------------------------------------------------------------------------- experts
+
+
+def naive_moe(x, w13, w2, weights, ids):
+    """Per token, per slot, with the gate rows first in w13 (HF gate_proj, then up_proj)."""
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            out[t] += weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+# ids: token 0 and 2 share experts, expert 4 appears for three tokens, experts 1 and 5 get none
+IDS = torch.tensor([[0, 4], [3, 2], [4, 0], [2, 4], [3, 0]], dtype=torch.int32)
+
+
+def test_moe_experts_reference_is_the_naive_sum():
+    x, w13, w2 = moe_inputs()
+    weights = torch.rand(5, 2, **F64)
+    torch.testing.assert_close(REF.moe_experts(x, w13, w2, weights, IDS),
+                               naive_moe(x, w13, w2, weights, IDS))
+
+
+@pytest.mark.parametrize("T", [5, 1])
+def test_moe_experts_backward(T):
+    x, w13, w2 = moe_inputs()
+    x, ids = x[:T], IDS[:T]
+    weights = torch.rand(T, 2, **F64)
+    assert_grads_close(lambda *a: CUSTOM.moe_experts(*a, ids),
+                       lambda *a: REF.moe_experts(*a, ids), [x, w13, w2, weights])
+
+
+def test_moe_experts_backward_experts_without_tokens_get_zero_gradient():
+    x, w13, w2 = moe_inputs()
+    _, (_, dw13, dw2, _) = grads_of(lambda *a: CUSTOM.moe_experts(*a, IDS),
+                                    [x, w13, w2, torch.rand(5, 2, **F64)])
+    for e in (1, 5):
+        assert (dw13[e] == 0).all() and (dw2[e] == 0).all()
+    assert (dw13[4] != 0).any()
+
+
+def test_moe_experts_backward_many_tokens_and_k():
+    """More tokens than experts, k = 4: several slots of one expert in a row."""
+    x, w13, w2 = moe_inputs(T=40, D=16, E=8, inter=4)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:4]
+                       for t in range(40)]).int()
+    assert_grads_close(lambda *a: CUSTOM.moe_experts(*a, ids),
+                       lambda *a: REF.moe_experts(*a, ids),
+                       [x, w13, w2, torch.rand(40, 4, **F64)])
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_block_backward_through_router_and_experts(renormalize):
+    """Router and experts together, as the model calls them: gradients reach the logits (through
+    the routing weights), x, w13 and w2."""
+    x, w13, w2 = moe_inputs(T=7, E=6)
+    z = torch.randn(7, 6, **F64)
+
+    def block(kernels):
+        def fn(z, x, w13, w2):
+            w, ids = kernels.moe_topk(z, 2, renormalize)
+            return kernels.moe_experts(x, w13, w2, w, ids)
+        return fn
+
+    assert_grads_close(block(CUSTOM), block(REF), [z, x, w13, w2])
+
+
+def test_moe_experts_bf16_with_fp32_masters():
+    """bf16 compute, fp32 master weights: out and dx in bf16, dw13/dw2 in fp32, dweights in fp32,
+    all close to the exact (fp64) gradients; run twice, the same bits."""
+    x, w13, w2 = moe_inputs(T=33, D=64, E=8, inter=16, dtype=torch.float32)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:3]
+                       for t in range(33)]).int()
+    weights = torch.rand(33, 3)
+    inputs = [x.bfloat16(), w13, w2, weights]
+    out, got = grads_of(lambda *a: CUSTOM.moe_experts(*a, ids), inputs)
+    assert out.dtype == torch.bfloat16 and out.shape == (33, 64)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32,
+                                      torch.float32]
+    _, exact = grads_of(lambda *a: REF.moe_experts(*a, ids), [t.double() for t in inputs])
+    for a, b in zip(got, exact):
+        err = (a.double() - b).norm() / b.norm()
+        assert err < 2e-2, err.item()  # bf16 operands and roundings
+    _, again = grads_of(lambda *a: CUSTOM.moe_experts(*a, ids), inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_moe_experts_backward_is_bitwise_repeatable():
+    x, w13, w2 = moe_inputs(T=50, D=32, E=8, inter=8, dtype=torch.float32)
+    z = torch.randn(50, 8)
+    runs = []
+    for _ in range(2):
+        _, g = grads_of(lambda z, x, w13, w2: CUSTOM.moe_experts(
+            x, w13, w2, *CUSTOM.moe_topk(z, 3, True)), [z, x, w13, w2])
+        runs.append(g)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_moe_backward_functions_directly():
+    """moe_experts_backward's own contract: dtypes of the masters, shapes of the inputs."""
+    x, w13, w2 = moe_inputs(dtype=torch.float32)
+    xb, w13b, w2b = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    dx, dw13, dw2, dw = bib.moe_experts_backward(xb, w13b, w2b, torch.rand(5, 2), IDS,
+                                                 torch.randn(5, 8).bfloat16(),
+                                                 torch.float32, torch.bfloat16)
+    assert (dx.dtype, dw13.dtype, dw2.dtype, dw.dtype) == (
+        torch.bfloat16, torch.float32, torch.bfloat16, torch.float32)
+    assert dx.shape == x.shape and dw13.shape == w13.shape and dw2.shape == w2.shape
+    assert dw.shape == (5, 2)
+
+
+# --------------------------------------------------------------------------- kernel sets
+
+
+def test_kernel_sets_have_the_moe_ops():
+    names = {f.name for f in dataclasses.fields(bib.Kernels)}
+    assert {"moe_topk", "moe_experts"} <= names
+    for ks in (REF, CUSTOM, bib.reference_forwards()):
+        assert callable(ks.moe_topk) and callable(ks.moe_experts)
+    assert bib.TORCH_BACKWARDS["moe_experts"] is bib.moe_experts_backward
+    assert "moe_experts" in bib.TRITON_BACKWARDS

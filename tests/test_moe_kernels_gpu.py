@@ -1,0 +1,190 @@
+"""The MoE ops on the GPU (pytest -m gpu; skip without CUDA or vLLM), at Qwen3-30B-A3B's shape.
+
+  1. the vLLM forward set's moe_experts gives the bits of vLLM's own functional entry point to
+     the same kernels, `fused_experts` (its Triton experts, as `TritonExperts.apply` calls them),
+     at many token counts; its moe_topk is vLLM's `fused_topk`, checked against fp32 softmax;
+  2. batch invariance: rows computed in calls of 1, 7, 256, 257 and 1000 tokens equal the rows of
+     one 3000-token call (the router's and the experts');
+  3. the custom backward against the fp64 gradients, and bitwise repeatable;
+  4. the time of forward + backward at 8192 tokens (printed).
+
+VLLM_BATCH_INVARIANT=1 is set before vLLM is imported: vLLM reads it when the kernels are
+configured (the fused MoE tile config is fixed only in that mode).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+
+import batch_invariant_backward as bib  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+D, E, K, INTER = 2048, 128, 8, 768  # Qwen3-30B-A3B: hidden, experts, experts per token, moe I
+TOKENS = [1, 3, 64, 255, 256, 257, 1000, 3000]
+
+
+def _need_vllm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1", "run with VLLM_BATCH_INVARIANT=1"
+
+
+def _diff(name, got, want):
+    """'' when bit-equal, else a line with the max abs diff and the first differing index."""
+    if torch.equal(got, want):
+        return ""
+    bad = (got != want).nonzero()
+    first = tuple(bad[0].tolist())
+    return (f"{name}: {len(bad)} of {got.numel()} differ, max abs diff "
+            f"{(got.double() - want.double()).abs().max().item():.3g}, first at {first}: "
+            f"{got[first].item()!r} vs {want[first].item()!r}")
+
+
+@pytest.fixture(scope="module")
+def layer():
+    """Random bf16 weights of one Qwen3-30B-A3B MoE layer and 3000 tokens' hidden states."""
+    _need_vllm()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(3000, D, device="cuda", generator=g).to(torch.bfloat16)
+    gate = (torch.randn(E, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * INTER, D, device="cuda", generator=g) * 0.02).to(**bf)
+    w2 = (torch.randn(E, D, INTER, device="cuda", generator=g) * 0.02).to(**bf)
+    logits = torch.nn.functional.linear(x, gate)  # what the gate (ReplicatedLinear) gives: bf16
+    return x, logits, w13, w2
+
+
+def test_gpu_moe_forward_is_vllms_fused_experts(layer):
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    x, logits, w13, w2 = layer
+    vf = bib.vllm_forwards()
+    problems = []
+    for T in TOKENS:
+        w, ids = vf.moe_topk(logits[:T], K, True)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == (T, K)
+        p = torch.softmax(logits[:T].float(), -1)
+        chosen = p.gather(-1, ids.long())  # robust to ties among bf16 logits
+        torch.testing.assert_close(w, chosen / chosen.sum(-1, keepdim=True), rtol=1e-5,
+                                   atol=1e-6)
+        torch.testing.assert_close(chosen[:, 0], p.max(-1).values, rtol=0, atol=0)
+        got = vf.moe_experts(x[:T], w13, w2, w, ids)
+        want = fused_experts(x[:T].contiguous(), w13, w2, w, ids)
+        assert got.dtype == torch.bfloat16 and got.shape == (T, D)
+        line = _diff(f"T={T}", got, want)
+        print(line or f"T={T}: bit-equal to fused_experts")
+        if line:
+            problems.append(line)
+    assert not problems, "\n".join(problems)
+    # and the math is the reference's (catches a gate/up swap, a missing routing weight)
+    w, ids = vf.moe_topk(logits[:64], K, True)
+    ref = bib.ref_moe_experts(x[:64], w13, w2, w, ids)
+    got = vf.moe_experts(x[:64], w13, w2, w, ids)
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    print(f"vLLM vs reference (bf16 torch) relative error {err:.2e}")
+    assert err < 1e-2
+
+
+def test_gpu_moe_forward_is_batch_invariant(layer):
+    x, logits, w13, w2 = layer
+    vf = bib.vllm_forwards()
+    w_all, ids_all = vf.moe_topk(logits, K, True)
+    out_all = vf.moe_experts(x, w13, w2, w_all, ids_all)
+    problems = []
+    for n in (1, 7, 256, 257, 1000):
+        rows = 64 if n == 1 else 3000  # 64 single-token calls are enough
+        parts = [vf.moe_topk(z, K, True) for z in logits[:rows].split(n)]
+        w, ids = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        out = torch.cat([vf.moe_experts(xs, w13, w2, ws, i) for xs, ws, i in
+                         zip(x[:rows].split(n), w.split(n), ids.split(n))])
+        lines = [_diff(f"calls of {n}: ids", ids, ids_all[:rows]),
+                 _diff(f"calls of {n}: weights", w, w_all[:rows]),
+                 # the experts on the big call's routing, so a routing difference is not
+                 # counted twice
+                 _diff(f"calls of {n}: experts", torch.cat([
+                     vf.moe_experts(xs, w13, w2, ws, i) for xs, ws, i in
+                     zip(x[:rows].split(n), w_all[:rows].split(n), ids_all[:rows].split(n))]),
+                     out_all[:rows]),
+                 _diff(f"calls of {n}: block", out, out_all[:rows])]
+        lines = [s for s in lines if s]
+        print("\n".join(lines) or f"calls of {n}: rows bit-equal to the 3000-token call")
+        problems += lines
+    assert not problems, "\n".join(problems)
+
+
+def _fp64_grads(z, x, w13, w2, ids, gy):
+    """Exact gradients (fp64) of <gy, experts(x, router weights(z))> at the given routing."""
+    leaves = [t.detach().double().requires_grad_() for t in (z, x, w13, w2)]
+    z64, x64, w1364, w264 = leaves
+    chosen = torch.softmax(z64, -1).gather(-1, ids.long())
+    w = chosen / chosen.sum(-1, keepdim=True)
+    out = bib.ref_moe_experts(x64, w1364, w264, w, ids)
+    return torch.autograd.grad((out * gy.double()).sum(), leaves)
+
+
+def test_gpu_moe_backward_matches_fp64_and_is_bitwise_repeatable(layer):
+    x, logits, w13, w2 = layer
+    T = 300
+    vk = bib.vllm_kernels()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gy = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w13m, w2m = w13.float(), w2.float()  # fp32 masters, as the trainer may hold them
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_() for t in (logits[:T], x[:T], w13m, w2m)]
+        z, xs, a, b = leaves
+        w, ids = vk.moe_topk(z, K, True)
+        out = vk.moe_experts(xs, a, b, w, ids)
+        return ids, torch.autograd.grad((out * gy).sum(), leaves)
+
+    ids, got = run()
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32,
+                                      torch.float32]
+    exact = _fp64_grads(logits[:T], x[:T], w13, w2, ids, gy)
+    problems = []
+    for name, a, b in zip(("router logits", "x", "w13", "w2"), got, exact):
+        err = ((a.double() - b).norm() / b.norm()).item()
+        print(f"d{name}: relative error vs fp64 {err:.2e}")
+        if not err < 2e-2:
+            problems.append(f"d{name}: relative error {err:.2e}")
+    _, again = run()
+    for name, a, b in zip(("router logits", "x", "w13", "w2"), got, again):
+        line = _diff(f"d{name} run to run", a, b)
+        print(line or f"d{name}: bitwise repeatable")
+        if line:
+            problems.append(line)
+    assert not problems, "\n".join(problems)
+
+
+def test_gpu_moe_time_forward_backward_at_8192_tokens(layer):
+    _, _, w13, w2 = layer
+    T = 8192
+    vk = bib.vllm_kernels()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    gate = (torch.randn(E, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    gy = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    w13p, w2p = w13.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+
+    def step(backward=True):
+        z = torch.nn.functional.linear(x, gate)
+        w, ids = vk.moe_topk(z, K, True)
+        out = vk.moe_experts(x, w13p, w2p, w, ids)
+        if backward:
+            torch.autograd.grad((out * gy).sum(), [x, w13p, w2p])
+
+    for backward in (False, True):
+        step(backward)  # warm-up (Triton compiles)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step(backward)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 3 * 1e3
+        print(f"T={T}: {'forward+backward' if backward else 'forward'} {ms:.1f} ms per layer")
