@@ -311,15 +311,94 @@ class FeedForward(nn.Module):
         return self.w2(self.act_fn(self.w13(x)))  # (T, 2I) -> (T, I) -> (T, dim)
 
 
-class Block(nn.Module):
-    """One decoder layer, as vLLM runs it: the residual add is fused into the next norm."""
+class Router(nn.Module):
+    """Router logits z = x G^T, G (E, dim): vLLM's `gate` ReplicatedLinear, the same GEMM."""
+
+    def __init__(self, dim: int, n_experts: int, ops: bib.Kernels):
+        super().__init__()
+        self.gate = Linear(dim, n_experts, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)  # (T, E) in x's dtype
+
+
+class TopK(nn.Module):
+    """p = softmax(z) in fp32; the k largest p per token, renormalised to sum 1 if asked
+    (norm_topk_prob): (weights (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
+
+    `record`, when a list, receives the ids of every call (the routing-parity forward).
+    """
+
+    def __init__(self, top_k: int, renormalize: bool, ops: bib.Kernels):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.ops = ops
+        self.record: list[torch.Tensor] | None = None
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
+        if self.record is not None:
+            self.record.append(ids.detach())
+        return weights, ids
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts in vLLM's FusedMoE layout: w13 (E, 2I, dim) = [gate; up] rows per
+    expert, w2 (E, dim, I). y_t = sum_j weights_tj * w2[e] (silu(g) * u), [g; u] = w13[e] x_t,
+    e = ids_tj."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, ops: bib.Kernels):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # The op casts the fp32 masters to x's dtype itself, so their gradient stays fp32. (Not
+        # in weights_cast_once: the op takes no pre-made cast; under FSDP2 the gather casts.)
+        return self.ops.moe_experts(x, self.w13, self.w2, weights, ids)  # (T, dim)
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse MLP in vLLM's order: router GEMM -> top-k -> experts (no shared
+    expert). (T, dim) -> (T, dim)."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
+        super().__init__()
+        m = args.moe_args
+        self.router = Router(args.dim, m.num_experts, ops)
+        self.topk = TopK(m.top_k, m.route_norm, ops)
+        self.experts = GroupedExperts(m.num_experts, args.dim, args.moe_inter_dim, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
+        return self.experts(x, weights, ids)
+
+
+def sparse_layers(args) -> tuple[int, ...]:
+    """The layers with a sparse MLP, as transformers and vLLM decide (qwen3_moe.py): layer i
+    unless i is in mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
+    Set on the args by model_args_from_hf; dense Qwen3 has none."""
+    return getattr(args, "sparse_layers", ())
+
+
+class Block(nn.Module):
+    """One decoder layer, as vLLM runs it: the residual add is fused into the next norm.
+
+    Its MLP is `feed_forward` (dense) or, in a Qwen3-MoE sparse layer, `moe` (TorchTitan's
+    names)."""
+
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype, sparse: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
         self.attention = Attention(args, ops, dtype)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
-        self.feed_forward = FeedForward(args, ops, dtype)
+        self.sparse = sparse
+        if sparse:
+            self.moe = MoE(args, ops, dtype)
+        else:
+            self.feed_forward = FeedForward(args, ops, dtype)
 
     def forward(self, x, residual, batch: "Packed", rope) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: no residual to add yet
@@ -328,7 +407,7 @@ class Block(nn.Module):
             h, residual = self.attention_norm(x, residual)
         h = self.attention(h, batch, rope)
         h, residual = self.ffn_norm(h, residual)
-        return self.feed_forward(h), residual
+        return (self.moe if self.sparse else self.feed_forward)(h), residual
 
 
 class Qwen3(nn.Module):
@@ -340,7 +419,9 @@ class Qwen3(nn.Module):
         self.ops = ops
         self.dtype = dtype
         self.tok_embeddings = Embedding(args.vocab_size, args.dim, dtype)
-        self.layers = nn.ModuleList(Block(args, ops, dtype) for _ in range(args.n_layers))
+        sparse = sparse_layers(args)
+        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse)
+                                    for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
@@ -454,21 +535,24 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def hf_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, weight in the compute dtype) for every weight, one trainer tensor at a time.
 
     Under FSDP every rank gathers each bf16 cast in turn (so every rank must run this to the
-    end, in the same order); peak memory is one full tensor.
+    end, in the same order); peak memory is one full tensor. Experts go fused (one
+    gate_up_proj and one down_proj per layer, which vLLM's MoE loader takes whole) unless
+    `fused_experts` is False (per expert: the hub's names, for files).
     """
     adapter = _adapter(model.args)
     for name, p in model.named_parameters():
-        yield from to_hf_items(name, full_tensor(p.detach().to(model.dtype)), model.args, adapter)
+        yield from to_hf_items(name, full_tensor(p.detach().to(model.dtype)), model.args, adapter,
+                               fused_experts)
 
 
 def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
-    """Every weight in the compute dtype, on CPU, under HF names; on rank 0 ({} elsewhere)."""
+    """Every weight in the compute dtype, on CPU, under HF (hub) names; on rank 0 ({} elsewhere)."""
     keep = is_main()
-    return {k: v.cpu() for k, v in hf_weights(model) if keep}
+    return {k: v.cpu() for k, v in hf_weights(model, fused_experts=False) if keep}
 
 
 # ==========================================================================
@@ -483,6 +567,7 @@ FUSED = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
 MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
@@ -527,9 +612,12 @@ def read_qwen3_config(path: Path):
         raise ConfigError(f"{file} is not valid JSON ({e}).") from e
     need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
     archs = raw.get("architectures") or []
-    need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
+    kind = MODEL_TYPES.get(raw.get("model_type"))
+    need(kind is not None and (not archs or kind in archs),
          f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
-         "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
+         "simple_rl trains Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM) only.")
+    if kind == "Qwen3MoeForCausalLM":
+        check_moe_config(raw, file)
     positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
     need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
          f"max_position_embeddings {positions!r} must be a whole number in [1, "
@@ -547,12 +635,55 @@ def read_qwen3_config(path: Path):
     return hf
 
 
+def check_moe_config(raw: dict, file: Path) -> None:
+    """Refuse the Qwen3-MoE settings the trainer does not compute as vLLM does (raw JSON)."""
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    k = raw.get("num_experts_per_tok")
+    step = raw.get("decoder_sparse_step", 1)
+    only = raw.get("mlp_only_layers") or []
+    need(type(n) is int and n >= 1 and type(k) is int and 1 <= k <= n, f"{file}: num_experts "
+         f"{n!r} and num_experts_per_tok {k!r} must be whole numbers, 1 <= top-k <= experts.")
+    need(type(step) is int and step >= 1, f"{file}: decoder_sparse_step {step!r} must be a "
+         "whole number >= 1.")
+    need(isinstance(only, list) and all(type(i) is int for i in only),
+         f"{file}: mlp_only_layers {only!r} must be a list of layer indices.")
+    need(type(raw.get("moe_intermediate_size")) is int and raw["moe_intermediate_size"] >= 1,
+         f"{file}: moe_intermediate_size {raw.get('moe_intermediate_size')!r} must be a whole "
+         "number >= 1.")
+    need(not raw.get("shared_expert_intermediate_size"), f"{file}: shared experts "
+         "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
+    need(raw.get("norm_topk_prob", False) in (True, False), f"{file}: norm_topk_prob must be "
+         "true or false.")
+    # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
+    # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
+
+
 def model_args_from_hf(hf):
-    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config."""
+    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
+
+    For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
+    norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
+    TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
+    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
+    """
+    from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
     rope = getattr(hf, "rope_parameters", None) or {}
-    return Qwen3ModelArgs(
+    moe = {}
+    sparse: tuple[int, ...] = ()
+    if hf.model_type == "qwen3_moe":
+        n = hf.num_experts
+        only = set(getattr(hf, "mlp_only_layers", None) or [])
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        sparse = tuple(i for i in range(hf.num_hidden_layers)
+                       if i not in only and n > 0 and (i + 1) % step == 0)
+        moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
+                   moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
+                                    top_k=hf.num_experts_per_tok, score_func="softmax",
+                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
+                                    score_before_experts=False, load_balance_coeff=None))
+    args = Qwen3ModelArgs(
         dim=hf.hidden_size,
         n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads,
@@ -564,7 +695,11 @@ def model_args_from_hf(hf):
         rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
         max_seq_len=hf.max_position_embeddings,
         enable_weight_tying=bool(hf.tie_word_embeddings),
+        **moe,
     )
+    if sparse:
+        args.sparse_layers = sparse
+    return args
 
 
 def load_tokenizer(path: Path, args):
@@ -632,14 +767,27 @@ def fused_sizes(args) -> dict[str, list[int]]:
 
 
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections."""
+    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections.
+
+    A sparse layer's router and experts are taken out first (`moe_from_hf`), per expert (hub)
+    or fused (the push's names) alike.
+    """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
+    try:
+        moe = moe_from_hf(hf_state, args)  # pops what it takes from hf_state
+    except (KeyError, RuntimeError) as e:
+        raise ConfigError(f"the checkpoint's weights do not match its config.json "
+                          f"({type(e).__name__}: {e}).") from e
     titan = _adapter(args).from_hf(hf_state)
+    titan.update(moe)
     if args.enable_weight_tying:
         titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
+    sparse = sparse_layers(args)
     try:
         for i in range(args.n_layers):
             for fused, parts in FUSED.items():
+                if i in sparse and fused.startswith("feed_forward."):
+                    continue  # a sparse layer has experts, not a dense MLP
                 titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
                                                           for p in parts], dim=0)
     except (KeyError, RuntimeError) as e:
@@ -648,8 +796,52 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     return titan
 
 
-def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None):
+def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    """Pop every sparse layer's router and experts from hf_state, as trainer tensors:
+    router.gate.weight (E, dim); experts.w13 (E, 2I, dim) = [gate_proj_e; up_proj_e] per expert
+    e (vLLM's w13_weight); experts.w2 (E, dim, I) = down_proj_e. HF holds them per expert
+    (mlp.experts.e.{gate,up,down}_proj.weight: the hub's format) or fused as vLLM loads them
+    (mlp.experts.gate_up_proj (E, 2I, dim), mlp.experts.down_proj (E, dim, I))."""
+    out = {}
+    n = args.moe_args.num_experts if sparse_layers(args) else 0
+    for i in sparse_layers(args):
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
+        out[ours + "router.gate.weight"] = hf_state.pop(hf + "gate.weight")
+        if hf + "experts.gate_up_proj" in hf_state:
+            out[ours + "experts.w13"] = hf_state.pop(hf + "experts.gate_up_proj")
+            out[ours + "experts.w2"] = hf_state.pop(hf + "experts.down_proj")
+            continue
+        expert = [f"{hf}experts.{e}." for e in range(n)]
+        out[ours + "experts.w13"] = torch.stack([
+            torch.cat([hf_state.pop(x + "gate_proj.weight"), hf_state.pop(x + "up_proj.weight")])
+            for x in expert])
+        out[ours + "experts.w2"] = torch.stack([hf_state.pop(x + "down_proj.weight")
+                                                for x in expert])
+    return out
+
+
+def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
+    """A sparse layer's trainer tensor as [(HF name, tensor)]; experts fused as vLLM's loader
+    takes them (`fused`: one tensor per layer and kind, the push) or per expert (the hub's
+    format, for files; copies, so no two saved tensors share storage)."""
+    i = name.split(".")[1]
+    hf = f"model.layers.{i}.mlp."
+    if name.endswith("router.gate.weight"):
+        return [(hf + "gate.weight", tensor)]
+    if fused:
+        return [(hf + ("experts.gate_up_proj" if name.endswith("w13") else "experts.down_proj"),
+                 tensor)]
+    if name.endswith("w13"):
+        return [(f"{hf}experts.{e}.{part}_proj.weight", w.clone())
+                for e, w13 in enumerate(tensor)
+                for part, w in zip(("gate", "up"), w13.split(args.moe_inter_dim))]
+    return [(f"{hf}experts.{e}.down_proj.weight", w.clone()) for e, w in enumerate(tensor)]
+
+
+def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None, fused_experts=False):
     """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped."""
+    if ".moe." in name:
+        return moe_to_hf_items(name, tensor, args, fused_experts)
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
     if suffix in FUSED:
         prefix = name[: -len(suffix)]
