@@ -64,6 +64,11 @@ class Kernels:
     # (logits (N, V), targets (N,), T) -> (log softmax(logits / T)[target], entropy), fp32 (N,);
     # a forward set's returns (lp[target], entropy, max, log sum)
     logprobs_entropy: Callable
+    # (router_logits (T, E), top_k, renormalize) -> (weights (T, k) fp32, ids (T, k) int32)
+    moe_topk: Callable
+    # (x (T, D), w13 (E, 2I, D), w2 (E, D, I), weights (T, k) fp32, ids (T, k) int32) -> (T, D),
+    # computed in x's dtype (w13 rows: gate, then up); w13 and w2 get gradients in their dtypes
+    moe_experts: Callable
 
 
 # ---------------------------------------------------------------------------
@@ -724,17 +729,183 @@ def logprobs_entropy_backward_triton(logits, targets, m, log_s, entropy, g_lp, g
 
 
 # ---------------------------------------------------------------------------
+# Mixture of experts (vLLM: the router's `fused_topk` -> CUDA `topk_softmax`; the experts'
+# `TritonExperts`: Triton `fused_moe_kernel` twice around silu_and_mul, then CUDA `moe_sum`)
+# ---------------------------------------------------------------------------
+
+
+def ref_moe_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """p = softmax(z) over the E experts, in fp32 (fp64 for fp64 z); the k largest p in
+    descending order, w_j = p_{i_j}, renormalised to w_j / sum_l w_l if asked.
+
+    logits (T, E) -> (weights (T, k) fp32, ids (T, k) int32).
+    """
+    p = torch.softmax(_wide(logits), dim=-1)
+    w, ids = torch.topk(p, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def moe_topk_backward(logits: Tensor, weights: Tensor, ids: Tensor, gw: Tensor,
+                      renormalize: bool) -> Tensor:
+    """Gradient of the routing weights w.r.t. the logits z (the choice S of experts is fixed).
+
+    Without renormalisation w_j = p_{i_j} with p = softmax(z) over all E, so for every m
+        dz_m = [m in S] g_m p_m - p_m sum_j g_j w_j.
+    With it, w_j = exp(z_{i_j}) / sum_{l in S} exp(z_l) is the softmax of the chosen logits
+    alone, so dz_{i_j} = w_j (g_j - sum_l g_l w_l) and dz_m = 0 off S.
+    logits (T, E), weights/ids/gw (T, k) -> dz (T, E) in the logits' dtype. ids are distinct
+    within a row, so the scatter writes each place once (deterministic).
+    """
+    w, g = _wide(weights), _wide(gw)
+    gw_sum = (g * w).sum(dim=-1, keepdim=True)  # (T, 1)
+    idx = ids.long()
+    if renormalize:
+        dz = torch.zeros_like(_wide(logits)).scatter(-1, idx, w * (g - gw_sum))
+    else:
+        p = torch.softmax(_wide(logits), dim=-1)
+        dz = torch.zeros_like(p).scatter(-1, idx, g * w) - p * gw_sum
+    return dz.to(logits.dtype)
+
+
+class MoETopkFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, top_k, renormalize, fwd):
+        w, ids = fwd(logits, top_k, renormalize)
+        ctx.save_for_backward(logits, w, ids)
+        ctx.renormalize = renormalize
+        ctx.mark_non_differentiable(ids)
+        return w, ids
+
+    @staticmethod
+    def backward(ctx, gw, _gids):
+        logits, w, ids = ctx.saved_tensors
+        return moe_topk_backward(logits, w, ids, gw, ctx.renormalize), None, None, None
+
+
+def ref_moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
+                    ids: Tensor) -> Tensor:
+    """out_t = sum_j w_tj * W2[e] silu_and_mul(W13[e] x_t),  e = ids[t, j].
+
+    Shapes: x (T, D), w13 (E, 2I, D) (rows: gate, then up), w2 (E, D, I), weights/ids (T, k)
+    -> (T, D) in x's dtype. Rounded where vLLM rounds: the first GEMM's output to x's dtype;
+    the second GEMM sums in fp32 and is scaled by the routing weight before its one rounding
+    to x's dtype; the k expert outputs are summed in fp32 and rounded once. Loops over the
+    experts that have tokens (autograd-friendly; the CPU path and the tests' ground truth).
+    """
+    dt = x.dtype
+    w13, w2 = w13.to(dt), w2.to(dt)  # the engine's compute copies (autograd casts back)
+    T, k = ids.shape
+    flat = ids.reshape(-1).long()  # slot s = t * k + j
+    tok = torch.arange(T * k, device=x.device) // k
+    w_flat = weights.reshape(-1)
+    y = x.new_zeros(T * k, x.shape[1])  # (T k, D): every slot is written exactly once
+    for e in flat.unique().tolist():
+        s = (flat == e).nonzero()[:, 0]
+        a = ref_silu_and_mul(F.linear(x[tok[s]], w13[e]))  # (n, I)
+        u = F.linear(_wide(a), _wide(w2[e]))  # (n, D), summed in fp32
+        y = y.index_put((s,), (u * w_flat[s, None]).to(dt))
+    return _wide(y.view(T, k, -1)).sum(dim=1).to(dt)
+
+
+def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b with the sum (and result) in out_dtype: one GEMM on CUDA; on CPU, which has no
+    mixed-dtype GEMM, on widened operands (exact)."""
+    if out_dtype == a.dtype:
+        return a @ b
+    if not a.is_cuda:
+        return a.to(out_dtype) @ b.to(out_dtype)
+    return torch.mm(a, b, out_dtype=out_dtype)
+
+
+def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
+                         gy: Tensor, w13_dtype: torch.dtype, w2_dtype: torch.dtype):
+    """Gradients of out_t = sum_j w_tj W2[e] silu_and_mul(h_tj), h_tj = W13[e] x_t, e = ids[t, j].
+
+    Per slot (t, j) with the unweighted expert output's gradient g = gy_t (a (T, D) row):
+        da = w_tj W2[e]^T g,  dw_tj = <a_tj, W2[e]^T g>,  dW2[e] += w_tj g a_tj^T,
+        dh = silu_and_mul'(h_tj) da,  dW13[e] += dh x_t^T,  dx_t += W13[e]^T dh.
+    The slots are sorted by expert (stable: token order within an expert) and each expert's
+    slots go through plain GEMMs, so every sum has a fixed order: the weight gradients sum the
+    expert's tokens inside one GEMM (in fp32 when the master is fp32, as `linear_backward`),
+    and dx_t sums its k slot rows in fp32 after a gather back to slot order. No atomics,
+    no scatter-add: two calls give the same bits. h and a are recomputed (in x's dtype).
+
+    x (T, D), w13 (E, 2I, D), w2 (E, D, I) already in x's dtype; weights/ids (T, k); gy (T, D).
+    Returns (dx (T, D) in x's dtype, dw13 in w13_dtype, dw2 in w2_dtype, dweights (T, k) in
+    the weights' dtype). One host sync (the per-expert slot counts).
+    """
+    T, k = ids.shape
+    E, D = w13.shape[0], x.shape[1]
+    wide = _wide(x).dtype  # fp32 for bf16 compute, fp64 in the fp64 tests
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (T k,) slots grouped by expert
+    bounds = torch.searchsorted(flat[order].long(),
+                                torch.arange(E + 1, device=x.device)).tolist()
+    tok = order // k
+    xs, gys = x[tok], gy[tok]  # (T k, D), sorted slot order
+    ws = _wide(weights).reshape(-1)[order, None]  # (T k, 1)
+    dxs = torch.empty_like(xs)
+    dws = torch.empty(T * k, dtype=wide, device=x.device)
+    dw13 = torch.zeros(w13.shape, dtype=w13_dtype, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=w2_dtype, device=x.device)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue  # no tokens: zero gradients
+        xe, ge, we = xs[lo:hi], gys[lo:hi], ws[lo:hi]
+        h = xe @ w13[e].t()  # (n, 2I)
+        hw = _wide(h)
+        inter = hw.shape[1] // 2
+        a = (F.silu(hw[:, :inter]) * hw[:, inter:]).to(x.dtype)  # (n, I), one rounding
+        g_a = _mm(ge, w2[e], wide)  # (n, I) = W2[e]^T g per slot, summed in fp32
+        dws[lo:hi] = (g_a * _wide(a)).sum(dim=-1)
+        dw2[e] = _mm((_wide(ge) * we).to(x.dtype).t(), a, w2_dtype)  # (D, I)
+        dh = silu_and_mul_backward(h, (g_a * we).to(x.dtype))  # (n, 2I)
+        dxs[lo:hi] = dh @ w13[e]  # (n, D)
+        dw13[e] = _mm(dh.t(), xe, w13_dtype)  # (2I, D)
+    dx_slots = torch.empty_like(dxs)
+    dx_slots[order] = dxs  # back to slot order; a permutation, each row written once
+    dw_slots = torch.empty_like(dws)
+    dw_slots[order] = dws
+    dx = _wide(dx_slots.view(T, k, D)).sum(dim=1).to(x.dtype)
+    return dx, dw13, dw2, dw_slots.view(T, k).to(weights.dtype)
+
+
+class MoEExpertsFn(torch.autograd.Function):
+    """The experts with the weights cast to x's dtype (a no-op for bf16 weights); w13's and
+    w2's gradients come back in their own dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, ids, fwd, bwd):
+        w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
+        ctx.save_for_backward(x, w13c, w2c, weights, ids)
+        ctx.w_dtypes = (w13.dtype, w2.dtype)
+        ctx.bwd = bwd
+        return fwd(x, w13c, w2c, weights, ids)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w13, w2, weights, ids = ctx.saved_tensors
+        dx, dw13, dw2, dw = ctx.bwd(x, w13, w2, weights, ids, gy, *ctx.w_dtypes)
+        return dx, dw13, dw2, dw, None, None, None
+
+
+# ---------------------------------------------------------------------------
 # Kernel sets
 # ---------------------------------------------------------------------------
 
 # The backward of each op, by name: the PyTorch ones (CPU, tests) and the Triton ones (GPU).
 TORCH_BACKWARDS = dict(rms_norm=rms_norm_backward, rotary=rotary_backward,
                        silu_and_mul=silu_and_mul_backward, attention=attention_backward,
-                       logprobs_entropy=logprobs_entropy_backward)
+                       logprobs_entropy=logprobs_entropy_backward,
+                       moe_experts=moe_experts_backward)
 TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backward_triton,
                         silu_and_mul=silu_and_mul_backward_triton,
                         attention=attention_backward_tiled,
-                        logprobs_entropy=logprobs_entropy_backward_triton)
+                        logprobs_entropy=logprobs_entropy_backward_triton,
+                        moe_experts=moe_experts_backward)  # plain GEMMs; deterministic on CUDA
 
 
 def reference_kernels() -> Kernels:
@@ -748,6 +919,8 @@ def reference_kernels() -> Kernels:
         linear=lambda x, w, w_compute=None: F.linear(x, w.to(x.dtype)),  # autograd casts
         attention=lambda *a: ref_attention(*a)[0],
         logprobs_entropy=ref_logprobs_entropy,
+        moe_topk=ref_moe_topk,
+        moe_experts=ref_moe_experts,
     )
 
 
@@ -766,6 +939,10 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
         logprobs_entropy=lambda z, t, temp: LogprobsEntropyFn.apply(z, t, temp,
                                                                     fwd.logprobs_entropy,
                                                                     bwd["logprobs_entropy"]),
+        moe_topk=lambda z, top_k, renorm: MoETopkFn.apply(z, top_k, renorm, fwd.moe_topk),
+        moe_experts=lambda x, w13, w2, w, ids: MoEExpertsFn.apply(x, w13, w2, w, ids,
+                                                                  fwd.moe_experts,
+                                                                  bwd["moe_experts"]),
     )
 
 
@@ -805,6 +982,57 @@ def fused_add_rms_norm_rows(x: Tensor, residual: Tensor, w: Tensor, eps: float) 
     ops.fused_add_rms_norm(xp, rp, w, eps)
     x2.copy_(xp[:n])
     r2.copy_(rp[:n])
+
+
+def vllm_moe_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """vLLM's Qwen3-MoE router: `FusedTopKRouter` -> `fused_topk` -> the CUDA `topk_softmax`
+    (softmax in fp32 of the bf16 logits, top k, renormalised if asked), ids int32. CUDA only."""
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+    w, ids, _ = fused_topk(logits, logits, top_k, renormalize)  # 1st arg: only its row count
+    return w, ids
+
+
+def vllm_moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
+                     ids: Tensor) -> Tensor:
+    """vLLM's unquantized MoE experts on CUDA (`TritonExperts.apply`, TP = EP = 1, no LoRA),
+    call for call: the batch-invariant config, the expert assignment (the naive one for few
+    tokens, else `moe_align_block_size`), `fused_moe_kernel` for x W13^T, silu_and_mul,
+    `fused_moe_kernel` for a W2^T scaled by the routing weight in fp32 before its rounding,
+    and `moe_sum` over the k slots. x (T, D), w13 (E, 2I, D), w2 (E, D, I) in x's dtype."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    from vllm.model_executor.layers.fused_moe.activation import (
+        MoEActivation, apply_moe_activation)
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.fused_moe import (
+        _prepare_expert_assignment, invoke_fused_moe_triton_kernel, try_get_optimal_moe_config)
+
+    # Without it the tile config follows T (tuned tables): not batch-invariant.
+    assert envs.VLLM_BATCH_INVARIANT, "the MoE kernels need VLLM_BATCH_INVARIANT=1"
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    T, D = x.shape
+    E, N, _ = w13.shape  # N = 2I
+    k = ids.shape[1]
+    config = try_get_optimal_moe_config(
+        w13.size(), w2.size(), k, FUSED_MOE_UNQUANTIZED_CONFIG.config_name(x.dtype), T)
+    compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                    torch.float32: tl.float32}[x.dtype]
+    sorted_ids, expert_ids, n_post_pad = _prepare_expert_assignment(ids, config, T, k, E, None)
+    gemm = dict(compute_type=compute_type, use_fp8_w8a8=False, use_int8_w8a8=False,
+                use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False,
+                block_shape=None, B_bias=None)
+    h = torch.empty(T, k, N, dtype=x.dtype, device=x.device)
+    invoke_fused_moe_triton_kernel(x, w13, h, None, None, None, sorted_ids, expert_ids,
+                                   n_post_pad, False, k, config, **gemm)
+    a = torch.empty(T * k, N // 2, dtype=x.dtype, device=x.device)
+    apply_moe_activation(MoEActivation.SILU, a, h.view(-1, N))
+    y = torch.empty(T, k, D, dtype=x.dtype, device=x.device)
+    invoke_fused_moe_triton_kernel(a, w2, y, None, None, weights, sorted_ids, expert_ids,
+                                   n_post_pad, True, 1, config, **gemm)
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    ops.moe_sum(y, out)
+    return out
 
 
 def vllm_forwards() -> Kernels:
@@ -851,6 +1079,8 @@ def vllm_forwards() -> Kernels:
         linear=F.linear,
         attention=attention,
         logprobs_entropy=logprobs_entropy_triton,  # ours, with the bits of vLLM's log_softmax
+        moe_topk=vllm_moe_topk,
+        moe_experts=vllm_moe_experts,
     )
 
 
