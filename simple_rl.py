@@ -426,6 +426,9 @@ class Qwen3(nn.Module):
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
         self.rope: torch.Tensor | None = None  # (max_seq_len, head_dim) cos|sin, see init_rope
+        # when a list: each forward appends the expert ids (N, sparse layers, k) int32 of the
+        # tokens whose next token it scores (the routing-parity check, see rl_step)
+        self.routing: list[torch.Tensor] | None = None
 
     def init_rope(self, device) -> None:
         """The rotary cos/sin cache, built on the GPU as vLLM builds its own (same bits)."""
@@ -450,7 +453,17 @@ class Qwen3(nn.Module):
 
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
-        h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states that predict the targets
+        topks = [b.moe.topk for b in self.layers if b.sparse] if self.routing is not None else []
+        for t in topks:
+            t.record = []
+        try:
+            h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
+            if topks:  # (N, k) per sparse layer -> (N, sparse layers, k)
+                self.routing.append(torch.stack([t.record[-1][batch.gen_index] for t in topks],
+                                                dim=1))
+        finally:
+            for t in topks:
+                t.record = None
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
 
 
@@ -872,6 +885,10 @@ class Rollout:
     completions: list[list[int]]  # sampled token ids
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
+    # Qwen3-MoE: per sample, the experts vLLM chose for the position that predicts each
+    # generated token, (C, layers, k) ints (every layer; a dense layer's rows are 0), or None
+    # where the engine returned none. None for a dense model.
+    routed: list[torch.Tensor | None] | None = None
 
 
 class VLLMEngine:
@@ -896,6 +913,10 @@ class VLLMEngine:
         total = torch.cuda.get_device_properties(ranks.device).total_memory
         weights = 2 * count_params(files.args)
         self.wake_bytes = weights + kv  # what a sleeping engine maps again to take a push
+        # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
+        # the routing-parity check: a GPU buffer of max_num_batched_tokens x layers x k int32,
+        # a D2H copy per step, and a CPU table of a byte per KV slot, layer and k.
+        self.moe = bool(sparse_layers(files.args))
         self.llm = LLM(
             model=str(files.path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
@@ -909,6 +930,7 @@ class VLLMEngine:
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
+            enable_return_routed_experts=self.moe,
             max_num_seqs=samples,  # every sample decodes in every step
             max_num_batched_tokens=max(samples, 8192),
             attention_backend="FLASH_ATTN",
@@ -935,6 +957,8 @@ class VLLMEngine:
             completions=[list(c.token_ids) for _, c in samples],
             logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
             stopped=[c.finish_reason == "stop" for _, c in samples],
+            routed=[generated_routing(c.routed_experts, len(p), len(c.token_ids))
+                    for p, c in samples] if self.moe else None,
         )
 
     def sampling_params(self, seed: int | None):
@@ -969,6 +993,19 @@ class VLLMEngine:
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         push_weights(self, weights)
+
+
+def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
+    """A completion's routed experts (vLLM's CompletionOutput.routed_experts) at the positions
+    that predict its generated tokens: (n_gen, layers, k), or None if it has not those rows.
+
+    vLLM returns a row per token that went through the model: the P prompt tokens (from its
+    slot table when the prefill completes), then each fed generated token (the last sampled
+    one is never fed): P + C - 1 rows. Token t of the completion is predicted at P - 1 + t.
+    """
+    if routed is None or len(routed) < n_prompt - 1 + n_gen or n_gen == 0:
+        return None
+    return torch.from_numpy(routed[n_prompt - 1: n_prompt - 1 + n_gen].astype("int32"))
 
 
 def samples_per_rank(cfg: Config, world: int) -> int:
@@ -1511,6 +1548,28 @@ class Parity:
     n_mismatch: int
     max_abs_diff: float
     table: str
+    moe: bool = False  # Qwen3-MoE: the routing counts below are meaningful
+    routing_tokens: int = 0  # generated tokens whose experts vLLM returned and we compared
+    routing_mismatch: int = 0  # of those, tokens where any sparse layer chose other experts
+
+
+def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.Tensor,
+                   lengths: list[int], layers: tuple[int, ...]) -> tuple[int, int]:
+    """(tokens compared, tokens whose expert set differs in any sparse layer).
+
+    engine_routed: per sample (C_b, all layers, k) or None (not compared); trainer_ids
+    (N, sparse layers, k), N = sum C_b in sample order; layers: the sparse layers' indices.
+    Sets are compared (both sides sorted), so the order of the k ids does not matter.
+    """
+    ours = trainer_ids.cpu().long().sort(dim=-1).values.split(lengths)
+    compared = mismatched = 0
+    for theirs, mine in zip(engine_routed, ours):
+        if theirs is None or len(mine) == 0:
+            continue
+        theirs = theirs[:, list(layers)].long().sort(dim=-1).values  # (C, sparse layers, k)
+        compared += len(mine)
+        mismatched += int((theirs != mine).flatten(1).any(dim=1).sum())
+    return compared, mismatched
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
@@ -1534,17 +1593,21 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
 
 def parity_over_ranks(p: Parity, device) -> Parity:
     """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
-    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch], device=device))
+    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch, p.routing_tokens,
+                                      p.routing_mismatch], device=device))
     # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
     worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
                        dist.ReduceOp.MAX)
-    n_tokens, n_mismatch = counts.tolist()
-    return Parity(n_tokens, n_mismatch, worst.item(), p.table)
+    n_tokens, n_mismatch, routing_tokens, routing_mismatch = counts.tolist()
+    return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.moe, routing_tokens,
+                  routing_mismatch)
 
 
 def parity_line(p: Parity) -> str:
+    routing = (f" | routing: {p.routing_mismatch}/{p.routing_tokens} tokens chose other "
+               "experts" if p.moe else "")
     return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
-            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}")
+            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}{routing}")
 
 
 # ==========================================================================
@@ -1618,6 +1681,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     # 3. Update. Its first forward is the trainer's side of the parity check.
     packed = pack(rollout.prompts, rollout.completions)
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
+    moe = bool(sparse_layers(trainer.model.args))
+    trainer.model.routing = [] if moe else None  # the MoE layers' choices, forward by forward
     try:
         sums, grad_norm, trainer_logp = train_step(
             trainer.model, trainer.ref_model, trainer.optimizer, packed,
@@ -1626,8 +1691,14 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         e.step = step
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
-    parity = parity_over_ranks(parity_report(rollout.logprobs, trainer_logp, packed.targets,
-                                             cfg.parity_rows), device)
+    finally:
+        routing, trainer.model.routing = trainer.model.routing, None
+    parity = parity_report(rollout.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
+    if moe:
+        parity.moe = True
+        parity.routing_tokens, parity.routing_mismatch = step_routing(rollout, routing, packed,
+                                                                      cfg, trainer.model.args)
+    parity = parity_over_ranks(parity, device)
     in_use.append(device_in_use(device))  # the trainer's peak: the allocator keeps what it took
     t2 = time.perf_counter()
 
@@ -1649,6 +1720,17 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
             trainer.writer.add_scalar(k, v, step)
         trainer.writer.flush()
     return metrics, parity
+
+
+def step_routing(rollout: Rollout, routing: list[torch.Tensor], packed: Packed, cfg: Config,
+                 args) -> tuple[int, int]:
+    """Routing parity of the step: the first update's forwards (its real micro-batches come
+    first, in the order of the targets) against the experts vLLM returned."""
+    if not rollout.routed:
+        return 0, 0
+    first = torch.cat(routing[:len(plan_micro_batches(packed, cfg))])  # (N, sparse layers, k)
+    return routing_report(rollout.routed, first, [len(c) for c in rollout.completions],
+                          sparse_layers(args))
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
@@ -1768,11 +1850,14 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
 def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
     memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
     held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
+               f"{int(m['determinism/routing_tokens'])} | "
+               if "determinism/routing_mismatch" in m else "")
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
             f"{m['loss']:+.4f} | kl {m['kl_div']:.4f} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f} | mismatched "
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
-            f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
+            f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
             f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
 
 
@@ -1790,6 +1875,8 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     in the step's prompt order (so they equal a single process's)."""
     G = cfg.group_size
     pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    routing = {"determinism/routing_mismatch": parity.routing_mismatch,
+               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
                    [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
                    rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
@@ -1807,6 +1894,7 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
         "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
         "determinism/max_abs_diff": parity.max_abs_diff,
         "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
+        **routing,
     }
 
 
@@ -1946,7 +2034,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         with writing(run_dir):
             trainer.writer = SummaryWriter(str(run_dir), purge_step=start if ckpt else None)
             trainer.writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=2))
-            trainer.writer.add_custom_scalars(tensorboard_layout())
+            trainer.writer.add_custom_scalars(tensorboard_layout(bool(sparse_layers(files.args))))
         if ckpt:
             purge_after(run_dir / "metrics.jsonl", start)
     if ckpt:
@@ -1970,12 +2058,13 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
-def tensorboard_layout() -> dict:
-    """The Custom Scalars dashboard: the charts to watch first, together on one screen."""
+def tensorboard_layout(moe: bool = False) -> dict:
+    """The Custom Scalars dashboard: the charts to watch first, together on one screen (and,
+    for Qwen3-MoE, the tokens whose experts differ from vLLM's)."""
     def chart(*tags):
         return ["Multiline", list(tags)]
 
-    return {"simple_rl": {
+    layout = {"simple_rl": {
         "reward": chart("reward_mean", "reward_std"),
         "held-out accuracy (greedy)": chart("eval/accuracy"),
         "loss": chart("loss", "pg_loss"),
@@ -1987,6 +2076,10 @@ def tensorboard_layout() -> dict:
         "completions": chart("completion_len_mean"),
         "grad norm": chart("grad_norm"),
     }}
+    if moe:
+        layout["simple_rl"]["routing mismatches (trainer vs vLLM experts)"] = chart(
+            "determinism/routing_mismatch")
+    return layout
 
 
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -3145,13 +3238,22 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 
 
 def count_params(args) -> int:
-    """Parameters of a Qwen3 (the tied head counted once)."""
+    """Parameters of a Qwen3 (the tied head counted once); for Qwen3-MoE every expert counts
+    (each has an fp32 master, AdamW state and a bf16 copy in the engine):
+    a sparse layer's MLP is E (dim + 3 dim I) (router + experts), a dense one's 3 dim H."""
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     block = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.hidden_dim \
         + 2 * args.dim + 2 * args.head_dim
+    n_sparse = len(sparse_layers(args))
+    if n_sparse:
+        sparse = args.moe_args.num_experts * args.dim * (1 + 3 * args.moe_inter_dim)
+        block_mlp = 3 * args.dim * args.hidden_dim
+        blocks = args.n_layers * block + n_sparse * (sparse - block_mlp)
+    else:
+        blocks = args.n_layers * block
     head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
-    return args.vocab_size * args.dim + head + args.n_layers * block + args.dim
+    return args.vocab_size * args.dim + head + blocks + args.dim
 
 
 # Measured on H200s, the device memory in use peaks at up to 1.25x the terms below plus 4 GiB
@@ -3175,6 +3277,14 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
+    n_sparse = len(sparse_layers(args))
+    if n_sparse:  # a sparse layer keeps k experts' gate/up/act and outputs, and fp32 routing
+        m = args.moe_args
+        sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv + m.top_k * (3 * args.moe_inter_dim
+                                                                      + args.dim)) \
+            + 4 * m.num_experts + 8 * m.top_k
+        per_token_layer = (per_token_layer * (args.n_layers - n_sparse)
+                           + sparse_token * n_sparse) / args.n_layers
     rows = cfg.micro_batch_tokens
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
@@ -3415,10 +3525,21 @@ TRACED = {"attention_norm": "input_layernorm", "attention.wqkv": "self_attn.qkv_
           "feed_forward.act_fn": "mlp.act_fn", "feed_forward.w2": "mlp.down_proj"}
 
 
-def trace_names(n_layers: int) -> list[tuple[str, str]]:
+# A Qwen3-MoE sparse layer's MLP, in place of the dense MLP's three. vLLM's top-k is no module:
+# `recording` catches its router's select_experts (weights, ids), as TopK returns them.
+MOE_TRACED = {"moe.router.gate": "mlp.gate", "moe.topk": "mlp.experts.router",
+              "moe.experts": "mlp.experts"}
+
+
+def trace_names(n_layers: int, sparse: tuple[int, ...] = ()) -> list[tuple[str, str]]:
     """(trainer module, vLLM module) for every traced op, in execution order."""
-    names = [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}")
-             for i in range(n_layers) for ours, theirs in TRACED.items()]
+    names = []
+    for i in range(n_layers):
+        ops = list(TRACED.items())
+        if i in sparse:
+            ops = [op for op in ops if not op[0].startswith("feed_forward.")]
+            ops += list(MOE_TRACED.items())
+        names += [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in ops]
     return names + [("norm", "model.norm")]
 
 
@@ -3439,11 +3560,29 @@ def recording(model: nn.Module, names: dict[str, str]):
 
     handles = [module.register_forward_hook(hook_for(names[name]))
                for name, module in model.named_modules() if name in names]
+    routers = []  # vLLM's MoE routers: no modules; their select_experts gives (weights, ids)
+    for name, module in model.named_modules():
+        router = getattr(module, "router", None)
+        if f"{name}.router" in names and hasattr(router, "select_experts"):
+            router.select_experts = recorded_call(router.select_experts,
+                                                  hook_for(names[f"{name}.router"]))
+            routers.append(router)
     try:
         yield calls
     finally:
         for h in handles:
             h.remove()
+        for r in routers:
+            del r.select_experts  # the class's method again
+
+
+def recorded_call(fn: Callable, hook: Callable) -> Callable:
+    """fn, whose every result is also handed to a forward hook (for methods that are no forward)."""
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        hook(None, args, out)
+        return out
+    return call
 
 
 def concat_calls(calls: dict[str, list[list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
@@ -3485,7 +3624,7 @@ def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperat
     """
     from vllm import SamplingParams, TokensPrompt
 
-    names = trace_names(model.args.n_layers)
+    names = trace_names(model.args.n_layers, sparse_layers(model.args))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                             logprobs=0, detokenize=False)
     llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
