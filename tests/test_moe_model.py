@@ -226,3 +226,32 @@ def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, cap
         assert r["determinism/routing_mismatch"] == (1 if corrupt else 0), r
     out = capsys.readouterr().out
     assert "routing: " in out and "| routing " in out
+
+
+def test_debugger_traces_the_moe_ops(moe_ckpt):
+    names = rl.trace_names(3, (0, 2))
+    assert ("layers.2.moe.topk", "model.layers.2.mlp.experts.router") in names
+    assert ("layers.1.feed_forward.w13", "model.layers.1.mlp.gate_up_proj") in names
+    assert not [n for n, _ in names if n.startswith("layers.0.feed_forward")]
+    args, hf = load(moe_ckpt)
+    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(),
+                           torch.float32, "cpu")
+    ours = [n for n, _ in names]
+    with rl.recording(model, {n: n for n in ours}) as calls, torch.no_grad():
+        model.hidden(rl.pack([[3, 4, 5]], [[]]))
+    assert set(calls) == set(ours)
+    weights, ids = calls["layers.0.moe.topk"][0]
+    assert weights.shape == ids.shape == (3, 2) and ids.dtype == torch.int32
+
+    class Router:  # vLLM's router: no module; select_experts gives (weights, ids)
+        def select_experts(self, hidden_states, router_logits):
+            return router_logits.softmax(-1), router_logits.argmax(-1, keepdim=True)
+
+    vllm_layer = torch.nn.Module()
+    vllm_layer.experts = torch.nn.Module()
+    vllm_layer.experts.router = Router()
+    with rl.recording(vllm_layer, {"experts.router": "topk"}) as theirs:
+        vllm_layer.experts.router.select_experts(hidden_states=None,
+                                                 router_logits=torch.ones(2, 4))
+    assert [len(c) for c in theirs["topk"]] == [2]
+    assert "select_experts" not in vars(vllm_layer.experts.router)  # unpatched after
