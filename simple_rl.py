@@ -311,15 +311,94 @@ class FeedForward(nn.Module):
         return self.w2(self.act_fn(self.w13(x)))  # (T, 2I) -> (T, I) -> (T, dim)
 
 
-class Block(nn.Module):
-    """One decoder layer, as vLLM runs it: the residual add is fused into the next norm."""
+class Router(nn.Module):
+    """Router logits z = x G^T, G (E, dim): vLLM's `gate` ReplicatedLinear, the same GEMM."""
+
+    def __init__(self, dim: int, n_experts: int, ops: bib.Kernels):
+        super().__init__()
+        self.gate = Linear(dim, n_experts, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)  # (T, E) in x's dtype
+
+
+class TopK(nn.Module):
+    """p = softmax(z) in fp32; the k largest p per token, renormalised to sum 1 if asked
+    (norm_topk_prob): (weights (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
+
+    `record`, when a list, receives the ids of every call (the routing-parity forward).
+    """
+
+    def __init__(self, top_k: int, renormalize: bool, ops: bib.Kernels):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.ops = ops
+        self.record: list[torch.Tensor] | None = None
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
+        if self.record is not None:
+            self.record.append(ids.detach())
+        return weights, ids
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts in vLLM's FusedMoE layout: w13 (E, 2I, dim) = [gate; up] rows per
+    expert, w2 (E, dim, I). y_t = sum_j weights_tj * w2[e] (silu(g) * u), [g; u] = w13[e] x_t,
+    e = ids_tj."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, ops: bib.Kernels):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # The op casts the fp32 masters to x's dtype itself, so their gradient stays fp32. (Not
+        # in weights_cast_once: the op takes no pre-made cast; under FSDP2 the gather casts.)
+        return self.ops.moe_experts(x, self.w13, self.w2, weights, ids)  # (T, dim)
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse MLP in vLLM's order: router GEMM -> top-k -> experts (no shared
+    expert). (T, dim) -> (T, dim)."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
+        super().__init__()
+        m = args.moe_args
+        self.router = Router(args.dim, m.num_experts, ops)
+        self.topk = TopK(m.top_k, m.route_norm, ops)
+        self.experts = GroupedExperts(m.num_experts, args.dim, args.moe_inter_dim, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
+        return self.experts(x, weights, ids)
+
+
+def sparse_layers(args) -> tuple[int, ...]:
+    """The layers with a sparse MLP, as transformers and vLLM decide (qwen3_moe.py): layer i
+    unless i is in mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
+    Set on the args by model_args_from_hf; dense Qwen3 has none."""
+    return getattr(args, "sparse_layers", ())
+
+
+class Block(nn.Module):
+    """One decoder layer, as vLLM runs it: the residual add is fused into the next norm.
+
+    Its MLP is `feed_forward` (dense) or, in a Qwen3-MoE sparse layer, `moe` (TorchTitan's
+    names)."""
+
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype, sparse: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
         self.attention = Attention(args, ops, dtype)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
-        self.feed_forward = FeedForward(args, ops, dtype)
+        self.sparse = sparse
+        if sparse:
+            self.moe = MoE(args, ops, dtype)
+        else:
+            self.feed_forward = FeedForward(args, ops, dtype)
 
     def forward(self, x, residual, batch: "Packed", rope) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: no residual to add yet
@@ -328,7 +407,7 @@ class Block(nn.Module):
             h, residual = self.attention_norm(x, residual)
         h = self.attention(h, batch, rope)
         h, residual = self.ffn_norm(h, residual)
-        return self.feed_forward(h), residual
+        return (self.moe if self.sparse else self.feed_forward)(h), residual
 
 
 class Qwen3(nn.Module):
@@ -340,11 +419,16 @@ class Qwen3(nn.Module):
         self.ops = ops
         self.dtype = dtype
         self.tok_embeddings = Embedding(args.vocab_size, args.dim, dtype)
-        self.layers = nn.ModuleList(Block(args, ops, dtype) for _ in range(args.n_layers))
+        sparse = sparse_layers(args)
+        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse)
+                                    for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
         self.rope: torch.Tensor | None = None  # (max_seq_len, head_dim) cos|sin, see init_rope
+        # when a list: each forward appends the expert ids (N, sparse layers, k) int32 of the
+        # tokens whose next token it scores (the routing-parity check, see rl_step)
+        self.routing: list[torch.Tensor] | None = None
 
     def init_rope(self, device) -> None:
         """The rotary cos/sin cache, built on the GPU as vLLM builds its own (same bits)."""
@@ -369,7 +453,17 @@ class Qwen3(nn.Module):
 
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
-        h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states that predict the targets
+        topks = [b.moe.topk for b in self.layers if b.sparse] if self.routing is not None else []
+        for t in topks:
+            t.record = []
+        try:
+            h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
+            if topks:  # (N, k) per sparse layer -> (N, sparse layers, k)
+                self.routing.append(torch.stack([t.record[-1][batch.gen_index] for t in topks],
+                                                dim=1))
+        finally:
+            for t in topks:
+                t.record = None
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
 
 
@@ -454,21 +548,24 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def hf_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, weight in the compute dtype) for every weight, one trainer tensor at a time.
 
     Under FSDP every rank gathers each bf16 cast in turn (so every rank must run this to the
-    end, in the same order); peak memory is one full tensor.
+    end, in the same order); peak memory is one full tensor. Experts go fused (one
+    gate_up_proj and one down_proj per layer, which vLLM's MoE loader takes whole) unless
+    `fused_experts` is False (per expert: the hub's names, for files).
     """
     adapter = _adapter(model.args)
     for name, p in model.named_parameters():
-        yield from to_hf_items(name, full_tensor(p.detach().to(model.dtype)), model.args, adapter)
+        yield from to_hf_items(name, full_tensor(p.detach().to(model.dtype)), model.args, adapter,
+                               fused_experts)
 
 
 def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
-    """Every weight in the compute dtype, on CPU, under HF names; on rank 0 ({} elsewhere)."""
+    """Every weight in the compute dtype, on CPU, under HF (hub) names; on rank 0 ({} elsewhere)."""
     keep = is_main()
-    return {k: v.cpu() for k, v in hf_weights(model) if keep}
+    return {k: v.cpu() for k, v in hf_weights(model, fused_experts=False) if keep}
 
 
 # ==========================================================================
@@ -483,6 +580,7 @@ FUSED = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
 MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
@@ -527,9 +625,12 @@ def read_qwen3_config(path: Path):
         raise ConfigError(f"{file} is not valid JSON ({e}).") from e
     need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
     archs = raw.get("architectures") or []
-    need(raw.get("model_type") == "qwen3" and (not archs or "Qwen3ForCausalLM" in archs),
+    kind = MODEL_TYPES.get(raw.get("model_type"))
+    need(kind is not None and (not archs or kind in archs),
          f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
-         "simple_rl trains dense Qwen3 (Qwen3ForCausalLM) only.")
+         "simple_rl trains Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM) only.")
+    if kind == "Qwen3MoeForCausalLM":
+        check_moe_config(raw, file)
     positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
     need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
          f"max_position_embeddings {positions!r} must be a whole number in [1, "
@@ -547,12 +648,55 @@ def read_qwen3_config(path: Path):
     return hf
 
 
+def check_moe_config(raw: dict, file: Path) -> None:
+    """Refuse the Qwen3-MoE settings the trainer does not compute as vLLM does (raw JSON)."""
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    k = raw.get("num_experts_per_tok")
+    step = raw.get("decoder_sparse_step", 1)
+    only = raw.get("mlp_only_layers") or []
+    need(type(n) is int and n >= 1 and type(k) is int and 1 <= k <= n, f"{file}: num_experts "
+         f"{n!r} and num_experts_per_tok {k!r} must be whole numbers, 1 <= top-k <= experts.")
+    need(type(step) is int and step >= 1, f"{file}: decoder_sparse_step {step!r} must be a "
+         "whole number >= 1.")
+    need(isinstance(only, list) and all(type(i) is int for i in only),
+         f"{file}: mlp_only_layers {only!r} must be a list of layer indices.")
+    need(type(raw.get("moe_intermediate_size")) is int and raw["moe_intermediate_size"] >= 1,
+         f"{file}: moe_intermediate_size {raw.get('moe_intermediate_size')!r} must be a whole "
+         "number >= 1.")
+    need(not raw.get("shared_expert_intermediate_size"), f"{file}: shared experts "
+         "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
+    need(raw.get("norm_topk_prob", False) in (True, False), f"{file}: norm_topk_prob must be "
+         "true or false.")
+    # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
+    # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
+
+
 def model_args_from_hf(hf):
-    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config."""
+    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
+
+    For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
+    norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
+    TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
+    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
+    """
+    from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
     rope = getattr(hf, "rope_parameters", None) or {}
-    return Qwen3ModelArgs(
+    moe = {}
+    sparse: tuple[int, ...] = ()
+    if hf.model_type == "qwen3_moe":
+        n = hf.num_experts
+        only = set(getattr(hf, "mlp_only_layers", None) or [])
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        sparse = tuple(i for i in range(hf.num_hidden_layers)
+                       if i not in only and n > 0 and (i + 1) % step == 0)
+        moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
+                   moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
+                                    top_k=hf.num_experts_per_tok, score_func="softmax",
+                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
+                                    score_before_experts=False, load_balance_coeff=None))
+    args = Qwen3ModelArgs(
         dim=hf.hidden_size,
         n_layers=hf.num_hidden_layers,
         n_heads=hf.num_attention_heads,
@@ -564,7 +708,11 @@ def model_args_from_hf(hf):
         rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
         max_seq_len=hf.max_position_embeddings,
         enable_weight_tying=bool(hf.tie_word_embeddings),
+        **moe,
     )
+    if sparse:
+        args.sparse_layers = sparse
+    return args
 
 
 def load_tokenizer(path: Path, args):
@@ -632,14 +780,27 @@ def fused_sizes(args) -> dict[str, list[int]]:
 
 
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections."""
+    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections.
+
+    A sparse layer's router and experts are taken out first (`moe_from_hf`), per expert (hub)
+    or fused (the push's names) alike.
+    """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
+    try:
+        moe = moe_from_hf(hf_state, args)  # pops what it takes from hf_state
+    except (KeyError, RuntimeError) as e:
+        raise ConfigError(f"the checkpoint's weights do not match its config.json "
+                          f"({type(e).__name__}: {e}).") from e
     titan = _adapter(args).from_hf(hf_state)
+    titan.update(moe)
     if args.enable_weight_tying:
         titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
+    sparse = sparse_layers(args)
     try:
         for i in range(args.n_layers):
             for fused, parts in FUSED.items():
+                if i in sparse and fused.startswith("feed_forward."):
+                    continue  # a sparse layer has experts, not a dense MLP
                 titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
                                                           for p in parts], dim=0)
     except (KeyError, RuntimeError) as e:
@@ -648,8 +809,52 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     return titan
 
 
-def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None):
+def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    """Pop every sparse layer's router and experts from hf_state, as trainer tensors:
+    router.gate.weight (E, dim); experts.w13 (E, 2I, dim) = [gate_proj_e; up_proj_e] per expert
+    e (vLLM's w13_weight); experts.w2 (E, dim, I) = down_proj_e. HF holds them per expert
+    (mlp.experts.e.{gate,up,down}_proj.weight: the hub's format) or fused as vLLM loads them
+    (mlp.experts.gate_up_proj (E, 2I, dim), mlp.experts.down_proj (E, dim, I))."""
+    out = {}
+    n = args.moe_args.num_experts if sparse_layers(args) else 0
+    for i in sparse_layers(args):
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
+        out[ours + "router.gate.weight"] = hf_state.pop(hf + "gate.weight")
+        if hf + "experts.gate_up_proj" in hf_state:
+            out[ours + "experts.w13"] = hf_state.pop(hf + "experts.gate_up_proj")
+            out[ours + "experts.w2"] = hf_state.pop(hf + "experts.down_proj")
+            continue
+        expert = [f"{hf}experts.{e}." for e in range(n)]
+        out[ours + "experts.w13"] = torch.stack([
+            torch.cat([hf_state.pop(x + "gate_proj.weight"), hf_state.pop(x + "up_proj.weight")])
+            for x in expert])
+        out[ours + "experts.w2"] = torch.stack([hf_state.pop(x + "down_proj.weight")
+                                                for x in expert])
+    return out
+
+
+def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
+    """A sparse layer's trainer tensor as [(HF name, tensor)]; experts fused as vLLM's loader
+    takes them (`fused`: one tensor per layer and kind, the push) or per expert (the hub's
+    format, for files; copies, so no two saved tensors share storage)."""
+    i = name.split(".")[1]
+    hf = f"model.layers.{i}.mlp."
+    if name.endswith("router.gate.weight"):
+        return [(hf + "gate.weight", tensor)]
+    if fused:
+        return [(hf + ("experts.gate_up_proj" if name.endswith("w13") else "experts.down_proj"),
+                 tensor)]
+    if name.endswith("w13"):
+        return [(f"{hf}experts.{e}.{part}_proj.weight", w.clone())
+                for e, w13 in enumerate(tensor)
+                for part, w in zip(("gate", "up"), w13.split(args.moe_inter_dim))]
+    return [(f"{hf}experts.{e}.down_proj.weight", w.clone()) for e, w in enumerate(tensor)]
+
+
+def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None, fused_experts=False):
     """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped."""
+    if ".moe." in name:
+        return moe_to_hf_items(name, tensor, args, fused_experts)
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
     if suffix in FUSED:
         prefix = name[: -len(suffix)]
@@ -680,6 +885,10 @@ class Rollout:
     completions: list[list[int]]  # sampled token ids
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
+    # Qwen3-MoE: per sample, the experts vLLM chose for the position that predicts each
+    # generated token, (C, layers, k) ints (every layer; a dense layer's rows are 0), or None
+    # where the engine returned none. None for a dense model.
+    routed: list[torch.Tensor | None] | None = None
 
 
 class VLLMEngine:
@@ -704,6 +913,10 @@ class VLLMEngine:
         total = torch.cuda.get_device_properties(ranks.device).total_memory
         weights = 2 * count_params(files.args)
         self.wake_bytes = weights + kv  # what a sleeping engine maps again to take a push
+        # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
+        # the routing-parity check: a GPU buffer of max_num_batched_tokens x layers x k int32,
+        # a D2H copy per step, and a CPU table of a byte per KV slot, layer and k.
+        self.moe = bool(sparse_layers(files.args))
         self.llm = LLM(
             model=str(files.path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
@@ -717,6 +930,7 @@ class VLLMEngine:
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
+            enable_return_routed_experts=self.moe,
             max_num_seqs=samples,  # every sample decodes in every step
             max_num_batched_tokens=max(samples, 8192),
             attention_backend="FLASH_ATTN",
@@ -743,6 +957,8 @@ class VLLMEngine:
             completions=[list(c.token_ids) for _, c in samples],
             logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
             stopped=[c.finish_reason == "stop" for _, c in samples],
+            routed=[generated_routing(c.routed_experts, len(p), len(c.token_ids))
+                    for p, c in samples] if self.moe else None,
         )
 
     def sampling_params(self, seed: int | None):
@@ -777,6 +993,19 @@ class VLLMEngine:
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         push_weights(self, weights)
+
+
+def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
+    """A completion's routed experts (vLLM's CompletionOutput.routed_experts) at the positions
+    that predict its generated tokens: (n_gen, layers, k), or None if it has not those rows.
+
+    vLLM returns a row per token that went through the model: the P prompt tokens (from its
+    slot table when the prefill completes), then each fed generated token (the last sampled
+    one is never fed): P + C - 1 rows. Token t of the completion is predicted at P - 1 + t.
+    """
+    if routed is None or len(routed) < n_prompt - 1 + n_gen or n_gen == 0:
+        return None
+    return torch.from_numpy(routed[n_prompt - 1: n_prompt - 1 + n_gen].astype("int32"))
 
 
 def samples_per_rank(cfg: Config, world: int) -> int:
@@ -1366,6 +1595,28 @@ class Parity:
     n_mismatch: int
     max_abs_diff: float
     table: str
+    moe: bool = False  # Qwen3-MoE: the routing counts below are meaningful
+    routing_tokens: int = 0  # generated tokens whose experts vLLM returned and we compared
+    routing_mismatch: int = 0  # of those, tokens where any sparse layer chose other experts
+
+
+def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.Tensor,
+                   lengths: list[int], layers: tuple[int, ...]) -> tuple[int, int]:
+    """(tokens compared, tokens whose expert set differs in any sparse layer).
+
+    engine_routed: per sample (C_b, all layers, k) or None (not compared); trainer_ids
+    (N, sparse layers, k), N = sum C_b in sample order; layers: the sparse layers' indices.
+    Sets are compared (both sides sorted), so the order of the k ids does not matter.
+    """
+    ours = trainer_ids.cpu().long().sort(dim=-1).values.split(lengths)
+    compared = mismatched = 0
+    for theirs, mine in zip(engine_routed, ours):
+        if theirs is None or len(mine) == 0:
+            continue
+        theirs = theirs[:, list(layers)].long().sort(dim=-1).values  # (C, sparse layers, k)
+        compared += len(mine)
+        mismatched += int((theirs != mine).flatten(1).any(dim=1).sum())
+    return compared, mismatched
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
@@ -1389,17 +1640,21 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
 
 def parity_over_ranks(p: Parity, device) -> Parity:
     """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
-    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch], device=device))
+    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch, p.routing_tokens,
+                                      p.routing_mismatch], device=device))
     # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
     worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
                        dist.ReduceOp.MAX)
-    n_tokens, n_mismatch = counts.tolist()
-    return Parity(n_tokens, n_mismatch, worst.item(), p.table)
+    n_tokens, n_mismatch, routing_tokens, routing_mismatch = counts.tolist()
+    return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.moe, routing_tokens,
+                  routing_mismatch)
 
 
 def parity_line(p: Parity) -> str:
+    routing = (f" | routing: {p.routing_mismatch}/{p.routing_tokens} tokens chose other "
+               "experts" if p.moe else "")
     return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
-            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}")
+            f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}{routing}")
 
 
 # ==========================================================================
@@ -1474,6 +1729,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     # 3. Update. Its first forward is the trainer's side of the parity check.
     packed = pack(rollout.prompts, rollout.completions)
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
+    moe = bool(sparse_layers(trainer.model.args))
+    trainer.model.routing = [] if moe else None  # the MoE layers' choices, forward by forward
     try:
         sums, grad_norm, trainer_logp = train_step(
             trainer.model, trainer.ref_model, trainer.optimizer, packed,
@@ -1482,8 +1739,14 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         e.step = step
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
-    parity = parity_over_ranks(parity_report(rollout.logprobs, trainer_logp, packed.targets,
-                                             cfg.parity_rows), device)
+    finally:
+        routing, trainer.model.routing = trainer.model.routing, None
+    parity = parity_report(rollout.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
+    if moe:
+        parity.moe = True
+        parity.routing_tokens, parity.routing_mismatch = step_routing(rollout, routing, packed,
+                                                                      cfg, trainer.model.args)
+    parity = parity_over_ranks(parity, device)
     in_use.append(device_in_use(device))  # the trainer's peak: the allocator keeps what it took
     t2 = time.perf_counter()
 
@@ -1512,6 +1775,17 @@ def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
             writer.add_scalar(k, v, step)
         writer.flush()
+
+
+def step_routing(rollout: Rollout, routing: list[torch.Tensor], packed: Packed, cfg: Config,
+                 args) -> tuple[int, int]:
+    """Routing parity of the step: the first update's forwards (its real micro-batches come
+    first, in the order of the targets) against the experts vLLM returned."""
+    if not rollout.routed:
+        return 0, 0
+    first = torch.cat(routing[:len(plan_micro_batches(packed, cfg))])  # (N, sparse layers, k)
+    return routing_report(rollout.routed, first, [len(c) for c in rollout.completions],
+                          sparse_layers(args))
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
@@ -1638,11 +1912,14 @@ def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s
     memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
     held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
     kl = f" | kl {m['kl_div']:.4f}" if "kl_div" in m else ""  # only with --kl-coef > 0
+    routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
+               f"{int(m['determinism/routing_tokens'])} | "
+               if "determinism/routing_mismatch" in m else "")
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
             f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f} | mismatched "
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
-            f"rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
+            f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
             f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
 
 
@@ -1660,6 +1937,8 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     in the step's prompt order (so they equal a single process's)."""
     G = cfg.group_size
     pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    routing = {"determinism/routing_mismatch": parity.routing_mismatch,
+               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
                    [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
                    rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
@@ -1679,6 +1958,7 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
         "determinism/max_abs_diff": parity.max_abs_diff,
         "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
         "time/step_s": sum(times),
+        **routing,
     }
 
 
@@ -1838,7 +2118,8 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
     with writing(run_dir):
         trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
         trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
-        trainer.writer.add_custom_scalars(tensorboard_layout())
+        moe = bool(sparse_layers(trainer.model.args))
+        trainer.writer.add_custom_scalars(tensorboard_layout(moe))
     if resumed_at is not None:
         purge_after(run_dir / "metrics.jsonl", resumed_at)
         trainer.mismatched_total = mismatched_before(run_dir / "metrics.jsonl")
@@ -1860,13 +2141,14 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
-def tensorboard_layout() -> dict:
+def tensorboard_layout(moe: bool = False) -> dict:
     """The Custom Scalars dashboard: the signals to act on first, one series per chart
-    (TensorBoard draws a chart's series in one colour, with no legend), then the details."""
+    (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
+    Qwen3-MoE also the tokens whose experts differ from vLLM's."""
     def charts(*titled):
         return {title: ["Multiline", [tag]] for title, tag in titled}
 
-    return {
+    layout = {
         "simple_rl": charts(
             ("reward (mean over the step's samples)", "reward_mean"),
             ("held-out accuracy (greedy)", "eval/accuracy"),
@@ -1889,6 +2171,10 @@ def tensorboard_layout() -> dict:
             ("grad norm", "grad_norm"),
         ),
     }
+    if moe:
+        layout["simple_rl"]["tokens routed to other experts (must stay 0)"] = [
+            "Multiline", ["determinism/routing_mismatch"]]
+    return layout
 
 
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -3055,13 +3341,22 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 
 
 def count_params(args) -> int:
-    """Parameters of a Qwen3 (the tied head counted once)."""
+    """Parameters of a Qwen3 (the tied head counted once); for Qwen3-MoE every expert counts
+    (each has an fp32 master, AdamW state and a bf16 copy in the engine):
+    a sparse layer's MLP is E (dim + 3 dim I) (router + experts), a dense one's 3 dim H."""
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     block = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.hidden_dim \
         + 2 * args.dim + 2 * args.head_dim
+    n_sparse = len(sparse_layers(args))
+    if n_sparse:
+        sparse = args.moe_args.num_experts * args.dim * (1 + 3 * args.moe_inter_dim)
+        block_mlp = 3 * args.dim * args.hidden_dim
+        blocks = args.n_layers * block + n_sparse * (sparse - block_mlp)
+    else:
+        blocks = args.n_layers * block
     head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
-    return args.vocab_size * args.dim + head + args.n_layers * block + args.dim
+    return args.vocab_size * args.dim + head + blocks + args.dim
 
 
 # Measured on H200s, the device memory in use peaks at up to 1.25x the terms below plus 4 GiB
@@ -3085,6 +3380,14 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
+    n_sparse = len(sparse_layers(args))
+    if n_sparse:  # a sparse layer keeps k experts' gate/up/act and outputs, and fp32 routing
+        m = args.moe_args
+        sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv + m.top_k * (3 * args.moe_inter_dim
+                                                                      + args.dim)) \
+            + 4 * m.num_experts + 8 * m.top_k
+        per_token_layer = (per_token_layer * (args.n_layers - n_sparse)
+                           + sparse_token * n_sparse) / args.n_layers
     rows = cfg.micro_batch_tokens
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
@@ -3325,10 +3628,21 @@ TRACED = {"attention_norm": "input_layernorm", "attention.wqkv": "self_attn.qkv_
           "feed_forward.act_fn": "mlp.act_fn", "feed_forward.w2": "mlp.down_proj"}
 
 
-def trace_names(n_layers: int) -> list[tuple[str, str]]:
+# A Qwen3-MoE sparse layer's MLP, in place of the dense MLP's three. vLLM's top-k is no module:
+# `recording` catches its router's select_experts (weights, ids), as TopK returns them.
+MOE_TRACED = {"moe.router.gate": "mlp.gate", "moe.topk": "mlp.experts.router",
+              "moe.experts": "mlp.experts"}
+
+
+def trace_names(n_layers: int, sparse: tuple[int, ...] = ()) -> list[tuple[str, str]]:
     """(trainer module, vLLM module) for every traced op, in execution order."""
-    names = [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}")
-             for i in range(n_layers) for ours, theirs in TRACED.items()]
+    names = []
+    for i in range(n_layers):
+        ops = list(TRACED.items())
+        if i in sparse:
+            ops = [op for op in ops if not op[0].startswith("feed_forward.")]
+            ops += list(MOE_TRACED.items())
+        names += [(f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in ops]
     return names + [("norm", "model.norm")]
 
 
@@ -3349,11 +3663,29 @@ def recording(model: nn.Module, names: dict[str, str]):
 
     handles = [module.register_forward_hook(hook_for(names[name]))
                for name, module in model.named_modules() if name in names]
+    routers = []  # vLLM's MoE routers: no modules; their select_experts gives (weights, ids)
+    for name, module in model.named_modules():
+        router = getattr(module, "router", None)
+        if f"{name}.router" in names and hasattr(router, "select_experts"):
+            router.select_experts = recorded_call(router.select_experts,
+                                                  hook_for(names[f"{name}.router"]))
+            routers.append(router)
     try:
         yield calls
     finally:
         for h in handles:
             h.remove()
+        for r in routers:
+            del r.select_experts  # the class's method again
+
+
+def recorded_call(fn: Callable, hook: Callable) -> Callable:
+    """fn, whose every result is also handed to a forward hook (for methods that are no forward)."""
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        hook(None, args, out)
+        return out
+    return call
 
 
 def concat_calls(calls: dict[str, list[list[torch.Tensor]]]) -> dict[str, list[torch.Tensor]]:
@@ -3395,7 +3727,7 @@ def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperat
     """
     from vllm import SamplingParams, TokensPrompt
 
-    names = trace_names(model.args.n_layers)
+    names = trace_names(model.args.n_layers, sparse_layers(model.args))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                             logprobs=0, detokenize=False)
     llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill

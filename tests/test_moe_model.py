@@ -1,0 +1,260 @@
+"""Qwen3-MoE on CPU: load, forward vs transformers, HF round trip, config errors, the memory
+estimate, routing-parity counting, and a short simple_rl run with a stand-in engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+from helpers import TorchEngine, cpu_argv, main_cpu, make_tokenizer
+
+TINY_MOE = dict(vocab=384, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96,
+                moe_inter=32, experts=8, top_k=2, mlp_only=(1,), norm_topk=True, tied=False)
+
+
+def make_moe_checkpoint(out: Path, *, vocab, hidden, layers, heads, kv_heads, head_dim, inter,
+                        moe_inter, experts, top_k, mlp_only=(), norm_topk=True, tied=False,
+                        sparse_step=1, seed=0, dtype=torch.float32, device="cpu",
+                        max_pos=2048) -> Path:
+    """A random Qwen3MoeForCausalLM saved by transformers, in the hub's format (experts per
+    expert; config.json says num_experts, as Qwen/Qwen3-30B-A3B's does), plus a tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=inter, moe_intermediate_size=moe_inter, num_experts=experts,
+        num_experts_per_tok=top_k, mlp_only_layers=list(mlp_only), norm_topk_prob=norm_topk,
+        decoder_sparse_step=sparse_step, tie_word_embeddings=tied, max_position_embeddings=max_pos,
+        eos_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    with torch.no_grad():  # HF inits norms to 1 and the router to 0: randomise both
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("mlp.gate.weight"):  # logits of std ~2: clear, varied choices
+                p.normal_(0, 2 / hidden**0.5)
+    model.save_pretrained(out)
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts", experts)  # the hub's key
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    make_tokenizer(out, vocab_size=min(vocab, 320))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return make_moe_checkpoint(tmp_path_factory.mktemp("moe"), **TINY_MOE)
+
+
+def load(path):
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    return args, rl.load_hf_state_dict(path)
+
+
+def test_args_and_hub_format(moe_ckpt):
+    args, hf = load(moe_ckpt)
+    assert rl.sparse_layers(args) == (0, 2) and args.moe_enabled
+    assert args.moe_args.num_experts == 8 and args.moe_args.top_k == 2
+    assert args.moe_args.route_norm and args.moe_inter_dim == 32
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in hf
+    assert "model.layers.1.mlp.gate_proj.weight" in hf  # the mlp_only layer is dense
+    rl.check_weight_headers(moe_ckpt, args)  # names and shapes as config.json implies
+
+
+def test_forward_matches_transformers(moe_ckpt):
+    from transformers import Qwen3MoeForCausalLM
+
+    args, hf = load(moe_ckpt)
+    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(),
+                           torch.float32, "cpu")
+    assert isinstance(model.layers[0].moe, rl.MoE) and not model.layers[1].sparse
+    ref = Qwen3MoeForCausalLM.from_pretrained(moe_ckpt, dtype=torch.float32).eval()
+    prompts = [[5, 9, 33, 7, 100, 2], [17, 4, 250]]
+    batch = rl.pack(prompts, [[] for _ in prompts])
+    with torch.no_grad():
+        ours = model.logits(model.hidden(batch))  # (T, V)
+        theirs = torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])
+    assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
+
+
+def test_round_trip_exact_and_push_names(moe_ckpt):
+    args, hf = load(moe_ckpt)
+    state = rl.hf_to_trainer(hf, args)
+    assert state["layers.0.moe.experts.w13"].shape == (8, 64, 64)  # (E, 2I, D)
+    assert state["layers.0.moe.experts.w2"].shape == (8, 64, 32)  # (E, D, I)
+    assert state["layers.2.moe.router.gate.weight"].shape == (8, 64)
+    assert torch.equal(state["layers.0.moe.experts.w13"][3, 32:],
+                       hf["model.layers.0.mlp.experts.3.up_proj.weight"])  # [gate; up]
+    back = rl.trainer_to_hf(state, args)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    model = rl.build_model(args, state, bib.reference_kernels(), torch.float32, "cpu")
+    pushed = dict(rl.hf_weights(model))  # experts fused, as vLLM's MoE loader takes them
+    assert pushed["model.layers.2.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    assert pushed["model.layers.2.mlp.experts.down_proj"].shape == (8, 64, 32)
+    assert not any(".experts.0." in k for k in pushed)
+    again = rl.hf_to_trainer(pushed, args)
+    assert all(torch.equal(again[k], state[k]) for k in state)
+    assert rl.gathered_hf_state(model).keys() == hf.keys()  # export: the hub's format
+
+
+def broken(tmp_path, src, **change):
+    import shutil
+
+    out = tmp_path / "bad"
+    shutil.copytree(src, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw.update(change)
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(shared_expert_intermediate_size=64), "shared experts"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+    (dict(mlp_only_layers="1"), "mlp_only_layers"),
+    (dict(architectures=["Qwen2MoeForCausalLM"]), "Qwen3MoeForCausalLM"),
+])
+def test_config_errors(tmp_path, moe_ckpt, change, words):
+    with pytest.raises(rl.ConfigError, match=words):
+        rl.read_qwen3_config(broken(tmp_path, moe_ckpt, **change))
+
+
+def test_headers_name_missing_experts(tmp_path, moe_ckpt):
+    # config says 16 experts, the files hold 8: refused from the headers, before any start
+    bad = broken(tmp_path, moe_ckpt, num_experts=16)
+    args = rl.model_args_from_hf(rl.read_qwen3_config(bad))
+    with pytest.raises(rl.ConfigError, match="experts"):
+        rl.check_weight_headers(bad, args)
+
+
+def test_params_and_memory_count_every_expert(moe_ckpt):
+    args, hf = load(moe_ckpt)
+    assert rl.count_params(args) == sum(v.numel() for v in hf.values())
+    from torchtitan.models.qwen3 import qwen3_args
+
+    big = rl.dataclasses.replace(qwen3_args["30B-A3B"], max_seq_len=40960)
+    big.sparse_layers = tuple(range(big.n_layers))
+    assert abs(rl.count_params(big) / 30.53e9 - 1) < 0.01  # Qwen3-30B-A3B: 30.5B
+    cfg = rl.Config(micro_batch_tokens=8192, max_model_len=1024)
+    est = rl.memory_estimate(cfg, big, 1)
+    assert est["trainer state"] == 16 * rl.count_params(big)  # fp32 masters + grads + AdamW
+    # a token keeps k = 8 experts' activations, 8 (3 x 768 + 2048) > the dense 3 x 6144
+    dense = rl.dataclasses.replace(big, moe_enabled=False)  # no sparse_layers: all dense
+    assert est["activations"] > rl.memory_estimate(cfg, dense, 1)["activations"]
+
+
+def test_routing_mismatch_counts_tokens():
+    # 2 samples (3 and 2 generated tokens), 3 layers of which 0 and 2 are sparse, top-2
+    ids = torch.tensor([[[1, 2], [3, 4]], [[0, 5], [6, 7]], [[2, 3], [1, 0]],
+                        [[4, 5], [2, 6]], [[7, 1], [3, 5]]], dtype=torch.int32)  # (N, 2, 2)
+    engine = []
+    for rows in ids.split([3, 2]):  # vLLM: every layer (dense rows 0), ids in its own order
+        full = torch.zeros(len(rows), 3, 2, dtype=torch.int32)
+        full[:, [0, 2]] = rows.flip(-1)
+        engine.append(full)
+    assert rl.routing_report(engine, ids, [3, 2], (0, 2)) == (5, 0)
+    engine[1][0, 2, 0] = 0  # sample 1, token 0, layer 2: another expert
+    assert rl.routing_report(engine, ids, [3, 2], (0, 2)) == (5, 1)
+    engine[1][0, 1, 0] = 9  # a dense layer's row is not compared
+    assert rl.routing_report([engine[0], None], ids, [3, 2], (0, 2)) == (3, 0)
+
+
+def test_generated_routing_rows():
+    routed = np.arange(6 * 2 * 1).reshape(6, 2, 1).astype(np.uint8)  # P=4 + C=3 - 1 rows
+    got = rl.generated_routing(routed, 4, 3)
+    assert got.tolist() == torch.from_numpy(routed[3:6].astype(np.int32)).tolist()
+    assert rl.generated_routing(routed, 5, 3) is None and rl.generated_routing(None, 4, 3) is None
+
+
+class RoutingEngine(TorchEngine):
+    """The stand-in engine, returning routed experts as vLLM does: for each sample, a row per
+    token that went through the model (prompt, then every generated token but the last), with
+    every layer (a dense layer's rows 0). `corrupt` changes one id of the first sample."""
+
+    corrupt = False
+
+    def rollout(self, prompts, indices, step):
+        out = super().rollout(prompts, indices, step)
+        args, routed = self.model.args, []
+        for p, c in zip(out.prompts, out.completions):
+            seq = (p + c)[:-1]
+            topks = {i: b.moe.topk for i, b in enumerate(self.model.layers) if b.sparse}
+            for t in topks.values():
+                t.record = []
+            with torch.no_grad():
+                self.model.hidden(rl.pack([seq], [[]]))
+            rows = np.zeros((len(seq), args.n_layers, args.moe_args.top_k), np.uint8)
+            for i, t in topks.items():
+                rows[:, i] = t.record[0].numpy()
+                t.record = None
+            routed.append(rl.generated_routing(rows, len(p), len(c)))
+        if self.corrupt:
+            first = routed[0][0, rl.sparse_layers(args)[0]]
+            first[0] = (first[0] + 1) % args.moe_args.num_experts
+            while int(first[0]) in first[1:].tolist():
+                first[0] = (first[0] + 1) % args.moe_args.num_experts
+        out.routed = routed
+        return out
+
+
+def metrics_rows(log_dir):
+    run = next(p for p in Path(log_dir).iterdir() if p.is_dir())
+    return [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, capsys):
+    engine = type("E", (RoutingEngine,), {"corrupt": corrupt})
+    argv = cpu_argv(moe_ckpt, tmp_path / "runs", steps=2, eval_size=0, save_every=0,
+                    kl_coef=0.0)
+    assert main_cpu(argv, engine) == 0
+    rows = [r for r in metrics_rows(tmp_path / "runs") if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["determinism/routing_tokens"] == r["determinism/tokens"] > 0
+        assert r["determinism/routing_mismatch"] == (1 if corrupt else 0), r
+    out = capsys.readouterr().out.splitlines()
+    steps = [line for line in out if line.startswith("step ")]
+    assert len(steps) == 2 and all(f"| routing {1 if corrupt else 0}/" in s for s in steps)
+    # reference kernels: a parity line only where no token differs, and then with the routing
+    assert all("| routing: " in line for line in out if line.startswith("parity:"))
+
+
+def test_debugger_traces_the_moe_ops(moe_ckpt):
+    names = rl.trace_names(3, (0, 2))
+    assert ("layers.2.moe.topk", "model.layers.2.mlp.experts.router") in names
+    assert ("layers.1.feed_forward.w13", "model.layers.1.mlp.gate_up_proj") in names
+    assert not [n for n, _ in names if n.startswith("layers.0.feed_forward")]
+    args, hf = load(moe_ckpt)
+    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(),
+                           torch.float32, "cpu")
+    ours = [n for n, _ in names]
+    with rl.recording(model, {n: n for n in ours}) as calls, torch.no_grad():
+        model.hidden(rl.pack([[3, 4, 5]], [[]]))
+    assert set(calls) == set(ours)
+    weights, ids = calls["layers.0.moe.topk"][0]
+    assert weights.shape == ids.shape == (3, 2) and ids.dtype == torch.int32
+
+    class Router:  # vLLM's router: no module; select_experts gives (weights, ids)
+        def select_experts(self, hidden_states, router_logits):
+            return router_logits.softmax(-1), router_logits.argmax(-1, keepdim=True)
+
+    vllm_layer = torch.nn.Module()
+    vllm_layer.experts = torch.nn.Module()
+    vllm_layer.experts.router = Router()
+    with rl.recording(vllm_layer, {"experts.router": "topk"}) as theirs:
+        vllm_layer.experts.router.select_experts(hidden_states=None,
+                                                 router_logits=torch.ones(2, 4))
+    assert [len(c) for c in theirs["topk"]] == [2]
+    assert "select_experts" not in vars(vllm_layer.experts.router)  # unpatched after
