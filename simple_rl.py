@@ -3739,9 +3739,12 @@ def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperat
                            use_tqdm=False)[0].outputs[0]
     finally:
         stack.close()
-    theirs = concat_calls(calls)
     vllm_lp = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
     full = pack([prompt], [list(out.token_ids)])
+    # vLLM's async scheduling (its default) runs one decode step past a stop token it has not
+    # seen yet: that step's rows come after the sequence's and have no trainer counterpart
+    n_rows = len(full.tokens) - 1
+    theirs = {k: [t[:n_rows] for t in v] for k, v in concat_calls(calls).items()}
     # vLLM never feeds the last sampled token: drop it from the trainer's input too
     fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],
                               cu_seqlens=full.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32),

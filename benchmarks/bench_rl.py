@@ -127,6 +127,7 @@ def user_engine_class():
 
             self.cfg = rl.dataclasses.replace(cfg, engine_sleep=False)  # TRL's default
             self.eos_ids, self.asleep = files.eos_ids, False
+            self.moe = False  # no routed experts asked for: users' stacks do not compare them
             samples = rl.samples_per_rank(cfg, ranks.world)
             self.llm = LLM(
                 model=str(files.path),
