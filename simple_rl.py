@@ -13,9 +13,10 @@ TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton
 CUDA fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with num_splits=1; for the
 GEMMs cuBLASLt without split-K, which gives the bits of vLLM's Triton matmul; for the
 logprobs a kernel that sums in the order of vLLM's Triton log_softmax but writes only the
-sampled token's entry); `batch_invariant_backward.py` adds their backward. So the trainer's
-logprob of every generated token equals vLLM's bit for bit, and every step checks that for
-every token of every sample, then pushes the new weights into vLLM.
+sampled token's entry; for Qwen3-MoE vLLM's top-k softmax and Triton fused experts);
+`batch_invariant_backward.py` adds their backward. So the trainer's logprob of every generated
+token equals vLLM's bit for bit (and, for MoE, every token's experts equal vLLM's), and every
+step checks that for every token of every sample, then pushes the new weights into vLLM.
 
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
