@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_gpu import _env, _need_gpu_stack  # the dense GPU suite's skip rule and environment
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -35,21 +35,6 @@ PRESETS = {
     "tiny-moe": dict(vocab=384, hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128,
                      inter=512, moe_inter=128, experts=16, top_k=4, mlp_only=(1,)),
 }
-
-
-def _need_gpu_stack(gpus: int = 1):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs")
-    pytest.importorskip("vllm")
-    pytest.importorskip("torchtitan")
-
-
-def _env():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, VLLM_BATCH_INVARIANT="1", VLLM_USE_V2_MODEL_RUNNER="0",
-                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path)
 
 
 def make(out: Path, preset: str) -> Path:
