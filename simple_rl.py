@@ -1728,26 +1728,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps).to(device)
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
-    packed = pack(rollout.prompts, rollout.completions)
-    n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
-    moe = bool(sparse_layers(trainer.model.args))
-    trainer.model.routing = [] if moe else None  # the MoE layers' choices, forward by forward
-    try:
-        sums, grad_norm, trainer_logp = train_step(
-            trainer.model, trainer.ref_model, trainer.optimizer, packed,
-            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
-    except NonFiniteError as e:  # name the step's prompts, for the diagnostic
-        e.step = step
-        e.prompts = sorted({mine[s // G] for s in e.samples})
-        raise
-    finally:
-        routing, trainer.model.routing = trainer.model.routing, None
-    parity = parity_report(rollout.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
-    if moe:
-        parity.moe = True
-        parity.routing_tokens, parity.routing_mismatch = step_routing(rollout, routing, packed,
-                                                                      cfg, trainer.model.args)
-    parity = parity_over_ranks(parity, device)
+    sums, grad_norm, n_tokens, parity = update_with_parity(trainer, rollout, adv, step, mine)
     in_use.append(device_in_use(device))  # the trainer's peak: the allocator keeps what it took
     t2 = time.perf_counter()
 
@@ -1768,6 +1749,34 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         metrics.update(memory_metrics(device, in_use))
     write_scalars(trainer.writer, metrics, step)
     return metrics, parity
+
+
+def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, step: int,
+                       mine: list[int]) -> tuple[torch.Tensor, torch.Tensor, int, Parity]:
+    """`train_step` on this rank's samples, whose first forward is the trainer's side of the
+    parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
+    (token sums, grad norm, generated tokens over all ranks, parity over all ranks)."""
+    cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
+    packed = pack(rollout.prompts, rollout.completions)
+    n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
+    moe = bool(sparse_layers(trainer.model.args))
+    trainer.model.routing = [] if moe else None  # the MoE layers' choices, forward by forward
+    try:
+        sums, grad_norm, trainer_logp = train_step(
+            trainer.model, trainer.ref_model, trainer.optimizer, packed,
+            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
+    except NonFiniteError as e:  # name the step's prompts, for the diagnostic
+        e.step = step
+        e.prompts = sorted({mine[s // G] for s in e.samples})
+        raise
+    finally:
+        routing, trainer.model.routing = trainer.model.routing, None
+    parity = parity_report(rollout.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
+    if moe:
+        parity.moe = True
+        parity.routing_tokens, parity.routing_mismatch = step_routing(rollout, routing, packed,
+                                                                      cfg, trainer.model.args)
+    return sums, grad_norm, n_tokens, parity_over_ranks(parity, device)
 
 
 def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
@@ -2050,10 +2059,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
 
     # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
     cfg, ckpt = on_rank0(lambda: resolve_run(cfg, passed))
-    need(ranks.world <= cfg.num_prompts, f"{ranks.world} ranks but --num-prompts "
-         f"{cfg.num_prompts}: every rank needs at least one prompt per step.")
-    need(not (cfg.debug_parity and ranks.world > 1), "--debug-parity runs in one process; "
-         "start it with python, not torchrun.")
+    check_ranks(cfg, ranks.world)
 
     # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
     files = load_model_files(cfg)
@@ -2096,6 +2102,13 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         print0("reference kernels are plain PyTorch, not vLLM's: differing tokens in the parity "
                "line are expected (only --kernels vllm on a GPU is bitwise)")
     return trainer, start, run_dir, files.path
+
+
+def check_ranks(cfg: Config, world: int) -> None:
+    need(world <= cfg.num_prompts, f"{world} ranks but --num-prompts {cfg.num_prompts}: every "
+         "rank needs at least one prompt per step.")
+    need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
+         "with python, not torchrun.")
 
 
 def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks):
