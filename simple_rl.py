@@ -655,6 +655,9 @@ def check_moe_config(raw: dict, file: Path) -> None:
     k = raw.get("num_experts_per_tok")
     step = raw.get("decoder_sparse_step", 1)
     only = raw.get("mlp_only_layers") or []
+    both = {raw[key] for key in ("num_experts", "num_local_experts") if key in raw}
+    need(len(both) <= 1, f"{file}: num_experts and num_local_experts disagree ({sorted(both)}); "
+         "keep one.")  # transformers reads num_local_experts, vLLM num_experts
     need(type(n) is int and n >= 1 and type(k) is int and 1 <= k <= n, f"{file}: num_experts "
          f"{n!r} and num_experts_per_tok {k!r} must be whole numbers, 1 <= top-k <= experts.")
     need(type(step) is int and step >= 1, f"{file}: decoder_sparse_step {step!r} must be a "
@@ -666,7 +669,7 @@ def check_moe_config(raw: dict, file: Path) -> None:
          "number >= 1.")
     need(not raw.get("shared_expert_intermediate_size"), f"{file}: shared experts "
          "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
-    need(raw.get("norm_topk_prob", False) in (True, False), f"{file}: norm_topk_prob must be "
+    need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
          "true or false.")
     # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
     # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
@@ -2415,8 +2418,8 @@ def check_weight_headers(path: Path, args) -> None:
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
-    want = expected_hf_shapes(args)
     found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
+    want = expected_hf_shapes(args, fused_layers(found, args))
     if args.enable_weight_tying:
         found.pop("lm_head.weight", None)
     missing = sorted(set(want) - set(found))
@@ -2446,11 +2449,19 @@ def weight_files(path: Path) -> list[str]:
     return files
 
 
-def expected_hf_shapes(args) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device)."""
+def fused_layers(found, args) -> set[int]:
+    """The sparse layers whose experts the files hold fused (transformers 5's own format)."""
+    return {i for i in sparse_layers(args) if f"model.layers.{i}.mlp.experts.gate_up_proj" in found}
+
+
+def expected_hf_shapes(args, fused: set[int] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight a checkpoint for `args` holds (built on the meta device);
+    the sparse layers in `fused` with their experts fused, the others per expert (the hub's)."""
     with torch.device("meta"):
         model = Qwen3(args, bib.reference_kernels(), torch.float32)
-    state = trainer_to_hf(model.state_dict(), args)
+    adapter = _adapter(args)
+    state = dict(item for name, t in model.state_dict().items() for item in to_hf_items(
+        name, t, args, adapter, ".moe." in name and int(name.split(".")[1]) in fused))
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
@@ -3395,13 +3406,13 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     kv = args.n_kv_heads * args.head_dim
     per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
     n_sparse = len(sparse_layers(args))
-    if n_sparse:  # a sparse layer keeps k experts' gate/up/act and outputs, and fp32 routing
-        m = args.moe_args
-        sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv + m.top_k * (3 * args.moe_inter_dim
-                                                                      + args.dim)) \
-            + 4 * m.num_experts + 8 * m.top_k
+    moe_transient = 0
+    if n_sparse:  # a sparse layer keeps its input and fp32 routing; the experts' inner
+        m = args.moe_args  # activations are recomputed by the backward, k copies at a time
+        sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv) + 4 * m.num_experts + 8 * m.top_k
         per_token_layer = (per_token_layer * (args.n_layers - n_sparse)
                            + sparse_token * n_sparse) / args.n_layers
+        moe_transient = cfg.micro_batch_tokens * m.top_k * args.dim * 12  # one layer's backward
     rows = cfg.micro_batch_tokens
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
@@ -3409,7 +3420,7 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
         "trainer state": 16 * n / world,
         "bf16 weights": 2 * n if world == 1 else gathered,
         "activations": rows * args.n_layers * per_token_layer + rows * args.vocab_size * 4
-        + bib.LOGPROB_ROWS * args.vocab_size * 4,
+        + bib.LOGPROB_ROWS * args.vocab_size * 4 + moe_transient,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
     if cfg.kl_coef > 0:
