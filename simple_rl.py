@@ -381,6 +381,9 @@ def sparse_layers(args) -> tuple[int, ...]:
     """The layers with a sparse MLP, as transformers and vLLM decide (qwen3_moe.py): layer i
     unless i is in mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
     Set on the args by model_args_from_hf; dense Qwen3 has none."""
+    if getattr(args, "moe_enabled", False) and not hasattr(args, "sparse_layers"):
+        raise ValueError("MoE args without sparse_layers (dataclasses.replace drops it): build "
+                         "them with model_args_from_hf, or set it again")
     return getattr(args, "sparse_layers", ())
 
 
@@ -1178,13 +1181,14 @@ def read_rows(data_files: str, task: str):
                           "datasets.") from e
     file = Path(data_files).expanduser()
     kind = "parquet" if data_files.endswith(".parquet") else "json"
+    hub = {"offline": False}  # set when the hub's host did not answer: the cache only
     try:
         if data_files:
             need(file.is_file(), f"--data-files {data_files!r} is not a file.")
             need(file.stat().st_size > 0, f"--data-files {data_files!r} is empty.")
             rows = datasets.load_dataset(kind, data_files=str(file), split="train")
         else:
-            with hub_offline_unless_reachable(datasets):  # no retries for half a minute
+            with hub_offline_unless_reachable(datasets, hub):  # no retries for half a minute
                 rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
     except ConfigError:
         raise
@@ -1197,8 +1201,10 @@ def read_rows(data_files: str, task: str):
             text = " ".join(str(cause).split())[:200]
             raise ConfigError(f"--data-files {data_files!r} is not readable as {kind} "
                               f"({type(cause).__name__}: {text}).") from e
-        raise ConfigError("could not load GSM8K (openai/gsm8k): the hub cannot be reached and it "
-                          "is not in the cache; download it and pass --data-files.") from e
+        why = ("the hub cannot be reached and it is not in the cache" if hub["offline"] else
+               f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        raise ConfigError(f"could not load GSM8K (openai/gsm8k): {why}; download it and pass "
+                          "--data-files.") from e
     source = data_files or "GSM8K"
     need({"question", "answer"} <= set(rows.column_names), f"{source} has columns "
          f"{rows.column_names}; {'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' "
@@ -1210,30 +1216,6 @@ def read_rows(data_files: str, task: str):
         raise ConfigError(f"{source}: row {bad[0]} has a question that is not text "
                           f"({str(bad[1])[:60]!r}).")
     return rows
-
-
-@contextlib.contextmanager
-def hub_offline_unless_reachable(datasets, timeout_s: float = 3.0):
-    """`datasets` in offline mode (the cache only) when the hub's host does not answer within
-    `timeout_s`: otherwise it retries 5 times over half a minute before it gives up."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    offline = constants.HF_HUB_OFFLINE
-    if not offline:
-        host = urlparse(constants.ENDPOINT)
-        try:
-            socket.create_connection((host.hostname, host.port or 443), timeout_s).close()
-        except OSError:  # no network, no DNS, a firewall
-            offline = True
-    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = offline
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def gsm8k_problems(data_files: str) -> list[Problem]:
@@ -1704,7 +1686,7 @@ class Trainer:
     ranks: Ranks
     writer: object = None  # TensorBoard SummaryWriter, on rank 0
     reward_fn: RewardFn = reward  # reward(completion, answer) -> float: ours or --reward's
-    mismatched_total: int = 0  # mismatched tokens since the run began (a resume included)
+    mismatched_total: int = 0  # mismatched tokens since the run began (kept in checkpoints)
 
 
 def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
@@ -1876,9 +1858,10 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                 done += 1
                 report_step(trainer, step, step == start, metrics, parity, metrics_log,
                             (time.perf_counter() - began) / done)
-                if cfg.strict_parity and parity.n_mismatch:
+                if cfg.strict_parity and (parity.n_mismatch or parity.routing_mismatch):
                     raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
-                                     "mismatched tokens.", EXIT_PARITY)
+                                     f"mismatched tokens and {parity.routing_mismatch} routed "
+                                     "to other experts.", EXIT_PARITY)
                 # every rank stops together, after the signal any of them received
                 asked = int(all_reduce(torch.tensor([stop.signal or 0], device=device),
                                        dist.ReduceOp.MAX))
@@ -2129,7 +2112,7 @@ def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks:
 
 def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
     """TensorBoard with the config and the dashboard's layout; after a resume, without what
-    was logged after the checkpoint, and with the run's mismatch total so far."""
+    was logged after the checkpoint."""
     from torch.utils.tensorboard import SummaryWriter
 
     with writing(run_dir):
@@ -2139,7 +2122,6 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
         trainer.writer.add_custom_scalars(tensorboard_layout(moe))
     if resumed_at is not None:
         purge_after(run_dir / "metrics.jsonl", resumed_at)
-        trainer.mismatched_total = mismatched_before(run_dir / "metrics.jsonl")
 
 
 def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
@@ -2365,6 +2347,32 @@ def validate(cfg: Config) -> None:
          "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
     if looks_like_path(cfg.model) and not cfg.resume:
         need(Path(cfg.model).expanduser().is_dir(), f"--model {cfg.model!r} is not a directory.")
+
+
+@contextlib.contextmanager
+def hub_offline_unless_reachable(datasets, hub: dict, timeout_s: float = 3.0):
+    """`datasets` in offline mode (the cache only, hub["offline"] set) when the hub's host does
+    not answer within `timeout_s`: otherwise it retries 5 times over half a minute."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    offline = constants.HF_HUB_OFFLINE
+    if not offline:
+        host = urlparse(constants.ENDPOINT)
+        try:
+            port = host.port or (80 if host.scheme == "http" else 443)  # HF_ENDPOINT may be http
+            socket.create_connection((host.hostname, port), timeout_s).close()
+        except OSError:  # no network, no DNS, a firewall
+            offline = True
+    hub["offline"] = offline
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = offline
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def looks_like_path(name: str) -> bool:
@@ -2898,6 +2906,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
         if is_main():
             state = dict(next_step=next_step, world_size=trainer.ranks.world,
                          shapes=model_shapes(trainer.model),
+                         mismatched_total=trainer.mismatched_total,
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
                          sampler_seeds=[sample_seed(cfg, next_step, i)
@@ -3063,6 +3072,7 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
         raise unrestorable(ckpt, e) from e
     same_world = state["world_size"] == trainer.ranks.world
     rng = read_rng(ckpt, trainer.ranks.rank) if same_world else None
+    trainer.mismatched_total = int(state.get("mismatched_total", 0))  # older checkpoints: 0
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
                                      "param_groups": optim_state["param_groups"]})
@@ -3179,14 +3189,6 @@ def purge_after(metrics_log: Path, start: int) -> None:
                 kept.append(line)
     with writing(metrics_log):
         metrics_log.write_text("".join(line + "\n" for line in kept))
-
-
-def mismatched_before(metrics_log: Path) -> int:
-    """The mismatched tokens the steps in metrics.jsonl had (those before a resume's start)."""
-    if not metrics_log.is_file():
-        return 0
-    rows = [json.loads(line) for line in metrics_log.read_text().splitlines()]  # purged: whole
-    return int(sum(r.get("determinism/mismatched_tokens", 0) for r in rows))
 
 
 # ==========================================================================

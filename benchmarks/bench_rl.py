@@ -53,13 +53,20 @@ DESIGNS = {"a": "bitwise", "b": "plain", "c": "seed", "d": "user"}
 def flops_per_step(args, seq_lens: list[int], n_generated: int) -> float:
     """Training FLOPs (forward + backward) of one batch.
 
-    GEMMs: 6 * P_layers * T  +  6 * V * d * N_gen  (the head runs at generated positions only);
+    GEMMs: 6 * P_layers * T  +  6 * V * d * N_gen  (the head runs at generated positions only),
+    where a Qwen3-MoE sparse layer's MLP counts its router (d * E) and the k experts a token
+    runs (k * 3 * d * I_moe) in place of the dense 3 * d * I;
     attention (causal): 6 * n_layers * n_heads * head_dim * sum_b L_b^2.
     """
     d, hd, hq, hk, inter = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.hidden_dim
-    per_layer = d * (hq + 2 * hk) * hd + hq * hd * d + 3 * d * inter  # qkv, o, gate/up, down
+    attn = d * (hq + 2 * hk) * hd + hq * hd * d  # qkv, o
+    n_sparse = len(getattr(args, "sparse_layers", ()))
+    mlp = 3 * d * inter * (args.n_layers - n_sparse)  # gate/up, down
+    if n_sparse:
+        m = args.moe_args
+        mlp += n_sparse * (m.top_k * 3 * d * args.moe_inter_dim + d * m.num_experts)
     tokens = sum(seq_lens)
-    gemm = 6 * args.n_layers * per_layer * tokens + 6 * args.vocab_size * d * n_generated
+    gemm = 6 * (args.n_layers * attn + mlp) * tokens + 6 * args.vocab_size * d * n_generated
     attention = 6 * args.n_layers * hq * hd * sum(n * n for n in seq_lens)
     return float(gemm + attention)
 
@@ -442,7 +449,8 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
 
 def step_row(step, warmup, local, lens, n_generated, parity, args, ranks, samples,
              peak_gib) -> dict:
-    """One step's row: times (rollout, fwd+bwd, optimizer, push, step) as the slowest rank's,
+    """One step's row: times (rollout, update less optimizer.step (for a-c, rl_step's decode,
+    reward and advantages included: a few ms), optimizer, push, step) as the slowest rank's,
     tokens and FLOPs summed over ranks (lens and n_generated are this rank's); printed as JSON
     on rank 0."""
     import torch

@@ -23,6 +23,15 @@ def test_flops_by_hand():
     assert bench_rl.flops_per_step(args, [5, 7], 6) == want
 
 
+def test_moe_flops_count_the_router_and_the_k_experts_a_token_runs():
+    moe = SimpleNamespace(top_k=2, num_experts=8)
+    args = SimpleNamespace(dim=4, head_dim=2, n_heads=2, n_kv_heads=1, hidden_dim=8, n_layers=3,
+                           vocab_size=10, sparse_layers=(0, 2), moe_inter_dim=3, moe_args=moe)
+    per_token = 3 * 32 + 3 * 16 + 3 * 4 * 8 + 2 * (2 * 3 * 4 * 3 + 4 * 8)  # attn, 1 dense, 2 sparse
+    want = 6 * per_token * (5 + 7) + 6 * 10 * 4 * 6 + 6 * 3 * 2 * 2 * (25 + 49)
+    assert bench_rl.flops_per_step(args, [5, 7], 6) == want
+
+
 def test_qwen3_1p7b_flops_per_token_is_about_6n():
     args = SimpleNamespace(
         dim=2048,

@@ -36,6 +36,7 @@ def test_one_parity_line_and_one_step_line_per_step_and_the_table_every_n(ckpt, 
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if line.startswith("step ")]
     assert [int(STEP_LINE.match(s).group(1)) for s in steps] == [1, 2, 3, 4, 5], steps
+    assert not [s for s in steps if " kl " in s]  # --kl-coef 0: no reference model, no KL
     assert sum(line.startswith("parity: identical=yes | 0/") for line in out) == 5
     tables = [i for i, line in enumerate(out) if line.split()[:2] == ["token", "vllm"]]
     assert len(tables) == 3  # steps 0, 2 and 4 (--parity-every 2)

@@ -297,3 +297,25 @@ def test_ambiguous_moe_settings_are_one_sentence(tmp_path, moe_ckpt, change, exp
     (out / "config.json").write_text(json.dumps({**raw, **change}))
     with pytest.raises(rl.ConfigError, match=expected):
         rl.read_qwen3_config(out)
+
+
+class ExactRoutingEngine(RoutingEngine):
+    """RoutingEngine whose logprobs are its copy's packed forward: every token matches the
+    trainer's bit for bit, so only the corrupted expert id differs."""
+
+    corrupt = True
+
+    def rollout(self, prompts, indices, step):
+        out = super().rollout(prompts, indices, step)
+        with torch.no_grad():
+            out.logprobs, _ = self.model(rl.pack(out.prompts, out.completions),
+                                         self.cfg.temperature)
+        return out
+
+
+def test_strict_parity_stops_on_a_token_routed_to_other_experts(tmp_path, moe_ckpt, capsys):
+    argv = cpu_argv(moe_ckpt, tmp_path / "runs", steps=2, eval_size=0, save_every=0,
+                    kl_coef=0.0, strict_parity=True)
+    assert main_cpu(argv, ExactRoutingEngine) == rl.EXIT_PARITY
+    err = capsys.readouterr().err
+    assert "step 0 has 0 mismatched tokens and 1 routed to other experts" in err
