@@ -1272,10 +1272,9 @@ def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list
         return []
     if uses_chat_template(cfg, tokenizer):
         try:  # a template is code: it may raise, or do what the sandbox refuses
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                                   tokenize=False, add_generation_prompt=True,
-                                                   enable_thinking=cfg.enable_thinking)
-                     for p in problems]
+            texts = tokenizer.apply_chat_template(  # one call renders every conversation
+                [[{"role": "user", "content": p.question}] for p in problems], tokenize=False,
+                add_generation_prompt=True, enable_thinking=cfg.enable_thinking)
         except Exception as e:
             raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
                               f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e

@@ -112,29 +112,10 @@ def make_model(tokenizer, a: argparse.Namespace):
     return Qwen3ForCausalLM(config)
 
 
-def prompt_formatter(tokenizer):
-    """A fast stand-in for rl.format_prompts: the chat template rendered once around a
-    placeholder, then filled in (rendering it per problem costs more than a training step).
-    Checked against format_prompts on problems of every kind before it is used."""
-    cfg = rl.Config()
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
-                                             tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=cfg.enable_thinking)
-    before, after = rendered.split("\x00")
-
-    def format_prompts(problems: list[rl.Problem]) -> list[list[int]]:
-        texts = [before + p.question + after for p in problems]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-    sample = rl.arithmetic_problems(64, 1)
-    assert format_prompts(sample) == rl.format_prompts(sample, tokenizer, cfg)
-    return format_prompts
-
-
-def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, format_prompts, device):
+def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, device):
     """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only.
     direct[i]: problem i is answered at once, else worked out step by step."""
-    prompts = format_prompts(problems)  # (B, P_b): the ids simple_rl's prompts have
+    prompts = rl.format_prompts(problems, tokenizer, rl.Config())  # (B, P_b): simple_rl's ids
     from torch.nn.utils.rnn import pad_sequence
 
     texts = [direct_answer(p) if d else worked_solution(p.question)
@@ -202,7 +183,6 @@ def main() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     tokenizer = make_tokenizer(a.vocab, a.seed)
     assert len(tokenizer) <= a.vocab, "the tokenizer must fit the model's vocab"
-    format_prompts = prompt_formatter(tokenizer)
     model = make_model(tokenizer, a).to(device)
     n_params = sum(t.numel() for t in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -222,7 +202,7 @@ def main() -> None:
         problems = [q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
                     if q.question not in never][: a.batch]
         direct = [rng.random() < a.direct_fraction for _ in problems]
-        ids, mask, labels = batch_of(problems, direct, tokenizer, format_prompts, device)
+        ids, mask, labels = batch_of(problems, direct, tokenizer, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
