@@ -843,7 +843,7 @@ def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tens
 def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
     """A sparse layer's trainer tensor as [(HF name, tensor)]; experts fused as vLLM's loader
     takes them (`fused`: one tensor per layer and kind, the push) or per expert (the hub's
-    format, for files; copies, so no two saved tensors share storage)."""
+    format, for files: views, which safetensors saves as they are)."""
     i = name.split(".")[1]
     hf = f"model.layers.{i}.mlp."
     if name.endswith("router.gate.weight"):
@@ -852,10 +852,10 @@ def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
         return [(hf + ("experts.gate_up_proj" if name.endswith("w13") else "experts.down_proj"),
                  tensor)]
     if name.endswith("w13"):
-        return [(f"{hf}experts.{e}.{part}_proj.weight", w.clone())
+        return [(f"{hf}experts.{e}.{part}_proj.weight", w)
                 for e, w13 in enumerate(tensor)
                 for part, w in zip(("gate", "up"), w13.split(args.moe_inter_dim))]
-    return [(f"{hf}experts.{e}.down_proj.weight", w.clone()) for e, w in enumerate(tensor)]
+    return [(f"{hf}experts.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
 
 
 def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None, fused_experts=False):
@@ -1593,15 +1593,14 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
     (N, sparse layers, k), N = sum C_b in sample order; layers: the sparse layers' indices.
     Sets are compared (both sides sorted), so the order of the k ids does not matter.
     """
-    ours = trainer_ids.cpu().long().sort(dim=-1).values.split(lengths)
-    compared = mismatched = 0
-    for theirs, mine in zip(engine_routed, ours):
-        if theirs is None or len(mine) == 0:
-            continue
-        theirs = theirs[:, list(layers)].long().sort(dim=-1).values  # (C, sparse layers, k)
-        compared += len(mine)
-        mismatched += int((theirs != mine).flatten(1).any(dim=1).sum())
-    return compared, mismatched
+    kept = [b for b, r in enumerate(engine_routed) if r is not None and lengths[b]]
+    if not kept:
+        return 0, 0
+    ours = trainer_ids.cpu().split(lengths)
+    mine = torch.cat([ours[b] for b in kept]).long().sort(dim=-1).values  # (N', sparse, k)
+    theirs = torch.cat([engine_routed[b] for b in kept])[:, list(layers)]
+    theirs = theirs.long().sort(dim=-1).values  # (N', sparse layers, k)
+    return len(mine), int((theirs != mine).flatten(1).any(dim=1).sum())
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
