@@ -327,7 +327,7 @@ class TopK(nn.Module):
     """p = softmax(z) in fp32; the k largest p per token, renormalised to sum 1 if asked
     (norm_topk_prob): (weights (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
 
-    `record`, when a list, receives the ids of every call (the routing-parity forward).
+    `ids` keeps the last call's choice (T, k), which the routing-parity forward reads.
     """
 
     def __init__(self, top_k: int, renormalize: bool, ops: bib.Kernels):
@@ -335,12 +335,11 @@ class TopK(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.ops = ops
-        self.record: list[torch.Tensor] | None = None
+        self.ids: torch.Tensor | None = None
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
-        if self.record is not None:
-            self.record.append(ids.detach())
+        self.ids = ids.detach()
         return weights, ids
 
 
@@ -365,7 +364,7 @@ class MoE(nn.Module):
     """Qwen3-MoE's sparse MLP in vLLM's order: router GEMM -> top-k -> experts (no shared
     expert). (T, dim) -> (T, dim)."""
 
-    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
+    def __init__(self, args, ops: bib.Kernels):
         super().__init__()
         m = args.moe_args
         self.router = Router(args.dim, m.num_experts, ops)
@@ -400,7 +399,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
         self.sparse = sparse
         if sparse:
-            self.moe = MoE(args, ops, dtype)
+            self.moe = MoE(args, ops)
         else:
             self.feed_forward = FeedForward(args, ops, dtype)
 
@@ -457,17 +456,10 @@ class Qwen3(nn.Module):
 
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
-        topks = [b.moe.topk for b in self.layers if b.sparse] if self.routing is not None else []
-        for t in topks:
-            t.record = []
-        try:
-            h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
-            if topks:  # (N, k) per sparse layer -> (N, sparse layers, k)
-                self.routing.append(torch.stack([t.record[-1][batch.gen_index] for t in topks],
-                                                dim=1))
-        finally:
-            for t in topks:
-                t.record = None
+        h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
+        if self.routing is not None:  # (N, k) per sparse layer -> (N, sparse layers, k)
+            self.routing.append(torch.stack([b.moe.topk.ids[batch.gen_index]
+                                             for b in self.layers if b.sparse], dim=1))
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
 
 

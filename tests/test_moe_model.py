@@ -192,15 +192,12 @@ class RoutingEngine(TorchEngine):
         args, routed = self.model.args, []
         for p, c in zip(out.prompts, out.completions):
             seq = (p + c)[:-1]
-            topks = {i: b.moe.topk for i, b in enumerate(self.model.layers) if b.sparse}
-            for t in topks.values():
-                t.record = []
             with torch.no_grad():
                 self.model.hidden(rl.pack([seq], [[]]))
             rows = np.zeros((len(seq), args.n_layers, args.moe_args.top_k), np.uint8)
-            for i, t in topks.items():
-                rows[:, i] = t.record[0].numpy()
-                t.record = None
+            for i, b in enumerate(self.model.layers):
+                if b.sparse:
+                    rows[:, i] = b.moe.topk.ids.numpy()
             routed.append(rl.generated_routing(rows, len(p), len(c)))
         if self.corrupt:
             first = routed[0][0, rl.sparse_layers(args)[0]]
