@@ -1069,10 +1069,10 @@ def vllm_forwards() -> Kernels:
         )
 
     # vLLM 0.26's linear layers and LM head call its Triton persistent matmul in batch-invariant
-    # mode. The trainer calls F.linear: cuBLASLt with split-K off on Hopper (faster at training
-    # shapes), which has matched the Triton kernel bit for bit in every parity run, and which
-    # the debugger would name at its first differing layer; on Ampere vLLM routes aten::linear
-    # to the Triton kernel itself.
+    # mode; simple_rl routes them on Hopper to F.linear, which the trainer calls too: cuBLASLt
+    # with split-K off, bit-equal to the Triton kernel at every row count
+    # (tests/test_gemm_gpu.py) and faster. On Ampere vLLM routes aten::linear to the Triton
+    # kernel itself.
     return Kernels(
         name="vllm",
         rms_norm=bi.rms_norm_batch_invariant,

@@ -77,6 +77,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import gc
 import hashlib
 import json
 import math
@@ -873,9 +874,10 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args) -> dict[str, torch.Tenso
 # ==========================================================================
 # Rollout: vLLM engine, sampling, packing
 # ==========================================================================
-# VLLMEngine.__init__ first patches two vLLM functions in this process (see "vLLM patches",
+# VLLMEngine.__init__ first patches three vLLM functions in this process (see "vLLM patches",
 # after the story ends): fused add+RMSNorm is padded to 256 rows, so every batch size
-# normalises alike, and seeded requests draw their sampling noise in one kernel.
+# normalises alike; seeded requests draw their sampling noise in one kernel; and on Hopper the
+# linear layers run on cuBLASLt, the trainer's GEMM, whose bits equal vLLM's Triton matmul.
 
 
 @dataclass
@@ -903,6 +905,7 @@ class VLLMEngine:
 
         route_vllm_add_rms_norm_through_padded_rows()
         route_vllm_seeded_sampling_through_one_kernel()
+        route_vllm_linear_through_cublaslt()
         self.cfg = cfg
         self.eos_ids = files.eos_ids
         self.asleep = False
@@ -933,6 +936,8 @@ class VLLMEngine:
             max_num_seqs=samples,  # every sample decodes in every step
             max_num_batched_tokens=max(samples, 8192),
             attention_backend="FLASH_ATTN",
+            # Schedule step t + 1 while the GPU runs step t: the same kernels on the same rows.
+            async_scheduling=True,
             # Never torch.compile: Inductor would fuse and reorder the ops the trainer mirrors.
             # CUDA graphs only replay the same kernels, so decode steps may use them.
             enforce_eager=not graphs,
@@ -946,8 +951,9 @@ class VLLMEngine:
         from vllm import TokensPrompt
 
         params = [self.sampling_params(sample_seed(self.cfg, step, i)) for i in indices]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 use_tqdm=False)
+        with gc_paused():
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                     use_tqdm=False)
         samples = [(o.prompt_token_ids, c) for o in outs
                    for c in sorted(o.outputs, key=lambda c: c.index)]
         logprobs = [lp[t].logprob for _, c in samples for t, lp in zip(c.token_ids, c.logprobs)]
@@ -2611,8 +2617,27 @@ def barrier() -> None:
 
 
 # ==========================================================================
-# vLLM patches: two of the engine's ops routed through the trainer's kernels
+# vLLM patches: the engine's ops routed through the trainer's kernels
 # ==========================================================================
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage-collection pauses while the engine decodes.
+
+    A rollout makes Python objects for every sample at every decode step (vLLM's scheduler and
+    request outputs), so Python's collector keeps running in the middle of it, and its full
+    passes walk every object made since vLLM froze its heap at engine start (the trainer's
+    among them). Automatic collection resumes when the rollout ends.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def route_vllm_add_rms_norm_through_padded_rows() -> None:
@@ -2707,6 +2732,31 @@ def route_vllm_seeded_sampling_through_one_kernel() -> None:
     random_sample.one_kernel = True
     sampler.random_sample = random_sample
 
+
+
+def route_vllm_linear_through_cublaslt() -> None:
+    """Run the engine's linear layers and LM head on cuBLASLt, the GEMM the trainer calls.
+
+    In batch-invariant mode vLLM 0.26 sends every unquantized linear layer to its Triton
+    persistent matmul, whose 128 x 128 tiles leave most of an H200's SMs idle at a decode
+    step's few hundred rows. On Hopper that mode also turns cuBLASLt's split-K off (no
+    workspace), and cuBLASLt then sums every output over K in the Triton kernel's order: the
+    same bits at every row count, which tests/test_gemm_gpu.py checks for M = 1..1024 and
+    prefill sizes at every Qwen3 preset's shapes. Ampere keeps vLLM's Triton path (there
+    batch-invariant mode sends aten::linear itself to the Triton kernel).
+    """
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers import vocab_parallel_embedding as vocab
+
+    if torch.cuda.get_device_capability()[0] < 9 or getattr(linear, "cublaslt", False):
+        return
+
+    def apply(self, layer, x, bias=None):
+        return nn.functional.linear(x, layer.weight, bias)
+
+    linear.UnquantizedLinearMethod.apply = apply
+    vocab.UnquantizedEmbeddingMethod.apply = apply
+    linear.cublaslt = True
 
 # ==========================================================================
 # Checkpoints & resume

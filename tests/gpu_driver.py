@@ -132,6 +132,10 @@ def parity(args) -> dict:
         micro_batch_tokens=cfg.micro_batch_tokens,
         steps=[],
         weights_equal_at_start=all(rl.all_gather_objects(weights_equal(engine, model)[0])),
+        # the engine's speed settings that the parity runs vouch for
+        async_scheduling=engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+        linear_on_cublaslt=getattr(sys.modules.get("vllm.model_executor.layers.linear"),
+                                   "cublaslt", False),
     )
     for step in range(args.steps):
         t0 = time.perf_counter()

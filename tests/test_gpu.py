@@ -80,6 +80,10 @@ RUNS = {"tied-eager": ("--tied", "--temperature", "1.0", "--no-cuda-graphs", "--
 
 def check_parity_run(r, steps, samples, tokens_per_step):
     assert r["weights_equal_at_start"]
+    # vLLM schedules step t + 1 while step t runs, across pushes and sleep/wake, and its linear
+    # layers run on cuBLASLt on Hopper: the bits below hold with both
+    assert r["async_scheduling"] is True
+    assert r["linear_on_cublaslt"] is (torch.cuda.get_device_capability()[0] >= 9)
     assert len(r["steps"]) == steps
     for s in r["steps"]:
         assert s["samples"] == samples and s["tokens"] > tokens_per_step
@@ -191,6 +195,45 @@ def test_two_gpu_rollouts_equal_one_gpu_rollouts_at_qwen3_1p7b(tmp_path_factory)
     assert two["samples"] == one["samples"]  # bitwise: the same ids, the same fp32 logprobs
     print(json.dumps({"tokens": one["tokens"], "engine_start_s": [one["engine_start_s"],
                                                                   two["engine_start_s"]]}))
+
+
+def two_hosts(tmp, mode, *flags, timeout=900) -> dict:
+    """The driver under the README's multi-host command, as two "hosts" of one GPU each on this
+    machine: `torchrun --nnodes 2 --node-rank i --rdzv-backend c10d --rdzv-endpoint
+    localhost:PORT`, one launcher per host, each seeing only its own GPU (its LOCAL_RANK 0)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp / f"{mode}_two_hosts.json"
+    hosts = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+         "--rdzv-id", f"simple_rl_{port}", str(ROOT / "tests" / "gpu_driver.py"), mode,
+         *map(str, flags), "--out", str(out)], env=_env(CUDA_VISIBLE_DEVICES=str(i)))
+        for i in range(2)]
+    try:
+        codes = [h.wait(timeout=timeout) for h in hosts]
+    finally:
+        for h in hosts:
+            h.kill()
+    assert codes == [0, 0], codes
+    return json.loads(out.read_text())
+
+
+def test_two_hosts_same_samples_as_two_gpus_of_one_host_and_bitwise_equal(tmp_path_factory):
+    """Two one-GPU "hosts" give N = 2 on one host's samples, bit for bit, and 0 mismatched
+    tokens over 3 steps of weight pushes."""
+    _need_gpu_stack(2)
+    tmp = tmp_path_factory.mktemp("hosts")
+    flags = ("--prompts", "16", "--group", "8", "--max-new-tokens", "128")
+    one_host = driver(tmp, "rollouts", *flags, nproc=2)
+    hosts = two_hosts(tmp, "rollouts", *flags)
+    assert hosts["world"] == 2 and hosts["tokens"] == one_host["tokens"] > 5_000
+    assert hosts["samples"] == one_host["samples"]
+    r = two_hosts(tmp, "parity", "--steps", "3", *flags)
+    check_parity_run(r, 3, 128, 5_000)
 
 
 def test_qwen3_8b_on_two_gpus_every_token_bitwise_equal(tmp_path_factory):

@@ -1,0 +1,91 @@
+"""The engine's linear layers on cuBLASLt give the bits of vLLM's Triton matmul (pytest -m gpu).
+
+simple_rl routes vLLM's unquantized linear layers and LM head to `F.linear` (cuBLASLt, split-K
+off by batch-invariant mode) instead of vLLM's Triton persistent matmul. That is only allowed if
+every output row is bitwise what the Triton kernel gives, whatever the number of rows: every
+decode batch size M = 1..1024, prefill chunks, and the trainer's micro-batches. This checks it
+at the linear shapes of every Qwen3 preset (q/k/v, o, gate/up, down, LM head; 14B and 32B
+layers; Qwen3-30B-A3B's router), against one Triton call over all rows.
+
+cuBLASLt reads its workspace size once per process, so the check runs in a fresh process
+(`python tests/test_gemm_gpu.py` prints its JSON) in which batch-invariant mode is set before
+the first GEMM, as in simple_rl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
+
+VOCAB = 151936
+# name: (hidden, q heads x 128, kv heads x 128, FFN) of the dense Qwen3 models
+MODELS = {"0.6b": (1024, 2048, 1024, 3072), "1.7b": (2048, 2048, 1024, 6144),
+          "4b": (2560, 4096, 1024, 9728), "8b": (4096, 4096, 1024, 12288),
+          "14b": (5120, 5120, 1024, 17408), "32b": (5120, 8192, 1024, 25600)}
+DECODE = range(1, 1025)
+PREFILL = [1031, 2048, 3001, 4096, 8192]  # prefill chunks (max_num_batched_tokens is 8192)
+TRAIN = [16384, 24576]  # the trainer's micro-batches
+
+
+def shapes() -> list[tuple[str, int, int, bool]]:
+    """(name, N, K, every_m) of each linear layer; the LM head skips the trainer's sizes (its
+    logits are 5-7 GB there, and the trainer's head sees the same K loop as at 8192 rows)."""
+    out = []
+    for m, (hidden, q, kv, ffn) in MODELS.items():
+        out += [(f"{m}/qkv", q + 2 * kv, hidden, True), (f"{m}/o", hidden, q, True),
+                (f"{m}/gate_up", 2 * ffn, hidden, True), (f"{m}/down", hidden, ffn, True)]
+    out += [(f"{m}/lm_head", VOCAB, h, False) for m, (h, *_) in MODELS.items() if m != "32b"]
+    out.append(("30b-a3b/router", 128, 2048, True))
+    assert len({name for name, *_ in out}) == len(out)
+    return out
+
+
+def check() -> dict:
+    """For each shape: the row counts whose F.linear rows differ from the Triton kernel's."""
+    import torch
+    import torch.nn.functional as F
+    from vllm.model_executor.layers import batch_invariant as bi
+
+    bi.init_batch_invariance()  # before the first GEMM: split-K off, as in simple_rl
+    g = torch.Generator(device="cuda").manual_seed(0)
+    report = {}
+    for name, n, k, every_m in shapes():
+        rows = [*DECODE, *PREFILL, *(TRAIN if every_m else [])]
+        x = torch.randn(max(rows), k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        chunk = 8192  # Triton rows are the same in any call (vLLM's invariance): fewer bytes
+        want = torch.cat([bi.matmul_persistent(x[i:i + chunk], w.t())
+                          for i in range(0, max(rows), chunk)])
+        bad = [m for m in rows if not torch.equal(F.linear(x[:m], w), want[:m])]
+        report[name] = {"n": n, "k": k, "rows_checked": len(rows), "differ_at": bad}
+        del x, w, want
+    return report
+
+
+@pytest.mark.gpu
+def test_cublaslt_linear_equals_vllm_triton_matmul_at_every_row_count():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("simple_rl keeps vLLM's Triton matmul before Hopper")
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == len(shapes())
+    assert sum(r["rows_checked"] for r in report.values()) > 30000
+    differ = {k: r["differ_at"][:10] for k, r in report.items() if r["differ_at"]}
+    assert not differ, f"F.linear differs from vLLM's Triton matmul at row counts: {differ}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(check()))
