@@ -1,0 +1,243 @@
+"""Where a rollout's time goes, per decode step: GPU kernels by kind, GPU idle, host work.
+
+For each number of samples per engine (--samples) and each engine (--designs), one process
+builds the engine, generates bench_rl's workload (128-token random prompts x 8 samples,
+--new-tokens each) once to warm up, once with the engine's host work clocked function by
+function, and once under torch.profiler, and prints per decode step:
+
+    wall       the rollout's wall time / new tokens (the timed pass)
+    gpu        the kernels' time / new tokens, by kind (the profiled pass), and wall - gpu: the
+               time the GPU waits for the host
+    host       the time spent in each engine function per step (they nest: `engine step`
+               holds the rest but `execute_model` and `sample_tokens`, which an async step
+               launches inside `engine step` of the step before)
+
+Engines:  a   simple_rl's (VLLMEngine, as the training loop runs it)
+          a0  the same without simple_rl's cuBLASLt route for vLLM's linear layers (vLLM's
+              Triton persistent matmul, as before)
+          agc the same with Python's garbage collector left on during the rollout
+          d   vLLM's defaults (bench_rl's design d: torch.compile, CUDA graphs, default model
+              runner, unseeded), in-process
+
+    python benchmarks/profile_rollout.py --model CKPT --samples 64,256,1024 --designs a,d \\
+        --out profile.json
+
+Every engine run also reports a sha256 of its token ids and logprobs: a and a0 must agree
+(the same samples, bit for bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hashlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+# (label, module, class, method) of the engine's host work in one engine step
+HOST = [
+    ("engine step", "vllm.v1.engine.llm_engine", "LLMEngine", "step"),
+    ("schedule", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("execute_model", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+    ("sample_tokens", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
+    ("wait + copy out", "vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput",
+     "get_output"),
+    ("wait + copy out", "vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),
+    ("update_from_output", "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("process_outputs", "vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+]
+# kernel name fragment -> kind (first match wins)
+KINDS = [
+    ("flash", "attention"), ("matmul_kernel_persistent", "gemm"), ("gemm", "gemm"),
+    ("nvjet", "gemm"), ("xmma", "gemm"), ("cutlass", "gemm"),
+    ("rms", "norm"), ("rotary", "rope"), ("silu", "act"), ("softmax", "sampler"),
+    ("exponential", "sampler"), ("argmax", "sampler"), ("sample", "sampler"),
+    ("gather", "sampler"), ("topk", "sampler"), ("reduce", "sampler"), ("memcpy", "copy"),
+    ("memset", "copy"), ("copy", "copy"), ("cache", "kv write"),
+]
+
+
+def clock_host() -> dict[str, list[float]]:
+    """Wrap each HOST function with a timer; returns label -> seconds per call (filled live)."""
+    spent: dict[str, list[float]] = {}
+    for label, module, cls, method in HOST:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            continue
+        plain = getattr(owner, method)
+        calls = spent.setdefault(label, [])
+
+        def timed(*a, _plain=plain, _calls=calls, **k):
+            t0 = time.perf_counter()
+            try:
+                return _plain(*a, **k)
+            finally:
+                _calls.append(time.perf_counter() - t0)
+
+        setattr(owner, method, timed)
+    return spent
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for frag, k in KINDS if frag in low), "other")
+
+
+def gpu_time_by_kind(prof) -> dict[str, float]:
+    """Seconds of kernel time by kind, over the profiled pass."""
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if us > 0 and e.device_type.name == "CUDA":
+            out[kind(e.key)] = out.get(kind(e.key), 0.0) + us / 1e6
+    return out
+
+
+def top_kernels(prof, n: int = 12) -> list[tuple[str, float, int]]:
+    rows = [(e.key, (e.self_device_time_total or 0) / 1e6, e.count)
+            for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
+def build_engine(design: str, model: str, samples: int, new_tokens: int, prompt_len: int):
+    import bench_rl
+    import simple_rl as rl
+
+    ranks = rl.init_ranks("cuda")
+    cfg = rl.Config(model=model, num_prompts=samples // 8, group_size=8,
+                    max_new_tokens=new_tokens, max_model_len=prompt_len + new_tokens + 1)
+    files = rl.load_model_files(cfg)
+    if design == "a0":
+        rl.route_vllm_linear_through_cublaslt = lambda: None
+    if design == "agc":
+        rl.gc_paused = contextlib.nullcontext
+    engine = (bench_rl.user_engine_class() if design == "d" else rl.VLLMEngine)(cfg, files, ranks)
+    vocab = min(files.args.vocab_size, len(files.tokenizer))
+    prompts = bench_rl.workload_prompts(cfg.num_prompts, prompt_len, vocab, 0)
+    return engine, prompts
+
+
+def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: int) -> dict:
+    import torch
+
+    engine, prompts = build_engine(design, model, samples, new_tokens, prompt_len)
+    indices = list(range(len(prompts)))
+
+    def rollout():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ro = engine.rollout(prompts, indices, 0)
+        torch.cuda.synchronize()
+        return ro, time.perf_counter() - t0
+
+    ro, _ = rollout()  # warm-up
+    spent = clock_host()
+    collections = []  # seconds of each garbage collection during the timed pass
+
+    def clock_gc(phase, info, _t=[0.0]):
+        if phase == "start":
+            _t[0] = time.perf_counter()
+        else:
+            collections.append(time.perf_counter() - _t[0])
+
+    gc.callbacks.append(clock_gc)
+    ro, wall = rollout()
+    gc.callbacks.remove(clock_gc)
+    generated = sum(map(len, ro.completions))
+    steps = max(map(len, ro.completions))
+    host = {k: sum(v) / steps for k, v in spent.items() if v}
+    calls = {k: len(v) / steps for k, v in spent.items() if v}
+    for v in spent.values():
+        v.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        rollout()
+    gpu = {k: v / steps for k, v in gpu_time_by_kind(prof).items()}
+    digest = hashlib.sha256()
+    for c in ro.completions:
+        digest.update(torch.tensor(c, dtype=torch.int64).numpy().tobytes())
+    digest.update(ro.logprobs.numpy().tobytes())
+    return dict(design=design, samples=samples, wall_s=wall, decode_steps=steps,
+                generated=generated, tok_s=generated / wall, step_ms=1e3 * wall / steps,
+                gpu_ms={k: 1e3 * v for k, v in gpu.items()},
+                gpu_busy_ms=1e3 * sum(gpu.values()),
+                host_ms={k: 1e3 * v for k, v in host.items()}, host_calls=calls,
+                gc_ms=1e3 * sum(collections) / steps, gc_collections=len(collections),
+                top_kernels=top_kernels(prof), bits=digest.hexdigest())
+
+
+def table(rows: list[dict]) -> str:
+    kinds = sorted({k for r in rows for k in r["gpu_ms"]}, key=lambda k: -max(
+        r["gpu_ms"].get(k, 0) for r in rows))
+    labels = [h[0] for h in HOST if any(h[0] in r["host_ms"] for r in rows)]
+    labels = list(dict.fromkeys(labels))
+    head = ["ms per decode step", *(f"{r['design']} @ {r['samples']}" for r in rows)]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+
+    def line(name, values):
+        lines.append(" | ".join([name, *values]))
+
+    line("wall", [f"{r['step_ms']:.2f}" for r in rows])
+    line("GPU busy (kernels)", [f"{r['gpu_busy_ms']:.2f}" for r in rows])
+    line("GPU idle (wall - busy)", [f"{r['step_ms'] - r['gpu_busy_ms']:.2f}" for r in rows])
+    for k in kinds:
+        line(f"  kernels: {k}", [f"{r['gpu_ms'].get(k, 0):.2f}" for r in rows])
+    for k in labels:
+        line(f"  host: {k}", [f"{r['host_ms'].get(k, 0):.2f}" for r in rows])
+    line("  host: garbage collection", [f"{r['gc_ms']:.2f} ({r['gc_collections']})"
+                                         for r in rows])
+    line("generated tok/s", [f"{r['tok_s']:,.0f}" for r in rows])
+    line("bits (sha256 of ids + logprobs)", [r["bits"][:12] for r in rows])
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--samples", default="64,256,1024")
+    p.add_argument("--designs", default="a,d")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--out", default="profile_rollout.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        design, samples = a.worker.split("@")
+        Path(a.out).write_text(json.dumps(worker(design, a.model, int(samples), a.new_tokens,
+                                                 a.prompt_len)))
+        return
+    rows = []
+    for samples in map(int, a.samples.split(",")):
+        for design in a.designs.split(","):
+            out = Path(a.out).with_suffix(f".{design}{samples}.json")
+            env = dict(os.environ, VLLM_BATCH_INVARIANT="0" if design == "d" else "1",
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            if design != "d":
+                env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            subprocess.run([sys.executable, __file__, "--model", a.model, "--new-tokens",
+                            str(a.new_tokens), "--prompt-len", str(a.prompt_len), "--worker",
+                            f"{design}@{samples}", "--out", str(out)], check=True, env=env)
+            rows.append(json.loads(out.read_text()))
+            print(table(rows[-1:]), flush=True)
+    Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
+    print(table(rows))
+    for r in rows:
+        print(f"\n{r['design']} @ {r['samples']}: top kernels (s over the rollout, calls)")
+        for name, s, n in r["top_kernels"]:
+            print(f"  {s:8.3f} {n:7d}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
