@@ -2748,7 +2748,9 @@ def route_vllm_linear_through_cublaslt() -> None:
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers import vocab_parallel_embedding as vocab
 
-    if torch.cuda.get_device_capability()[0] < 9 or getattr(linear, "cublaslt", False):
+    if getattr(linear, "cublaslt", False) or not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability()[0] < 9:
         return
 
     def apply(self, layer, x, bias=None):

@@ -219,3 +219,38 @@ def test_trainer_bench_finds_the_gpus_idle_gaps_and_packs_the_workload():
     assert len(lines) == 2
     packed = bench_trainer.synthetic_batch(4, 3, 5, 50, seed=0)
     assert packed.cu_seqlens.tolist() == [0, 8, 16, 24, 32] and len(packed.targets) == 20
+
+
+class _Clocked:
+    def step(self, x):
+        return x + 1
+
+
+def test_rollout_profile_sorts_kernels_clocks_host_calls_and_tables_per_step(monkeypatch):
+    import profile_rollout as pr
+
+    kinds = {"void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90":
+             "attention", "nvjet_sm90_tst_64x64_64x13_2x1_v_bz_TNT": "gemm",
+             "matmul_kernel_persistent": "gemm", "_log_softmax_kernel": "sampler",
+             "_seeded_exponential_kernel": "sampler", "vllm::fused_add_rms_norm_kernel": "norm",
+             "memcpy32_post": "copy", "vllm::rotary_embedding_kernel": "rope",
+             "some_new_kernel": "other"}
+    assert {name: pr.kind(name) for name in kinds} == kinds
+
+    monkeypatch.setattr(pr, "HOST", [("step", __name__, "_Clocked", "step"),
+                                     ("absent", "no_such_module_here", "X", "y")])
+    monkeypatch.setattr(_Clocked, "step", _Clocked.step)  # undone after the test
+    spent = pr.clock_host()
+    assert _Clocked().step(1) == 2 and _Clocked().step(5) == 6  # still the function it wraps
+    assert list(spent) == ["step"] and len(spent["step"]) == 2 and min(spent["step"]) >= 0
+
+    row = dict(design="a", samples=256, step_ms=8.5, gpu_busy_ms=6.7, tok_s=30000.0,
+               gpu_ms={"gemm": 1.7, "attention": 2.7}, host_ms={"step": 8.2},
+               gc_ms=0.1, gc_collections=1, bits="c" * 64)
+    lines = pr.table([row, dict(row, design="d", step_ms=12.0)]).splitlines()
+    assert lines[0] == "ms per decode step | a @ 256 | d @ 256"
+    assert "GPU idle (wall - busy) | 1.80 | 5.30" in lines
+    assert lines.index("  kernels: attention | 2.70 | 2.70") < lines.index(
+        "  kernels: gemm | 1.70 | 1.70")  # the largest kind first
+    assert "  host: step | 8.20 | 8.20" in lines  # the clocked functions, in HOST order
+    assert "  host: garbage collection | 0.10 (1) | 0.10 (1)" in lines

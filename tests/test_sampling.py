@@ -93,3 +93,25 @@ def test_gpu_seeded_noise_with_cuda_generators_is_batch_free():
         alone = torch.empty(3, V, device="cuda")
         rl.seeded_exponential_(alone, {2: gens[i]})
         assert torch.equal(alone[2], q[i])
+
+
+def test_gc_is_paused_inside_a_rollout_and_restored_after_even_on_error():
+    import gc
+
+    import simple_rl as rl
+
+    assert gc.isenabled()
+    with rl.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        with rl.gc_paused():
+            raise ValueError
+    assert gc.isenabled()
+    gc.disable()  # a caller that had switched it off keeps it off
+    try:
+        with rl.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
