@@ -1070,7 +1070,7 @@ def vllm_forwards() -> Kernels:
 
     # vLLM 0.26's linear layers and LM head call its Triton persistent matmul in batch-invariant
     # mode; simple_rl routes them on Hopper to F.linear, which the trainer calls too: cuBLASLt
-    # with split-K off, bit-equal to the Triton kernel at every row count
+    # with split-K off, bit-equal to the Triton kernel at every row count checked
     # (tests/test_gemm_gpu.py) and faster. On Ampere vLLM routes aten::linear to the Triton
     # kernel itself.
     return Kernels(

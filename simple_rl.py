@@ -2733,32 +2733,36 @@ def route_vllm_seeded_sampling_through_one_kernel() -> None:
     sampler.random_sample = random_sample
 
 
-
 def route_vllm_linear_through_cublaslt() -> None:
     """Run the engine's linear layers and LM head on cuBLASLt, the GEMM the trainer calls.
 
     In batch-invariant mode vLLM 0.26 sends every unquantized linear layer to its Triton
     persistent matmul, whose 128 x 128 tiles leave most of an H200's SMs idle at a decode
     step's few hundred rows. On Hopper that mode also turns cuBLASLt's split-K off (no
-    workspace), and cuBLASLt then sums every output over K in the Triton kernel's order: the
-    same bits at every row count, which tests/test_gemm_gpu.py checks for M = 1..1024 and
-    prefill sizes at every Qwen3 preset's shapes. Ampere keeps vLLM's Triton path (there
-    batch-invariant mode sends aten::linear itself to the Triton kernel).
+    workspace), and cuBLASLt then gives the Triton kernel's bits: tests/test_gemm_gpu.py checks
+    every row count M = 1..1024 and seven prefill and micro-batch sizes at the dense Qwen3
+    shapes and Qwen3-30B-A3B's. Elsewhere (Ampere, Blackwell, ROCm: not measured) and for a
+    layer with a bias (cuBLASLt would add it before rounding) vLLM's own path stays.
     """
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers import vocab_parallel_embedding as vocab
+    from vllm.platforms import current_platform
 
-    if getattr(linear, "cublaslt", False) or not torch.cuda.is_available():
+    if not (current_platform.is_cuda() and torch.cuda.get_device_capability()[0] == 9):
         return
-    if torch.cuda.get_device_capability()[0] < 9:
-        return
+    for method in (linear.UnquantizedLinearMethod, vocab.UnquantizedEmbeddingMethod):
+        plain = method.apply
+        if getattr(plain, "cublaslt", False):
+            continue
 
-    def apply(self, layer, x, bias=None):
-        return nn.functional.linear(x, layer.weight, bias)
+        def apply(self, layer, x, bias=None, _plain=plain):
+            if bias is not None or not x.is_cuda:
+                return _plain(self, layer, x, bias)
+            return nn.functional.linear(x, layer.weight)
 
-    linear.UnquantizedLinearMethod.apply = apply
-    vocab.UnquantizedEmbeddingMethod.apply = apply
-    linear.cublaslt = True
+        apply.cublaslt = True
+        method.apply = apply
+
 
 # ==========================================================================
 # Checkpoints & resume
@@ -3598,6 +3602,9 @@ def prepare_environment(cfg: Config) -> None:
          "run anywhere: see README.md).")
     required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "0",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # cuBLASLt without split-K, as vLLM's batch-invariant mode sets it on Hopper when its engine
+    # starts; set here too, before any GEMM, because PyTorch reads it at the first one only.
+    os.environ.update(CUBLAS_WORKSPACE_CONFIG=":16:8", CUBLASLT_WORKSPACE_SIZE="1")
     for name, value in required.items():
         if name not in os.environ:
             if cfg.verbose:

@@ -126,11 +126,16 @@ def test_unset_env_is_set_and_missing_vllm_is_named(monkeypatch):
     import os
 
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")  # split-K would be possible
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(rl.ConfigError, match="vLLM is not installed; run `pip install -r"):
         rl.prepare_environment(rl.Config())
     assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    # cuBLASLt without split-K from the first GEMM on, as vLLM sets it when its engine starts
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "1"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_prompt_too_long_fails_before_the_run_directory(ckpt, tmp_path, capsys):
