@@ -72,6 +72,20 @@ def weights_equal(engine, model) -> tuple[bool, int]:
     return not bad, len(list(model.parameters()))
 
 
+def linear_on_cublaslt(engine) -> bool:
+    """Every linear layer and the LM head of the engine's model call simple_rl's cuBLASLt route
+    (the `apply` of their quant method is the patched one)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    def check(m):
+        methods = [type(x.quant_method) for x in m.modules()
+                   if isinstance(x, (LinearBase, VocabParallelEmbedding))]
+        return bool(methods) and all(getattr(t.apply, "cublaslt", False) for t in methods)
+
+    return engine.llm.apply_model(check)[0]
+
+
 def setup(args):
     ranks = rl.init_ranks("cuda")
     path = Path(args.ckpt) if args.ckpt else None
@@ -134,8 +148,7 @@ def parity(args) -> dict:
         weights_equal_at_start=all(rl.all_gather_objects(weights_equal(engine, model)[0])),
         # the engine's speed settings that the parity runs vouch for
         async_scheduling=engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
-        linear_on_cublaslt=getattr(sys.modules.get("vllm.model_executor.layers.linear"),
-                                   "cublaslt", False),
+        linear_on_cublaslt=linear_on_cublaslt(engine),
     )
     for step in range(args.steps):
         t0 = time.perf_counter()

@@ -214,3 +214,38 @@ def run_cpu(argv, engine=None) -> str:
 def main_cpu(argv, engine=None) -> int:
     """simple_rl.main with the stand-in engine on CPU; returns the exit code."""
     return rl.main(argv, engine or TorchEngine, "cpu")
+
+
+def launch_two_hosts(script: Path, args, env: dict, per_host_env=None,
+                     timeout: float = 900) -> list[str]:
+    """`script args` under the README's multi-host command, as two "hosts" of one process each
+    on this machine: two torchrun launchers (`--nnodes 2 --node-rank i`) meeting through a c10d
+    rendezvous on localhost. per_host_env(i) adds host i's variables. Returns each launcher's
+    output; a launcher left running at the end is stopped with its workers."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port (another process could take it before torchrun)
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    hosts = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+         "--rdzv-id", f"simple_rl_{port}", str(script), *map(str, args)],
+        env={**env, **(per_host_env(i) if per_host_env else {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True) for i in range(2)]
+    try:
+        outs = [h.communicate(timeout=timeout)[0] for h in hosts]
+    finally:
+        for h in hosts:  # the launcher and its workers share its session
+            if h.poll() is None:
+                os.killpg(h.pid, signal.SIGTERM)
+                try:
+                    h.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(h.pid, signal.SIGKILL)
+    assert [h.returncode for h in hosts] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    return outs

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cpu_argv
+from helpers import cpu_argv, launch_two_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
@@ -26,30 +26,6 @@ def launch(nproc: int, *args, check=True) -> subprocess.CompletedProcess:
                          text=True, timeout=600)
     assert not check or out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
-
-
-def launch_two_hosts(*args) -> list[str]:
-    """The driver under the README's multi-host command, as two "hosts" of one process each on
-    this machine: two torchrun launchers, `--nnodes 2 --node-rank i`, meeting through a c10d
-    rendezvous on localhost. Returns each launcher's stdout."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    hosts = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-         "--rdzv-id", f"simple_rl_{port}", str(DRIVER), *map(str, args)], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        outs = [h.communicate(timeout=600)[0] for h in hosts]
-    finally:
-        for h in hosts:
-            h.kill()
-    assert [h.returncode for h in hosts] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    return outs
 
 
 def sha_of(out: subprocess.CompletedProcess) -> str:
@@ -126,7 +102,9 @@ def test_two_hosts_train_as_two_processes_of_one_host(ckpt, tmp_path):
     that `--nproc-per-node 2` gives on one host: the same metrics and final weights."""
     base = cpu_argv(ckpt(), tmp_path / "runs", num_prompts=3, micro_batch_tokens=128)
     one_host = launch(2, "main", *base, "--steps", "2", "--run-name", "one_host")
-    outs = launch_two_hosts("main", *base, "--steps", "2", "--run-name", "two_hosts")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    outs = launch_two_hosts(DRIVER, ["main", *base, "--steps", "2", "--run-name", "two_hosts"],
+                            env, timeout=600)
     main = [o for o in outs if "| weights sha256" in o]
     assert len(main) == 1 and "2 rank(s)" in main[0]  # one rank 0, whichever host it landed on
     assert re.search(r"weights sha256 ([0-9a-f]{64})", main[0]).group(1) == sha_of(one_host)

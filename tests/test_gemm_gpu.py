@@ -2,10 +2,11 @@
 
 simple_rl routes vLLM's unquantized linear layers and LM head to `F.linear` (cuBLASLt, split-K
 off by batch-invariant mode) instead of vLLM's Triton persistent matmul. That is only allowed if
-every output row is bitwise what the Triton kernel gives, whatever the number of rows: every
-decode batch size M = 1..1024, prefill chunks, and the trainer's micro-batches. This checks it
-at the linear shapes of every Qwen3 preset (q/k/v, o, gate/up, down, LM head; 14B and 32B
-layers; Qwen3-30B-A3B's router), against one Triton call over all rows.
+every output row is bitwise what the Triton kernel gives, whatever the number of rows. This
+checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and two of the
+trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
+Qwen3 models (q/k/v, o, gate/up, down, LM head) and of Qwen3-30B-A3B (attention, router),
+against Triton calls of 8192 rows.
 
 cuBLASLt reads its workspace size once per process, so the check runs in a fresh process
 (`python tests/test_gemm_gpu.py` prints its JSON) in which batch-invariant mode is set before
@@ -41,7 +42,8 @@ def shapes() -> list[tuple[str, int, int, bool]]:
         out += [(f"{m}/qkv", q + 2 * kv, hidden, True), (f"{m}/o", hidden, q, True),
                 (f"{m}/gate_up", 2 * ffn, hidden, True), (f"{m}/down", hidden, ffn, True)]
     out += [(f"{m}/lm_head", VOCAB, h, False) for m, (h, *_) in MODELS.items() if m != "32b"]
-    out.append(("30b-a3b/router", 128, 2048, True))
+    out += [("30b-a3b/qkv", 4096 + 2 * 512, 2048, True), ("30b-a3b/o", 2048, 4096, True),
+            ("30b-a3b/router", 128, 2048, True)]
     assert len({name for name, *_ in out}) == len(out)
     return out
 
@@ -78,11 +80,11 @@ def test_cublaslt_linear_equals_vllm_triton_matmul_at_every_row_count():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("simple_rl keeps vLLM's Triton matmul before Hopper")
     done = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=1200, env=dict(os.environ, VLLM_BATCH_INVARIANT="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(report) == len(shapes())
-    assert sum(r["rows_checked"] for r in report.values()) > 30000
+    assert sum(r["rows_checked"] for r in report.values()) > 32000
     differ = {k: r["differ_at"][:10] for k, r in report.items() if r["differ_at"]}
     assert not differ, f"F.linear differs from vLLM's Triton matmul at row counts: {differ}"
 

@@ -115,3 +115,25 @@ def test_gc_is_paused_inside_a_rollout_and_restored_after_even_on_error():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
+    import gc
+    import types
+
+    import simple_rl as rl
+
+    seen = []
+
+    class LLM:  # vLLM's LLM as the rollout calls it; here its engine dies mid-rollout
+        def generate(self, prompts, params, use_tqdm):
+            seen.append((len(prompts), gc.isenabled()))
+            raise RuntimeError("engine died")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        TokensPrompt=dict, SamplingParams=lambda **k: k))
+    engine = object.__new__(rl.VLLMEngine)  # no engine start: only rollout's own code runs
+    engine.cfg, engine.eos_ids, engine.moe, engine.llm = rl.Config(), [0], False, LLM()
+    with pytest.raises(RuntimeError, match="engine died"):
+        engine.rollout([[1, 2], [3]], [0, 1], 0)
+    assert seen == [(2, False)] and gc.isenabled()
