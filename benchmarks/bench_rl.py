@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
+HBM_BYTES_S = 4.8e12  # H200 SXM datasheet
+LOGIT_PASSES = 4  # the sampler's fp32 passes over a step's logits (write, log-softmax, noise, pick)
 # (d)'s micro-batch when none is given: its padded fp32-master trainer peaked at 93 GiB with
 # 8192 tokens at 1.7B on an H200, so the 24576 that simple_rl picks there would not fit.
 USER_MICRO_BATCH = 8192
@@ -97,6 +99,32 @@ def plain_kernels():
 
     ref = bib.reference_kernels()
     return bib.Kernels(**{**ref.__dict__, "name": "plain", "attention": attention})
+
+
+def floors(args, samples: int, prompt_len: int, new_tokens: int, update_flops: float,
+           world: int = 1) -> dict | None:
+    """Seconds each phase would take on one of `world` H200s running every kernel at its
+    datasheet peak, one kernel after another (a dense Qwen3; None for Qwen3-MoE):
+
+        decode step t:  max(bf16 weights / HBM, 2 params x samples / FLOP/s)    the GEMMs
+                        + samples x (prompt_len + t) x KV bytes a token / HBM  attention
+                        + LOGIT_PASSES x samples x vocab x 4 / HBM             the sampler
+        update:         its FLOPs (6 N per token + attention) / FLOP/s
+        push:           fp32 masters read + bf16 copy written, 6 params / HBM
+    """
+    import simple_rl as rl
+
+    if rl.sparse_layers(args):
+        return None
+    params, per_rank = rl.count_params(args), samples // world
+    kv_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2  # K and V, bf16
+    gemm = max(2 * params / HBM_BYTES_S, 2 * params * per_rank / PEAK_FLOPS)
+    logits = LOGIT_PASSES * per_rank * args.vocab_size * 4 / HBM_BYTES_S
+    kv = sum(per_rank * (prompt_len + t) * kv_token for t in range(new_tokens)) / HBM_BYTES_S
+    out = dict(rollout_s=new_tokens * (gemm + logits) + kv,
+               fwd_bwd_s=update_flops / (PEAK_FLOPS * world), push_s=6 * params / HBM_BYTES_S)
+    out["step_s"] = sum(out.values())
+    return out
 
 
 def workload_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -305,6 +333,8 @@ def measure(
         rl.micro_batches = packed_micro_batches
     out = summarize(rows, design, ranks.world, hf_trainer.attn if hf_trainer else "fa3-varlen")
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
+    out["floor"] = floors(files.args, prompts_n * group, prompt_len, new_tokens, out["flops"],
+                          ranks.world)
     if ranks.world > 1:
         out["all_gather_gb_s"] = all_gather_bandwidth(ranks)
     return out
@@ -344,6 +374,7 @@ def pool(rounds: list[dict]) -> dict:
     steps = [s for r in rounds for s in r["steps"]]
     out = summarize(steps, first["design"], first["nproc"], first["attention"])
     out["micro_batch_tokens"] = first.get("micro_batch_tokens", 0)
+    out["floor"] = first.get("floor")
     if "all_gather_gb_s" in first:
         out["all_gather_gb_s"] = first["all_gather_gb_s"]
     return out
@@ -613,6 +644,10 @@ def table(results: list[dict]) -> str:
             f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
             f"{a['push_s']:.3f} s"
         )
+    if a and a.get("floor"):
+        f = a["floor"]
+        lines.append("floor (the H200's peak FLOP/s and bytes/s, kernel by kernel): " + ", ".join(
+            f"{k[:-2]} {f[k]:.3g} s" for k in ("rollout_s", "fwd_bwd_s", "push_s", "step_s")))
     for r in results:  # a machine's step-to-step noise, next to the medians above
         if r.get("steps"):
             lines.append(f"{r['name']} per measured step, min-max s: " + ", ".join(

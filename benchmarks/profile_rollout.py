@@ -5,12 +5,12 @@ builds the engine, generates bench_rl's workload (128-token random prompts x 8 s
 --new-tokens each) once to warm up, once with the engine's host work clocked function by
 function, and once under torch.profiler, and prints per decode step:
 
-    wall       the rollout's wall time / new tokens (the timed pass)
-    gpu        the kernels' time / new tokens, by kind (the profiled pass), and wall - gpu: the
-               time the GPU waits for the host
+    wall       the rollout's wall time / its decode steps (the longest completion's length),
+               in the timed pass (which also clocks the host: a few us a call)
+    gpu        the kernels' time / decode steps, by kind (the profiled pass), and wall - gpu:
+               the time the GPU waits for the host
     host       the time spent in each engine function per step (they nest: `engine step`
-               holds the rest but `execute_model` and `sample_tokens`, which an async step
-               launches inside `engine step` of the step before)
+               holds the rest) and in Python's garbage collections
 
 Engines:  a   simple_rl's (VLLMEngine, as the training loop runs it)
           a0  the same without simple_rl's cuBLASLt route for vLLM's linear layers (vLLM's
@@ -22,8 +22,9 @@ Engines:  a   simple_rl's (VLLMEngine, as the training loop runs it)
     python benchmarks/profile_rollout.py --model CKPT --samples 64,256,1024 --designs a,d \\
         --out profile.json
 
-Every engine run also reports a sha256 of its token ids and logprobs: a and a0 must agree
-(the same samples, bit for bit).
+Every engine run also reports a sha256 of its token ids and logprobs: a, a0 and agc must agree
+(the same samples, bit for bit), or the script says so and exits 1. d draws unseeded noise,
+so its passes sample other tokens.
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ HOST = [
 ]
 # kernel name fragment -> kind (first match wins)
 KINDS = [
-    ("flash", "attention"), ("matmul_kernel_persistent", "gemm"), ("gemm", "gemm"),
-    ("nvjet", "gemm"), ("xmma", "gemm"), ("cutlass", "gemm"),
+    ("reshape_and_cache", "kv write"), ("flash", "attention"),
+    ("matmul_kernel_persistent", "gemm"), ("gemm", "gemm"), ("nvjet", "gemm"),
+    ("xmma", "gemm"), ("cutlass", "gemm"),
     ("rms", "norm"), ("rotary", "rope"), ("silu", "act"), ("softmax", "sampler"),
     ("exponential", "sampler"), ("argmax", "sampler"), ("sample", "sampler"),
     ("gather", "sampler"), ("topk", "sampler"), ("reduce", "sampler"), ("memcpy", "copy"),
-    ("memset", "copy"), ("copy", "copy"), ("cache", "kv write"),
+    ("memset", "copy"), ("copy", "copy"),
 ]
 
 
@@ -146,12 +148,13 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
     ro, _ = rollout()  # warm-up
     spent = clock_host()
     collections = []  # seconds of each garbage collection during the timed pass
+    started = [0.0]
 
-    def clock_gc(phase, info, _t=[0.0]):
+    def clock_gc(phase, info):
         if phase == "start":
-            _t[0] = time.perf_counter()
+            started[0] = time.perf_counter()
         else:
-            collections.append(time.perf_counter() - _t[0])
+            collections.append(time.perf_counter() - started[0])
 
     gc.callbacks.append(clock_gc)
     ro, wall = rollout()
@@ -176,6 +179,13 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
                 host_ms={k: 1e3 * v for k, v in host.items()}, host_calls=calls,
                 gc_ms=1e3 * sum(collections) / steps, gc_collections=len(collections),
                 top_kernels=top_kernels(prof), bits=digest.hexdigest())
+
+
+def differing_samples(rows: list[dict]) -> list[int]:
+    """The sample counts at which simple_rl's engine variants (all but d) drew different bits."""
+    ours = [r for r in rows if r["design"] != "d"]
+    return sorted({r["samples"] for r in ours for q in ours
+                   if q["samples"] == r["samples"] and q["bits"] != r["bits"]})
 
 
 def table(rows: list[dict]) -> str:
@@ -232,11 +242,15 @@ def main():
             rows.append(json.loads(out.read_text()))
             print(table(rows[-1:]), flush=True)
     Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
+    differ = differing_samples(rows)
     print(table(rows))
     for r in rows:
         print(f"\n{r['design']} @ {r['samples']}: top kernels (s over the rollout, calls)")
         for name, s, n in r["top_kernels"]:
             print(f"  {s:8.3f} {n:7d}  {name[:110]}")
+    if differ:
+        print(f"simple_rl's engine variants sampled different bits at {differ} samples")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

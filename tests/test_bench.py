@@ -234,6 +234,7 @@ def test_rollout_profile_sorts_kernels_clocks_host_calls_and_tables_per_step(mon
              "matmul_kernel_persistent": "gemm", "_log_softmax_kernel": "sampler",
              "_seeded_exponential_kernel": "sampler", "vllm::fused_add_rms_norm_kernel": "norm",
              "memcpy32_post": "copy", "vllm::rotary_embedding_kernel": "rope",
+             "vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "kv write",
              "some_new_kernel": "other"}
     assert {name: pr.kind(name) for name in kinds} == kinds
 
@@ -254,3 +255,25 @@ def test_rollout_profile_sorts_kernels_clocks_host_calls_and_tables_per_step(mon
         "  kernels: gemm | 1.70 | 1.70")  # the largest kind first
     assert "  host: step | 8.20 | 8.20" in lines  # the clocked functions, in HOST order
     assert "  host: garbage collection | 0.10 (1) | 0.10 (1)" in lines
+    same = [dict(row, design=d, samples=n) for d in ("a", "a0", "agc") for n in (64, 256)]
+    assert pr.differing_samples(same + [dict(row, design="d", bits="e" * 64)]) == []
+    assert pr.differing_samples(same + [dict(row, design="a0", samples=256, bits="f" * 64)]) == [
+        256]
+
+
+def test_floor_of_each_phase_by_hand():
+    # 2 layers, dim 4, 2 q heads and 1 kv head of 2, FFN 8, vocab 10, tied
+    args = SimpleNamespace(dim=4, head_dim=2, n_heads=2, n_kv_heads=1, hidden_dim=8, n_layers=2,
+                           vocab_size=10, enable_weight_tying=True)
+    params = 2 * (4 * 8 + 4 * 4 + 3 * 4 * 8 + 8 + 4) + 10 * 4 + 4  # blocks, embedding, norm
+    assert rl.count_params(args) == params
+    bw, peak = bench_rl.HBM_BYTES_S, bench_rl.PEAK_FLOPS
+    f = bench_rl.floors(args, samples=6, prompt_len=3, new_tokens=2, update_flops=1e12, world=2)
+    gemm = max(2 * params / bw, 2 * params * 3 / peak)  # 3 samples a rank
+    kv = 3 * (3 + 4) * (2 * 2 * 1 * 2 * 2) / bw  # contexts of 3 and 4 tokens, 16 bytes a token
+    logits = 2 * bench_rl.LOGIT_PASSES * 3 * 10 * 4 / bw
+    assert f["rollout_s"] == pytest.approx(2 * gemm + kv + logits, rel=1e-12)
+    assert f["fwd_bwd_s"] == pytest.approx(1e12 / (2 * peak))
+    assert f["push_s"] == pytest.approx(6 * params / bw)
+    assert f["step_s"] == pytest.approx(f["rollout_s"] + f["fwd_bwd_s"] + f["push_s"])
+    assert bench_rl.floors(SimpleNamespace(sparse_layers=(0,)), 6, 3, 2, 1e12) is None
