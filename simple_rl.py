@@ -1698,6 +1698,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t0 = time.perf_counter()
     rollout = trainer.engine.rollout([trainer.task.prompt_ids[chosen[i]] for i in mine], mine, step)
     in_use = [device_in_use(device)]  # the engine's peak: weights and a full KV cache
+    t_sleep = time.perf_counter()
     trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
     t1 = time.perf_counter()
 
@@ -1722,6 +1723,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     # 5. Metrics over every rank; TensorBoard on rank 0.
     metrics = step_metrics(cfg, rollout, rewards, len(mine), sums, n_tokens, grad_norm, parity,
                            times=(t1 - t0, t2 - t1, t3 - t2))
+    metrics["time/engine_sleep_s"] = t1 - t_sleep  # within time/rollout_s
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
     metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
     named = dict(trainer.model.named_parameters())
@@ -2159,6 +2161,7 @@ def tensorboard_layout(moe: bool = False) -> dict:
             ("policy-gradient loss", "pg_loss"),
             ("mismatched tokens per step", "determinism/mismatched_tokens"),
             ("rollout time (s)", "time/rollout_s"),
+            ("engine sleep time, within the rollout (s)", "time/engine_sleep_s"),
             ("update time (s)", "time/train_s"),
             ("weight push time (s)", "time/push_s"),
             ("GPU memory in use (GiB)", "memory/in_use_gib"),

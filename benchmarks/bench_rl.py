@@ -340,7 +340,7 @@ def measure(
     return out
 
 
-TIMINGS = ("rollout_s", "fwd_bwd_s", "optimizer_s", "push_s", "step_s")
+TIMINGS = ("rollout_s", "fwd_bwd_s", "optimizer_s", "push_s", "step_s", "sleep_s")
 COUNTS = ("generated_tokens", "trained_tokens", "samples", "flops")
 
 
@@ -438,7 +438,8 @@ def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
     lens = [len(p) + len(c) for p, c in zip(ro.prompts, ro.completions)]
     rollout_s, train_s, push_s = (metrics[f"time/{k}_s"] for k in ("rollout", "train", "push"))
     local = torch.tensor([rollout_s, train_s - spent["s"], spent["s"], push_s,
-                          rollout_s + train_s + push_s], device=dev)
+                          rollout_s + train_s + push_s, metrics["time/engine_sleep_s"]],
+                         device=dev)
     return step_row(step, warmup, local, lens, sum(map(len, ro.completions)), parity, args,
                     trainer.ranks, len(trainer.task.prompt_ids) * trainer.cfg.group_size,
                     metrics.get("memory/in_use_gib", 0.0))
@@ -473,7 +474,7 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
     sync(dev)
     t3 = time.perf_counter()
     lens = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
-    local = torch.tensor([t1 - t0, t2 - t1, 0.0, t3 - t2, t3 - t0], device=dev)
+    local = torch.tensor([t1 - t0, t2 - t1, 0.0, t3 - t2, t3 - t0, 0.0], device=dev)  # no sleep
     return step_row(step, warmup, local, lens, len(logp), parity, files.args, ranks,
                     len(prompts) * cfg.group_size, max(peak, device_used_gib(ranks)))
 
@@ -481,7 +482,8 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
 def step_row(step, warmup, local, lens, n_generated, parity, args, ranks, samples,
              peak_gib) -> dict:
     """One step's row: times (rollout, update less optimizer.step (for a-c, rl_step's decode,
-    reward and advantages included: a few ms), optimizer, push, step) as the slowest rank's,
+    reward and advantages included: a few ms), optimizer, push, step, and the engine's sleep
+    within the rollout) as the slowest rank's,
     tokens and FLOPs summed over ranks (lens and n_generated are this rank's); printed as JSON
     on rank 0."""
     import torch
@@ -499,6 +501,7 @@ def step_row(step, warmup, local, lens, n_generated, parity, args, ranks, sample
         optimizer_s=times[2],
         push_s=times[3],
         step_s=times[4],
+        sleep_s=times[5],  # the engine's sleep, within rollout_s
         generated_tokens=parity.n_tokens,
         trained_tokens=int(counts[0]),
         samples=samples,
@@ -642,7 +645,8 @@ def table(results: list[dict]) -> str:
     if a:
         lines.append(
             f"trainer MFU (a): {a['mfu']:.1%} (target >= 45%); weight push (a): "
-            f"{a['push_s']:.3f} s"
+            f"{a['push_s']:.3f} s; the engine's sleep within (a)'s rollout: "
+            f"{a.get('sleep_s', 0):.3f} s"
         )
     if a and a.get("floor"):
         f = a["floor"]

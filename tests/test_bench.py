@@ -149,7 +149,8 @@ def test_rounds_pool_into_medians_over_every_measured_step():
 
     def step(warmup, t, mismatched=0):
         return dict(warmup=warmup, rollout_s=t, fwd_bwd_s=t / 2, optimizer_s=0.01, push_s=0.1,
-                    step_s=t * 1.5, generated_tokens=100, trained_tokens=200, samples=4,
+                    step_s=t * 1.5, sleep_s=t / 10, generated_tokens=100, trained_tokens=200,
+                    samples=4,
                     flops=1e12, peak_gib=t, mismatched=mismatched)
 
     rounds = [
@@ -163,6 +164,7 @@ def test_rounds_pool_into_medians_over_every_measured_step():
     assert len(row["steps"]) == 6 and row["mismatched"] == 1
     assert row["rollout_s"] == 2.75 and row["fwd_bwd_s"] == 1.375  # median of 2, 2.5, 3, 9
     assert row["step_s"] == 2.75 * 1.5 and row["samples_s"] == 4 / (2.75 * 1.5)
+    assert row["sleep_s"] == 0.275
     assert row["mfu"] == 1e12 / 1.375 / bench_rl.PEAK_FLOPS
     assert row["peak_gib"] == 50.0  # the warm-up's peak counts: memory is not noise
 
@@ -177,8 +179,8 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
         calls.append((design, out.name, "--profile" in cmd, env["VLLM_BATCH_INVARIANT"]))
         t = float(len(calls))  # later workers are slower: a drifting machine
         steps = [dict(warmup=w, rollout_s=t, fwd_bwd_s=t, optimizer_s=0.0, push_s=0.0, step_s=t,
-                      generated_tokens=10, trained_tokens=20, samples=2, flops=1e9, peak_gib=1.0,
-                      mismatched=0) for w in (True, False)]
+                      sleep_s=0.0, generated_tokens=10, trained_tokens=20, samples=2, flops=1e9,
+                      peak_gib=1.0, mismatched=0) for w in (True, False)]
         out.write_text(json.dumps(bench_rl.summarize(steps, design, 1, "x")))
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)

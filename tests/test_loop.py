@@ -9,7 +9,7 @@ from helpers import TorchEngine, cpu_argv
 TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ratio_mean",
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
         "determinism/max_abs_diff", "completion_len_mean", "completion_stopped_frac",
-        "time/rollout_s", "time/train_s", "time/push_s", "time/step_s",
+        "time/rollout_s", "time/engine_sleep_s", "time/train_s", "time/push_s", "time/step_s",
         "determinism/mismatched_tokens_total"]
 GPU_TAGS = ["memory/in_use_gib", "memory/peak_allocated_gib"]  # logged on CUDA only
 EVAL_TAGS = ["eval/accuracy", "eval/completion_len_mean", "time/eval_s"]  # logged by evaluate
@@ -28,6 +28,7 @@ def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
     for step in range(2):
         m, parity = rl.rl_step(trainer, step)
         assert parity.n_tokens == m["determinism/tokens"] == 36
+        assert 0 <= m["time/engine_sleep_s"] <= m["time/rollout_s"]  # timed within it
         assert parity.max_abs_diff < 1e-4  # the CPU stand-in is close, not bitwise
         assert m["kl_div"] >= 0 and m["entropy"] > 0 and 0 <= m["ratio_clipped_frac"] <= 1
     assert trainer.engine.sleeps == 2  # the engine slept through each update
