@@ -16,13 +16,14 @@ Engines:  a   simple_rl's (VLLMEngine, as the training loop runs it)
           a0  the same without simple_rl's cuBLASLt route for vLLM's linear layers (vLLM's
               Triton persistent matmul, as before)
           agc the same with Python's garbage collector left on during the rollout
+          ag  the same with decode CUDA graphs up to 1024 sequences (simple_rl caps them at 512)
           d   vLLM's defaults (bench_rl's design d: torch.compile, CUDA graphs, default model
               runner, unseeded), in-process
 
     python benchmarks/profile_rollout.py --model CKPT --samples 64,256,1024 --designs a,d \\
         --out profile.json
 
-Every engine run also reports a sha256 of its token ids and logprobs: a, a0 and agc must agree
+Every engine run also reports a sha256 of its token ids and logprobs: a, a0, agc, ag must agree
 (the same samples, bit for bit), or the script says so and exits 1. d draws unseeded noise,
 so its passes sample other tokens.
 """
@@ -126,6 +127,8 @@ def build_engine(design: str, model: str, samples: int, new_tokens: int, prompt_
         rl.route_vllm_linear_through_cublaslt = lambda: None
     if design == "agc":
         rl.gc_paused = contextlib.nullcontext
+    if design == "ag":
+        rl.CUDA_GRAPH_MAX_BATCH = 1024
     engine = (bench_rl.user_engine_class() if design == "d" else rl.VLLMEngine)(cfg, files, ranks)
     vocab = min(files.args.vocab_size, len(files.tokenizer))
     prompts = bench_rl.workload_prompts(cfg.num_prompts, prompt_len, vocab, 0)
