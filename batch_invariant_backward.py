@@ -232,6 +232,16 @@ class SiluAndMulFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
+def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a @ b with the sum (and result) in out_dtype: one GEMM on CUDA; on CPU, which has no
+    mixed-dtype GEMM, on widened operands (exact)."""
+    if out_dtype == a.dtype:
+        return a @ b
+    if not a.is_cuda:
+        return a.to(out_dtype) @ b.to(out_dtype)
+    return torch.mm(a, b, out_dtype=out_dtype)
+
+
 def linear_backward(x: Tensor, w: Tensor, gy: Tensor,
                     w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """y = x w^T  =>  dx = gy w,  dw = gy^T x. Plain GEMMs: deterministic for fixed shapes.
@@ -239,11 +249,7 @@ def linear_backward(x: Tensor, w: Tensor, gy: Tensor,
     dw is returned in w_dtype, the master's: for an fp32 master of bf16 compute the GEMM sums
     straight into fp32 (CUDA), with no bf16 rounding and no separate cast.
     """
-    if w_dtype == x.dtype:
-        return gy @ w, gy.t() @ x
-    if not x.is_cuda:  # CPU has no mixed-dtype GEMM: widen the operands (exact), sum in w_dtype
-        return gy @ w, gy.t().to(w_dtype) @ x.to(w_dtype)
-    return gy @ w, torch.mm(gy.t(), x, out_dtype=w_dtype)
+    return gy @ w, _mm(gy.t(), x, w_dtype)
 
 
 class LinearFn(torch.autograd.Function):
@@ -810,16 +816,6 @@ def ref_moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
         u = F.linear(_wide(a), _wide(w2[e]))  # (n, D), summed in fp32
         y = y.index_put((s,), (u * w_flat[s, None]).to(dt))
     return _wide(y.view(T, k, -1)).sum(dim=1).to(dt)
-
-
-def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """a @ b with the sum (and result) in out_dtype: one GEMM on CUDA; on CPU, which has no
-    mixed-dtype GEMM, on widened operands (exact)."""
-    if out_dtype == a.dtype:
-        return a @ b
-    if not a.is_cuda:
-        return a.to(out_dtype) @ b.to(out_dtype)
-    return torch.mm(a, b, out_dtype=out_dtype)
 
 
 def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
