@@ -829,7 +829,8 @@ def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, id
     slots go through plain GEMMs, so every sum has a fixed order: the weight gradients sum the
     expert's tokens inside one GEMM (in fp32 when the master is fp32, as `linear_backward`),
     and dx_t sums its k slot rows in fp32 after a gather back to slot order. No atomics,
-    no scatter-add: two calls give the same bits. h and a are recomputed (in x's dtype).
+    no scatter-add: two calls give the same bits. h and a are recomputed, rounded as the
+    forward rounds them.
 
     x (T, D), w13 (E, 2I, D), w2 (E, D, I) already in x's dtype; weights/ids (T, k); gy (T, D).
     Returns (dx (T, D) in x's dtype, dw13 in w13_dtype, dw2 in w2_dtype, dweights (T, k) in
@@ -855,9 +856,7 @@ def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, id
             continue  # no tokens: zero gradients
         xe, ge, we = xs[lo:hi], gys[lo:hi], ws[lo:hi]
         h = xe @ w13[e].t()  # (n, 2I)
-        hw = _wide(h)
-        inter = hw.shape[1] // 2
-        a = (F.silu(hw[:, :inter]) * hw[:, inter:]).to(x.dtype)  # (n, I), one rounding
+        a = ref_silu_and_mul(h)  # (n, I): the forward's values, rounded where it rounds
         g_a = _mm(ge, w2[e], wide)  # (n, I) = W2[e]^T g per slot, summed in fp32
         dws[lo:hi] = (g_a * _wide(a)).sum(dim=-1)
         dw2[e] = _mm((_wide(ge) * we).to(x.dtype).t(), a, w2_dtype)  # (D, I)

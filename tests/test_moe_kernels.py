@@ -200,3 +200,22 @@ def test_kernel_sets_have_the_moe_ops():
         assert callable(ks.moe_topk) and callable(ks.moe_experts)
     assert bib.TORCH_BACKWARDS["moe_experts"] is bib.moe_experts_backward
     assert "moe_experts" in bib.TRITON_BACKWARDS
+
+
+def test_moe_experts_backward_uses_the_activations_the_bf16_forward_computed():
+    """dweights_tj = <a_tj, W2[e]^T g_t> with a_tj = silu_and_mul(h_tj) exactly as the forward
+    rounded it (silu to bf16, then the product to bf16): against an fp64 sum over those very
+    bf16 activations, only the fp32 sum's rounding is left (an activation with one rounding
+    fewer is off by bf16 ulps, ~1e-3)."""
+    x, w13, w2 = (t.bfloat16() for t in moe_inputs(T=5, D=64, E=6, inter=32))
+    weights = torch.rand(5, 2)
+    gy = torch.randn(5, 64).bfloat16()
+    _, _, _, dweights = bib.moe_experts_backward(x, w13, w2, weights, IDS, gy, torch.float32,
+                                                 torch.float32)
+    want = torch.empty(5, 2, **F64)
+    for t in range(5):
+        for j in range(2):
+            e = int(IDS[t, j])
+            a = bib.ref_silu_and_mul(F.linear(x[t:t + 1], w13[e]))[0]  # the forward's rounding
+            want[t, j] = a.double() @ (w2[e].double().t() @ gy[t].double())
+    torch.testing.assert_close(dweights.double(), want, atol=0, rtol=1e-5)
