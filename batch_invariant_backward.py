@@ -828,7 +828,7 @@ def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, id
     The slots are sorted by expert (stable: token order within an expert) and each expert's
     slots go through plain GEMMs, so every sum has a fixed order: the weight gradients sum the
     expert's tokens inside one GEMM (in fp32 when the master is fp32, as `linear_backward`),
-    and dx_t sums its k slot rows in fp32 after a gather back to slot order. No atomics,
+    and dx_t sums its k slot rows in fp32, each written straight to its slot. No atomics,
     no scatter-add: two calls give the same bits. h and a are recomputed, rounded as the
     forward rounds them.
 
@@ -843,30 +843,25 @@ def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, id
     order = torch.argsort(flat, stable=True)  # (T k,) slots grouped by expert
     bounds = torch.searchsorted(flat[order].long(),
                                 torch.arange(E + 1, device=x.device)).tolist()
-    tok = order // k
-    xs, gys = x[tok], gy[tok]  # (T k, D), sorted slot order
-    ws = _wide(weights).reshape(-1)[order, None]  # (T k, 1)
-    dxs = torch.empty_like(xs)
-    dws = torch.empty(T * k, dtype=wide, device=x.device)
+    ws = _wide(weights).reshape(-1)[order, None]  # (T k, 1), sorted slot order
+    dx_slots = torch.empty(T * k, D, dtype=x.dtype, device=x.device)  # slot order
+    dw_slots = torch.empty(T * k, dtype=wide, device=x.device)
     dw13 = torch.zeros(w13.shape, dtype=w13_dtype, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=w2_dtype, device=x.device)
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue  # no tokens: zero gradients
-        xe, ge, we = xs[lo:hi], gys[lo:hi], ws[lo:hi]
+        slots = order[lo:hi]  # this expert's slots, in token order
+        xe, ge, we = x[slots // k], gy[slots // k], ws[lo:hi]
         h = xe @ w13[e].t()  # (n, 2I)
         a = ref_silu_and_mul(h)  # (n, I): the forward's values, rounded where it rounds
         g_a = _mm(ge, w2[e], wide)  # (n, I) = W2[e]^T g per slot, summed in fp32
-        dws[lo:hi] = (g_a * _wide(a)).sum(dim=-1)
+        dw_slots[slots] = (g_a * _wide(a)).sum(dim=-1)
         dw2[e] = _mm((_wide(ge) * we).to(x.dtype).t(), a, w2_dtype)  # (D, I)
         dh = silu_and_mul_backward(h, (g_a * we).to(x.dtype))  # (n, 2I)
-        dxs[lo:hi] = dh @ w13[e]  # (n, D)
+        dx_slots[slots] = dh @ w13[e]  # (n, D); each slot's row is written exactly once
         dw13[e] = _mm(dh.t(), xe, w13_dtype)  # (2I, D)
-    dx_slots = torch.empty_like(dxs)
-    dx_slots[order] = dxs  # back to slot order; a permutation, each row written once
-    dw_slots = torch.empty_like(dws)
-    dw_slots[order] = dws
     dx = _wide(dx_slots.view(T, k, D)).sum(dim=1).to(x.dtype)
     return dx, dw13, dw2, dw_slots.view(T, k).to(weights.dtype)
 
