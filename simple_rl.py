@@ -430,9 +430,6 @@ class Qwen3(nn.Module):
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
         self.rope: torch.Tensor | None = None  # (max_seq_len, head_dim) cos|sin, see init_rope
-        # when a list: each forward appends the expert ids (N, sparse layers, k) int32 of the
-        # tokens whose next token it scores (the routing-parity check, see rl_step)
-        self.routing: list[torch.Tensor] | None = None
 
     def init_rope(self, device) -> None:
         """The rotary cos/sin cache, built on the GPU as vLLM builds its own (same bits)."""
@@ -458,10 +455,13 @@ class Qwen3(nn.Module):
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
         h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
-        if self.routing is not None:  # (N, k) per sparse layer -> (N, sparse layers, k)
-            self.routing.append(torch.stack([b.moe.topk.ids[batch.gen_index]
-                                             for b in self.layers if b.sparse], dim=1))
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
+
+    def routed_ids(self, batch: "Packed") -> torch.Tensor:
+        """The experts the last forward (of `batch`) chose for the tokens whose next token it
+        scored: (N, sparse layers, k) int32 (the routing-parity check)."""
+        return torch.stack([b.moe.topk.ids[batch.gen_index] for b in self.layers if b.sparse],
+                           dim=1)
 
 
 @contextlib.contextmanager
@@ -1475,14 +1475,15 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
 
 
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
-               n_micro: int | None = None, n_tokens: int | None = None):
+               n_micro: int | None = None, n_tokens: int | None = None, routing=None):
     """`updates_per_batch` optimizer steps over all micro-batches of this rank's samples.
 
     old_logp (N,) and adv (B,) live on the model's device. n_micro: micro-batches every rank
     runs (FSDP's collectives need the same count on every rank; a rank with fewer runs
     zero-weight ones); n_tokens: generated tokens over all ranks, the loss's denominator.
     Returns this rank's token sums of (pg, kl, entropy, ratio, clipped), the global grad norm
-    of the first update, and its logprobs (N,): what the parity check compares. Raises
+    of the first update, and its logprobs (N,): what the parity check compares; a given
+    routing (N, sparse layers, k) gets the first update's experts (Qwen3-MoE). Raises
     NonFiniteError (on every rank at once) if a logprob, the loss or the gradient norm is not
     finite before an optimizer step, or a weight after it.
     """
@@ -1498,8 +1499,10 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     first_logp = logps
     for update in range(cfg.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
+        first = update == 0
         loss_total = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, scale,
-                                          logps, sums if update == 0 else None)
+                                          logps, sums if first else None,
+                                          routing if first else None)
         # clip on the global norm; every rank agrees that all is finite before stepping
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
@@ -1527,15 +1530,18 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None, device) 
 
 
 def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Config,
-                         scale: float, logps, sums) -> torch.Tensor:
+                         scale: float, logps, sums, routing=None) -> torch.Tensor:
     """Forward + backward of every micro-batch; gradients accumulate in fp32.
 
     Fills logps (N,) with this pass's logprobs and, when given, adds the token sums of (pg,
-    kl, entropy, ratio, clipped) to sums (5,). Returns the summed loss (0-dim)."""
+    kl, entropy, ratio, clipped) to sums (5,) and fills routing (N, sparse layers, k) with
+    the experts chosen. Returns the summed loss (0-dim)."""
     loss_total = torch.zeros((), device=old_logp.device)
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, samples, weight in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
+            if routing is not None and weight != 0:
+                routing[owned] = model.routed_ids(batch)
             adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
@@ -1747,23 +1753,23 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
     packed = pack(rollout.prompts, rollout.completions)
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
-    moe = bool(sparse_layers(trainer.model.args))
-    trainer.model.routing = [] if moe else None  # the MoE layers' choices, forward by forward
+    sparse = sparse_layers(trainer.model.args)
+    routing = torch.empty(len(packed.targets), len(sparse), trainer.model.args.moe_args.top_k,
+                          dtype=torch.int32, device=device) if sparse else None
     try:
         sums, grad_norm, trainer_logp = train_step(
             trainer.model, trainer.ref_model, trainer.optimizer, packed,
-            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
+            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens, routing)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.step = step
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
-    finally:
-        routing, trainer.model.routing = trainer.model.routing, None
     parity = parity_report(rollout.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
-    if moe:
+    if sparse:
         parity.moe = True
-        parity.routing_tokens, parity.routing_mismatch = step_routing(rollout, routing, packed,
-                                                                      cfg, trainer.model.args)
+        if rollout.routed:
+            parity.routing_tokens, parity.routing_mismatch = routing_report(
+                rollout.routed, routing, [len(c) for c in rollout.completions], sparse)
     return sums, grad_norm, n_tokens, parity_over_ranks(parity, device)
 
 
@@ -1773,17 +1779,6 @@ def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
             writer.add_scalar(k, v, step)
         writer.flush()
-
-
-def step_routing(rollout: Rollout, routing: list[torch.Tensor], packed: Packed, cfg: Config,
-                 args) -> tuple[int, int]:
-    """Routing parity of the step: the first update's forwards (its real micro-batches come
-    first, in the order of the targets) against the experts vLLM returned."""
-    if not rollout.routed:
-        return 0, 0
-    first = torch.cat(routing[:len(plan_micro_batches(packed, cfg))])  # (N, sparse layers, k)
-    return routing_report(rollout.routed, first, [len(c) for c in rollout.completions],
-                          sparse_layers(args))
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:

@@ -213,11 +213,13 @@ def metrics_rows(log_dir):
     return [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("corrupt", [False, True])
-def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, capsys):
+@pytest.mark.parametrize("corrupt, updates", [(False, 1), (True, 1), (False, 2)])
+def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, updates, capsys):
+    """Routing parity compares the first update's choices (a second update's forwards, on
+    moved weights, are not the rollout's)."""
     engine = type("E", (RoutingEngine,), {"corrupt": corrupt})
     argv = cpu_argv(moe_ckpt, tmp_path / "runs", steps=2, eval_size=0, save_every=0,
-                    kl_coef=0.0)
+                    kl_coef=0.0, updates_per_batch=updates)
     assert main_cpu(argv, engine) == 0
     rows = [r for r in metrics_rows(tmp_path / "runs") if "loss" in r]
     assert len(rows) == 2
