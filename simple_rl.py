@@ -851,8 +851,9 @@ def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
     return [(f"{hf}experts.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
 
 
-def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None, fused_experts=False):
-    """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped."""
+def to_hf_items(name: str, tensor: torch.Tensor, args, adapter, fused_experts=False):
+    """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped by
+    TorchTitan's adapter (_adapter(args))."""
     if ".moe." in name:
         return moe_to_hf_items(name, tensor, args, fused_experts)
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
@@ -862,13 +863,16 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, adapter=None, fused_exper
         titan = {prefix + part: piece for part, piece in zip(FUSED[suffix], pieces)}
     else:
         titan = {name: tensor}
-    return list((adapter or _adapter(args)).to_hf(titan).items())
+    return list(adapter.to_hf(titan).items())
 
 
-def trainer_to_hf(state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter."""
+def trainer_to_hf(state: dict[str, torch.Tensor], args,
+                  fused: set[int] = frozenset()) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter; the
+    experts of the sparse layers in `fused` stay fused, the others go per expert (the hub's)."""
     adapter = _adapter(args)
-    return dict(item for name, t in state.items() for item in to_hf_items(name, t, args, adapter))
+    return dict(item for name, t in state.items() for item in to_hf_items(
+        name, t, args, adapter, ".moe." in name and int(name.split(".")[1]) in fused))
 
 
 # ==========================================================================
@@ -2466,10 +2470,7 @@ def expected_hf_shapes(args, fused: set[int] = frozenset()) -> dict[str, tuple[i
     the sparse layers in `fused` with their experts fused, the others per expert (the hub's)."""
     with torch.device("meta"):
         model = Qwen3(args, bib.reference_kernels(), torch.float32)
-    adapter = _adapter(args)
-    state = dict(item for name, t in model.state_dict().items() for item in to_hf_items(
-        name, t, args, adapter, ".moe." in name and int(name.split(".")[1]) in fused))
-    return {k: tuple(v.shape) for k, v in state.items()}
+    return {k: tuple(v.shape) for k, v in trainer_to_hf(model.state_dict(), args, fused).items()}
 
 
 # ==========================================================================
