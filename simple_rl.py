@@ -3539,15 +3539,16 @@ def check_memory(cfg: Config, args, ranks: Ranks) -> str:
                       f"with {hint}.")
 
 
-def kv_cache_bytes(cfg: Config, args, world: int) -> int:
-    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption).
+def kv_bytes_per_token(args) -> int:
+    """2 (K and V) x layers x kv heads x head_dim x 2 (bf16)."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
 
-    KV bytes per token = 2 (K and V) x layers x kv heads x head_dim x 2 (bf16).
-    """
+
+def kv_cache_bytes(cfg: Config, args, world: int) -> int:
+    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption)."""
     if cfg.kv_cache_gib > 0:
         return int(cfg.kv_cache_gib * 2**30)
-    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
-    return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * per_token
+    return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * kv_bytes_per_token(args)
 
 
 # ==========================================================================

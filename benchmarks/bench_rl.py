@@ -60,9 +60,11 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int) -> float:
     runs (k * 3 * d * I_moe) in place of the dense 3 * d * I;
     attention (causal): 6 * n_layers * n_heads * head_dim * sum_b L_b^2.
     """
+    import simple_rl as rl
+
     d, hd, hq, hk, inter = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.hidden_dim
     attn = d * (hq + 2 * hk) * hd + hq * hd * d  # qkv, o
-    n_sparse = len(getattr(args, "sparse_layers", ()))
+    n_sparse = len(rl.sparse_layers(args))
     mlp = 3 * d * inter * (args.n_layers - n_sparse)  # gate/up, down
     if n_sparse:
         m = args.moe_args
@@ -117,7 +119,7 @@ def floors(args, samples: int, prompt_len: int, new_tokens: int, update_flops: f
     if rl.sparse_layers(args):
         return None
     params, per_rank = rl.count_params(args), samples // world
-    kv_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2  # K and V, bf16
+    kv_token = rl.kv_bytes_per_token(args)
     gemm = max(2 * params / HBM_BYTES_S, 2 * params * per_rank / PEAK_FLOPS)
     logits = LOGIT_PASSES * per_rank * args.vocab_size * 4 / HBM_BYTES_S
     kv = sum(per_rank * (prompt_len + t) * kv_token for t in range(new_tokens)) / HBM_BYTES_S
