@@ -17,13 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
 
 
-def launch(nproc: int, *args, check=True) -> subprocess.CompletedProcess:
+def driver_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def launch(nproc: int, *args, check=True, timeout=600) -> subprocess.CompletedProcess:
     """The driver under torchrun with `nproc` processes, or plainly for one."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     runner = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
               "--standalone"] if nproc > 1 else [sys.executable]
-    out = subprocess.run([*runner, str(DRIVER), *map(str, args)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([*runner, str(DRIVER), *map(str, args)], env=driver_env(),
+                         capture_output=True, text=True, timeout=timeout)
     assert not check or out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -91,7 +94,8 @@ def test_a_reward_failing_on_one_rank_stops_every_rank(ckpt, tmp_path):
                   "    CALLS[0] += 1\n    if os.environ['RANK'] == '1' and CALLS[0] > 1:\n"
                   "        raise RuntimeError('only on rank 1')\n    return 0.0\n")
     out = launch(2, "main", *cpu_argv(ckpt(), tmp_path / "runs", steps=2, save_every=0,
-                                      run_name="r1", reward=f"{fn}:score"), check=False)
+                                      run_name="r1", reward=f"{fn}:score"), check=False,
+                 timeout=180)  # far below the collectives' 10-minute timeout: no rank waited
     assert out.returncode != 0
     assert "step 0: the reward" in out.stderr and "raised RuntimeError: only on rank 1 on " \
         "held-out problem 1," in out.stderr, out.stderr[-3000:]
@@ -102,9 +106,8 @@ def test_two_hosts_train_as_two_processes_of_one_host(ckpt, tmp_path):
     that `--nproc-per-node 2` gives on one host: the same metrics and final weights."""
     base = cpu_argv(ckpt(), tmp_path / "runs", num_prompts=3, micro_batch_tokens=128)
     one_host = launch(2, "main", *base, "--steps", "2", "--run-name", "one_host")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     outs = launch_two_hosts(DRIVER, ["main", *base, "--steps", "2", "--run-name", "two_hosts"],
-                            env, timeout=600)
+                            driver_env(), timeout=600)
     main = [o for o in outs if "| weights sha256" in o]
     assert len(main) == 1 and "2 rank(s)" in main[0]  # one rank 0, whichever host it landed on
     assert re.search(r"weights sha256 ([0-9a-f]{64})", main[0]).group(1) == sha_of(one_host)
