@@ -8,7 +8,7 @@ import re
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu
+from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows
 
 
 class ExactEngine(TorchEngine):
@@ -114,14 +114,13 @@ def test_the_mismatch_total_runs_across_a_resume(ckpt, tmp_path):
     """determinism/mismatched_tokens_total (the dashboard's chart): once off 0, never back,
     and a resume continues it from the steps before its checkpoint."""
     import itertools
-    import json
 
     runs = tmp_path / "runs"
     assert main_cpu(cpu_argv(ckpt(), runs, steps=3, save_every=2, eval_size=0,
                              run_name="r"), OneOff) == 0
     step2 = runs / "r" / "checkpoints" / "step_000002"
     assert main_cpu(["--resume", str(step2), "--steps", "4"], OneOff) == 0
-    rows = [json.loads(x) for x in (runs / "r" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(runs / "r")
     per_step = [r["determinism/mismatched_tokens"] for r in rows]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and min(per_step) >= 1
     assert [r["determinism/mismatched_tokens_total"] for r in rows] == list(

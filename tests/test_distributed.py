@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cpu_argv, launch_two_hosts
+from helpers import cpu_argv, launch_two_hosts, metrics_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "dist_driver.py"
@@ -36,8 +36,7 @@ def sha_of(out: subprocess.CompletedProcess) -> str:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return metrics_rows(run_dir, timings=False)
 
 
 def test_two_ranks_sample_what_one_does_and_compute_its_gradient(ckpt, tmp_path):

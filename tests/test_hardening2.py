@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
+from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "dcp_metadata"
 FULL_DISK_DCP = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # as seen
@@ -63,7 +63,7 @@ def refuse(argv, capsys, datasets: bool = False) -> str:
 
 
 def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run_dir)
 
 
 @pytest.fixture(scope="module")

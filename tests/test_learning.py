@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import cpu_argv, make_checkpoint, run_cpu
+from helpers import cpu_argv, make_checkpoint, metrics_rows, run_cpu
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -80,8 +80,7 @@ def learn(copy_task, log_dir, name: str, **overrides) -> tuple[list[dict], str]:
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     digest = run_cpu(argv)
-    rows = [json.loads(r) for r in (log_dir / name / "metrics.jsonl").read_text().splitlines()]
-    return rows, digest
+    return metrics_rows(log_dir / name), digest
 
 
 def test_grpo_raises_held_out_accuracy_and_reward(copy_task, tmp_path):
@@ -100,8 +99,7 @@ def test_the_eval_does_not_change_the_training_run(ckpt, tmp_path):
     def run(name, **eval_flags):
         digest = run_cpu(cpu_argv(ckpt(), tmp_path, steps=6, save_every=0, run_name=name,
                                   **eval_flags))
-        return [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text()
-                .splitlines()], digest
+        return metrics_rows(tmp_path / name), digest
 
     with_eval, a = run("with", eval_every=2, eval_size=4)
     without, b = run("without", eval_size=0)

@@ -12,7 +12,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, make_tokenizer
+from helpers import TorchEngine, cpu_argv, main_cpu, make_tokenizer, metrics_rows
 
 TINY_MOE = dict(vocab=384, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96,
                 moe_inter=32, experts=8, top_k=2, mlp_only=(1,), norm_topk=True, tied=False)
@@ -208,9 +208,8 @@ class RoutingEngine(TorchEngine):
         return out
 
 
-def metrics_rows(log_dir):
-    run = next(p for p in Path(log_dir).iterdir() if p.is_dir())
-    return [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+def only_run_metrics(log_dir):
+    return metrics_rows(next(p for p in Path(log_dir).iterdir() if p.is_dir()))
 
 
 @pytest.mark.parametrize("corrupt, updates", [(False, 1), (True, 1), (False, 2)])
@@ -221,7 +220,7 @@ def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, upd
     argv = cpu_argv(moe_ckpt, tmp_path / "runs", steps=2, eval_size=0, save_every=0,
                     kl_coef=0.0, updates_per_batch=updates)
     assert main_cpu(argv, engine) == 0
-    rows = [r for r in metrics_rows(tmp_path / "runs") if "loss" in r]
+    rows = [r for r in only_run_metrics(tmp_path / "runs") if "loss" in r]
     assert len(rows) == 2
     for r in rows:
         assert r["determinism/routing_tokens"] == r["determinism/tokens"] > 0

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
+from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
 
 
 def metrics(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return metrics_rows(run_dir, timings=False)
 
 
 def ckpt_dir(tmp_path, run, step):

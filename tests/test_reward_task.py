@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import simple_rl as rl
-from helpers import cpu_argv, main_cpu, run_cpu
+from helpers import cpu_argv, main_cpu, metrics_rows, run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def write(path: Path, text: str) -> Path:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run_dir)
 
 
 def test_your_reward_scores_every_sample_and_the_eval(ckpt, tmp_path):
