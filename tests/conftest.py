@@ -24,3 +24,14 @@ def ckpt(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def saved(ckpt, tmp_path_factory):
+    """A 2-step CPU run with its checkpoint at step 2 (copy it before damaging it:
+    helpers.copy_checkpoint)."""
+    from helpers import cpu_argv, run_cpu
+
+    tmp = tmp_path_factory.mktemp("saved")
+    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=2, run_name="r"))
+    return tmp / "runs" / "r" / "checkpoints" / "step_000002"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -260,3 +261,24 @@ def metrics_rows(run_dir: Path, timings: bool = True) -> list[dict]:
             .splitlines()]
     return rows if timings else [{k: v for k, v in r.items() if not k.startswith("time/")}
                                  for r in rows]
+
+
+class CountingEngine(TorchEngine):
+    """The stand-in engine, counting how often it was started."""
+
+    made = 0
+
+    def __init__(self, *a, **k):
+        CountingEngine.made += 1
+        super().__init__(*a, **k)
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run_dir, tmp_path / "runs" / run_dir.name)
+    return tmp_path / "runs" / run_dir.name
+
+
+def copy_checkpoint(saved: Path, tmp_path: Path) -> Path:
+    """A copy of the `saved` fixture's run (lock file included), so a test can damage it;
+    returns the copy's checkpoint directory."""
+    return copy_run(saved.parent.parent, tmp_path) / "checkpoints" / "step_000002"

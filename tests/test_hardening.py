@@ -10,17 +10,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
-
-
-class CountingEngine(TorchEngine):
-    """The stand-in engine, counting how often it was started."""
-
-    made = 0
-
-    def __init__(self, *a, **k):
-        CountingEngine.made += 1
-        super().__init__(*a, **k)
+from helpers import CountingEngine, copy_checkpoint, cpu_argv, main_cpu, run_cpu
 
 
 def one_line_error(code, capsys) -> str:
@@ -36,20 +26,6 @@ def refuse(argv, capsys) -> str:
     err = one_line_error(main_cpu(argv, CountingEngine), capsys)
     assert CountingEngine.made == 0, "the engine started before the error"
     return err
-
-
-@pytest.fixture(scope="module")
-def saved(ckpt, tmp_path_factory):
-    """A 2-step run with its checkpoint at step 2."""
-    tmp = tmp_path_factory.mktemp("saved")
-    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=2, run_name="r"))
-    return tmp / "runs" / "r" / "checkpoints" / "step_000002"
-
-
-def copy_checkpoint(saved, tmp_path):
-    """A copy of the saved run, so a test can damage it; returns its checkpoint dir."""
-    shutil.copytree(saved.parent.parent, tmp_path / "runs" / "r")
-    return tmp_path / "runs" / "r" / "checkpoints" / "step_000002"
 
 
 class Boom:

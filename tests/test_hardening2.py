@@ -19,21 +19,12 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
+from helpers import (CountingEngine, TorchEngine, copy_checkpoint, copy_run, cpu_argv, main_cpu,
+                     metrics_rows, run_cpu)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "dcp_metadata"
 FULL_DISK_DCP = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # as seen
 FULL_DISK_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
-
-
-class CountingEngine(TorchEngine):
-    """The stand-in engine, counting how often it was started."""
-
-    made = 0
-
-    def __init__(self, *a, **k):
-        CountingEngine.made += 1
-        super().__init__(*a, **k)
 
 
 class Killed(BaseException):
@@ -67,29 +58,11 @@ def metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def saved(ckpt, tmp_path_factory):
-    """A 2-step run with its checkpoint at step 2."""
-    tmp = tmp_path_factory.mktemp("saved")
-    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=2, run_name="r"))
-    return tmp / "runs" / "r" / "checkpoints" / "step_000002"
-
-
-@pytest.fixture(scope="module")
 def four(ckpt, tmp_path_factory):
     """A finished 4-step run: checkpoints at steps 2 and 4, and its final export."""
     tmp = tmp_path_factory.mktemp("four")
     run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=4, run_name="r"))
     return tmp / "runs" / "r"
-
-
-def copy_run(run_dir, tmp_path) -> Path:
-    shutil.copytree(run_dir, tmp_path / "runs" / run_dir.name)
-    return tmp_path / "runs" / run_dir.name
-
-
-def copy_checkpoint(saved, tmp_path) -> Path:
-    """A copy of the saved run (lock file included), so a test can damage it."""
-    return copy_run(saved.parent.parent, tmp_path) / "checkpoints" / "step_000002"
 
 
 # ---------------------------------------------------------------- 1. the run directory
