@@ -786,17 +786,13 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     or fused (the push's names) alike.
     """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
-    try:
-        moe = moe_from_hf(hf_state, args)  # pops what it takes from hf_state
-    except (KeyError, RuntimeError) as e:
-        raise ConfigError(f"the checkpoint's weights do not match its config.json "
-                          f"({type(e).__name__}: {e}).") from e
-    titan = _adapter(args).from_hf(hf_state)
-    titan.update(moe)
-    if args.enable_weight_tying:
-        titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
     sparse = sparse_layers(args)
     try:
+        moe = moe_from_hf(hf_state, args)  # pops what it takes from hf_state
+        titan = _adapter(args).from_hf(hf_state)
+        titan.update(moe)
+        if args.enable_weight_tying:
+            titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
         for i in range(args.n_layers):
             for fused, parts in FUSED.items():
                 if i in sparse and fused.startswith("feed_forward."):
