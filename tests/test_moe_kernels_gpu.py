@@ -5,15 +5,15 @@
      at many token counts; its moe_topk is vLLM's `fused_topk`, checked against fp32 softmax;
   2. batch invariance: rows computed in calls of 1, 7, 256, 257 and 1000 tokens equal the rows of
      one 3000-token call (the router's and the experts');
-  3. the custom backward against the fp64 gradients, and bitwise repeatable;
-  4. the time of forward + backward at 8192 tokens (printed).
+  3. the custom backward against the fp64 gradients, and bitwise repeatable.
+
+Its time is a benchmark: benchmarks/bench_moe_layer.py.
 
 VLLM_BATCH_INVARIANT=1 is set before vLLM is imported: vLLM reads it when the kernels are
 configured (the fused MoE tile config is fixed only in that mode).
 """
 
 import os
-import time
 
 import pytest
 import torch
@@ -160,31 +160,3 @@ def test_gpu_moe_backward_matches_fp64_and_is_bitwise_repeatable(layer):
         if line:
             problems.append(line)
     assert not problems, "\n".join(problems)
-
-
-def test_gpu_moe_time_forward_backward_at_8192_tokens(layer):
-    _, _, w13, w2 = layer
-    T = 8192
-    vk = bib.vllm_kernels()
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    gate = (torch.randn(E, D, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    gy = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
-    w13p, w2p = w13.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
-
-    def step(backward=True):
-        z = torch.nn.functional.linear(x, gate)
-        w, ids = vk.moe_topk(z, K, True)
-        out = vk.moe_experts(x, w13p, w2p, w, ids)
-        if backward:
-            torch.autograd.grad((out * gy).sum(), [x, w13p, w2p])
-
-    for backward in (False, True):
-        step(backward)  # warm-up (Triton compiles)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step(backward)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / 3 * 1e3
-        print(f"T={T}: {'forward+backward' if backward else 'forward'} {ms:.1f} ms per layer")
