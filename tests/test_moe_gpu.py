@@ -60,9 +60,9 @@ def simple_rl(tmp: Path, ckpt: Path, name: str, *extra, nproc: int = 1, steps: i
     assert done.returncode == 0, done.stderr[-3000:]
     if steps == 0:
         return done.stdout, []
-    metrics = tmp / "runs" / name / "metrics.jsonl"
-    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
-    return done.stdout, [r for r in rows if "loss" in r]
+    from helpers import metrics_rows
+
+    return done.stdout, [r for r in metrics_rows(tmp / "runs" / name) if "loss" in r]
 
 
 def check_moe_run(out: str, rows: list[dict], steps: int = 5) -> None:
@@ -131,7 +131,7 @@ def test_debugger_names_the_moe_ops(tmp_path_factory):
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_moe_model import make_moe_checkpoint
+    from helpers import make_moe_checkpoint
 
     p = argparse.ArgumentParser()
     p.add_argument("out")

@@ -12,42 +12,10 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, make_tokenizer, metrics_rows
+from helpers import TorchEngine, cpu_argv, main_cpu, make_moe_checkpoint, metrics_rows
 
 TINY_MOE = dict(vocab=384, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96,
                 moe_inter=32, experts=8, top_k=2, mlp_only=(1,), norm_topk=True, tied=False)
-
-
-def make_moe_checkpoint(out: Path, *, vocab, hidden, layers, heads, kv_heads, head_dim, inter,
-                        moe_inter, experts, top_k, mlp_only=(), norm_topk=True, tied=False,
-                        sparse_step=1, seed=0, dtype=torch.float32, device="cpu",
-                        max_pos=2048) -> Path:
-    """A random Qwen3MoeForCausalLM saved by transformers, in the hub's format (experts per
-    expert; config.json says num_experts, as Qwen/Qwen3-30B-A3B's does), plus a tokenizer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=inter, moe_intermediate_size=moe_inter, num_experts=experts,
-        num_experts_per_tok=top_k, mlp_only_layers=list(mlp_only), norm_topk_prob=norm_topk,
-        decoder_sparse_step=sparse_step, tie_word_embeddings=tied, max_position_embeddings=max_pos,
-        eos_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM(cfg).to(dtype)
-    with torch.no_grad():  # HF inits norms to 1 and the router to 0: randomise both
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("mlp.gate.weight"):  # logits of std ~2: clear, varied choices
-                p.normal_(0, 2 / hidden**0.5)
-    model.save_pretrained(out)
-    raw = json.loads((out / "config.json").read_text())
-    raw["num_experts"] = raw.pop("num_local_experts", experts)  # the hub's key
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
-    make_tokenizer(out, vocab_size=min(vocab, 320))
-    return out
 
 
 @pytest.fixture(scope="module")
