@@ -998,7 +998,8 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the push refills them)."""
         if self.cfg.engine_sleep and not self.asleep:
-            self.llm.sleep(level=2)
+            with young_collections_only():
+                self.llm.sleep(level=2)
             self.asleep = True
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -2619,6 +2620,22 @@ def barrier() -> None:
 # ==========================================================================
 # vLLM patches: the engine's ops routed through the trainer's kernels
 # ==========================================================================
+
+
+@contextlib.contextmanager
+def young_collections_only():
+    """gc.collect() collects only the young generations for the duration.
+
+    vLLM's sleep calls gc.collect(): a full pass over every Python object the process holds
+    (the trainer's, the task's), measured at 0.8 s of a 0.83 s sleep on an H200 host. The
+    garbage it is there for, the rollout's, is young: collection was paused while it was made.
+    """
+    collect = gc.collect
+    gc.collect = lambda generation=2: collect(min(generation, 1))
+    try:
+        yield
+    finally:
+        gc.collect = collect
 
 
 @contextlib.contextmanager

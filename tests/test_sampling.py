@@ -137,3 +137,44 @@ def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
     with pytest.raises(RuntimeError, match="engine died"):
         engine.rollout([[1, 2], [3]], [0, 1], 0)
     assert seen == [(2, False)] and gc.isenabled()
+
+
+def test_the_engine_sleeps_with_young_collections_only_and_restores_gc_collect():
+    import gc
+    import weakref
+
+    import simple_rl as rl
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    old, young, freed = Cycle(), None, {}
+    gc.collect()  # `old` survives a full pass: it now sits in the oldest generation
+    old_ref = weakref.ref(old)
+    del old
+
+    class LLM:  # vLLM's sleep ends with a full gc.collect()
+        def sleep(self, level):
+            freed["n"] = gc.collect()
+            freed["old"], freed["young"] = old_ref() is None, young_ref() is None
+
+    engine = object.__new__(rl.VLLMEngine)
+    engine.cfg, engine.asleep, engine.llm = rl.Config(), False, LLM()
+    young = Cycle()
+    young_ref = weakref.ref(young)
+    del young
+    plain = gc.collect
+    engine.sleep()
+    assert engine.asleep and freed["young"] and not freed["old"]  # only the young garbage went
+    assert gc.collect is plain and gc.collect() >= 1 and old_ref() is None  # a full pass again
+
+    class Dying(LLM):
+        def sleep(self, level):
+            raise RuntimeError("engine died")
+
+    engine.asleep, engine.llm = False, Dying()
+    with pytest.raises(RuntimeError, match="engine died"):
+        engine.sleep()
+    assert gc.collect is plain
+
