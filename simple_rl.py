@@ -961,7 +961,7 @@ class VLLMEngine:
                                      use_tqdm=False)
         samples = [(o.prompt_token_ids, c) for o in outs
                    for c in sorted(o.outputs, key=lambda c: c.index)]
-        logprobs = [lp[t].logprob for _, c in samples for t, lp in zip(c.token_ids, c.logprobs)]
+        logprobs = [x for _, c in samples for x in completion_logprobs(c)]
         return Rollout(
             prompts=[list(p) for p, _ in samples],
             completions=[list(c.token_ids) for _, c in samples],
@@ -976,8 +976,10 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         cfg = self.cfg
+        # flat_logprobs: a few flat lists per request instead of a dict and an object per
+        # token, so vLLM's output processing makes fewer Python objects at every decode step
         return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, logprobs=0,
-                              max_tokens=cfg.max_new_tokens, seed=seed,
+                              flat_logprobs=True, max_tokens=cfg.max_new_tokens, seed=seed,
                               stop_token_ids=self.eos_ids, detokenize=False)
 
     def greedy(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -1004,6 +1006,16 @@ class VLLMEngine:
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         push_weights(self, weights)
+
+
+def completion_logprobs(c) -> list[float]:
+    """vLLM's logprob of each generated token of a CompletionOutput asked for logprobs=0 and
+    flat_logprobs: one entry per position, for the sampled token itself."""
+    flat = c.logprobs
+    if flat.token_ids != list(c.token_ids) or len(flat.logprobs) != len(c.token_ids):
+        raise RuntimeError(f"vLLM returned {len(flat.logprobs)} logprobs for "
+                           f"{len(c.token_ids)} tokens, or for other tokens than it sampled")
+    return flat.logprobs
 
 
 def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
@@ -3823,7 +3835,7 @@ def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperat
 
     names = trace_names(model.args.n_layers, sparse_layers(model.args))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                            logprobs=0, detokenize=False)
+                            logprobs=0, flat_logprobs=True, detokenize=False)
     llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
     theirs_by_module = {v: k for k, v in names}
     stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
@@ -3833,7 +3845,7 @@ def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperat
                            use_tqdm=False)[0].outputs[0]
     finally:
         stack.close()
-    vllm_lp = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+    vllm_lp = completion_logprobs(out)
     full = pack([prompt], [list(out.token_ids)])
     # vLLM's async scheduling (its default) runs one decode step past a stop token it has not
     # seen yet: that step's rows come after the sequence's and have no trainer counterpart

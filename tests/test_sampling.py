@@ -178,3 +178,51 @@ def test_the_engine_sleeps_with_young_collections_only_and_restores_gc_collect()
         engine.sleep()
     assert gc.collect is plain
 
+
+def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
+    import types
+
+    import simple_rl as rl
+
+    def completion(index, tokens, logprobs, reason="length"):
+        flat = types.SimpleNamespace(token_ids=list(tokens), logprobs=list(logprobs))
+        return types.SimpleNamespace(index=index, token_ids=tuple(tokens), logprobs=flat,
+                                     finish_reason=reason)
+
+    asked = []
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm):
+            asked.extend(params)
+            return [types.SimpleNamespace(prompt_token_ids=[1, 2], outputs=[
+                        completion(1, [7], [-0.5], "stop"), completion(0, [5, 6], [-1.0, -2.0])]),
+                    types.SimpleNamespace(prompt_token_ids=[3], outputs=[
+                        completion(0, [8, 9, 4], [-0.25, -0.125, -3.0]), completion(1, [], [])])]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        TokensPrompt=dict, SamplingParams=lambda **k: k))
+    engine = object.__new__(rl.VLLMEngine)
+    engine.cfg, engine.eos_ids, engine.moe = rl.Config(group_size=2), [0], False
+    engine.llm = LLM()
+    ro = engine.rollout([[1, 2], [3]], [0, 1], 0)
+    assert ro.prompts == [[1, 2], [1, 2], [3], [3]]
+    assert ro.completions == [[5, 6], [7], [8, 9, 4], []]
+    assert ro.logprobs.tolist() == [-1.0, -2.0, -0.5, -0.25, -0.125, -3.0]
+    assert ro.stopped == [False, True, False, False]
+    assert all(p["logprobs"] == 0 and p["flat_logprobs"] for p in asked)
+
+
+def test_completion_logprobs_refuses_logprobs_of_other_tokens():
+    import types
+
+    import simple_rl as rl
+
+    def out(tokens, logged, logprobs):
+        return types.SimpleNamespace(token_ids=tuple(tokens), logprobs=types.SimpleNamespace(
+            token_ids=list(logged), logprobs=list(logprobs)))
+
+    assert rl.completion_logprobs(out([4, 5], [4, 5], [-1.5, -0.5])) == [-1.5, -0.5]
+    with pytest.raises(RuntimeError, match="2 logprobs for 1 tokens"):
+        rl.completion_logprobs(out([4], [4, 5], [-1.5, -0.5]))  # top-k entries, not one a token
+    with pytest.raises(RuntimeError, match="other tokens"):
+        rl.completion_logprobs(out([4, 5], [4, 6], [-1.5, -0.5]))
