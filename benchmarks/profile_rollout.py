@@ -16,16 +16,23 @@ Engines:  a   simple_rl's (VLLMEngine, as the training loop runs it)
           a0  the same without simple_rl's cuBLASLt route for vLLM's linear layers (vLLM's
               Triton persistent matmul, as before)
           agc the same with Python's garbage collector left on during the rollout
-          ag  the same with decode CUDA graphs up to 1024 sequences (simple_rl caps them at 512)
+          a512  the same with decode CUDA graphs up to 512 sequences, vLLM's default cap
+                (simple_rl captures up to 1024)
+          al  the same with vLLM's per-token logprob dicts (simple_rl asks for flat_logprobs)
+          afull  the same with vLLM's full garbage collection when the engine goes to sleep
           d   vLLM's defaults (bench_rl's design d: torch.compile, CUDA graphs, default model
               runner, unseeded), in-process
 
     python benchmarks/profile_rollout.py --model CKPT --samples 64,256,1024 --designs a,d \\
         --out profile.json
 
-Every engine run also reports a sha256 of its token ids and logprobs: a, a0, agc, ag must agree
-(the same samples, bit for bit), or the script says so and exits 1. d draws unseeded noise,
-so its passes sample other tokens.
+--host-profile N adds a fourth pass under cProfile and prints the N Python functions with the
+most time of their own per decode step (cProfile's overhead inflates them: compare shares), and
+times simple_rl's engine going to sleep and waking up, with the functions its sleep spends on.
+
+Every engine run also reports a sha256 of its token ids and logprobs: every design but d must
+agree (the same samples, bit for bit), or the script says so and exits 1. d draws unseeded
+noise, so its passes sample other tokens.
 """
 
 from __future__ import annotations
@@ -127,15 +134,61 @@ def build_engine(design: str, model: str, samples: int, new_tokens: int, prompt_
         rl.route_vllm_linear_through_cublaslt = lambda: None
     if design == "agc":
         rl.gc_paused = contextlib.nullcontext
-    if design == "ag":
-        rl.CUDA_GRAPH_MAX_BATCH = 1024
+    if design == "a512":
+        rl.CUDA_GRAPH_MAX_BATCH = 512
+    if design == "al":
+        list_logprobs(rl)
+    if design == "afull":
+        rl.young_collections_only = contextlib.nullcontext
     engine = (bench_rl.user_engine_class() if design == "d" else rl.VLLMEngine)(cfg, files, ranks)
     vocab = min(files.args.vocab_size, len(files.tokenizer))
     prompts = bench_rl.workload_prompts(cfg.num_prompts, prompt_len, vocab, 0)
     return engine, prompts
 
 
-def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: int) -> dict:
+def list_logprobs(rl) -> None:
+    """Design al: vLLM's default logprobs (a dict and a Logprob object per token)."""
+    plain = rl.VLLMEngine.sampling_params
+
+    def sampling_params(self, seed):
+        params = plain(self, seed)
+        params.flat_logprobs = False
+        return params
+
+    rl.VLLMEngine.sampling_params = sampling_params
+    rl.completion_logprobs = lambda c: [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+def top_functions(stats, steps: int, n: int) -> list[tuple[str, float, int]]:
+    """(file:line(function), ms of its own time per decode step, calls per step), most first."""
+    rows = [(f"{Path(f).name}:{line}({fn})", 1e3 * tt / steps, nc / steps)
+            for (f, line, fn), (_, nc, tt, _, _) in stats.stats.items()]
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
+def sleep_and_wake(engine, n: int) -> dict:
+    """Seconds for simple_rl's engine to sleep (under cProfile) and to wake its weights and KV."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    if not getattr(engine.cfg, "engine_sleep", False) or engine.__class__.__name__ != "VLLMEngine":
+        return {}
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(engine.sleep)
+    t1 = time.perf_counter()
+    engine.llm.wake_up(tags=["weights"])
+    engine.llm.wake_up(tags=["kv_cache"])
+    torch.cuda.synchronize()
+    engine.asleep = False
+    return dict(sleep_s=t1 - t0, wake_s=time.perf_counter() - t1,
+                sleep_top=top_functions(pstats.Stats(prof), 1, n))
+
+
+def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: int,
+           host_profile: int = 0) -> dict:
     import torch
 
     engine, prompts = build_engine(design, model, samples, new_tokens, prompt_len)
@@ -171,6 +224,15 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         rollout()
     gpu = {k: v / steps for k, v in gpu_time_by_kind(prof).items()}
+    extra = {}
+    if host_profile:
+        import cProfile
+        import pstats
+
+        cprof = cProfile.Profile()
+        cprof.runcall(rollout)
+        extra = dict(host_top=top_functions(pstats.Stats(cprof), steps, host_profile),
+                     **sleep_and_wake(engine, host_profile))
     digest = hashlib.sha256()
     for c in ro.completions:
         digest.update(torch.tensor(c, dtype=torch.int64).numpy().tobytes())
@@ -181,7 +243,7 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
                 gpu_busy_ms=1e3 * sum(gpu.values()),
                 host_ms={k: 1e3 * v for k, v in host.items()}, host_calls=calls,
                 gc_ms=1e3 * sum(collections) / steps, gc_collections=len(collections),
-                top_kernels=top_kernels(prof), bits=digest.hexdigest())
+                top_kernels=top_kernels(prof), bits=digest.hexdigest(), **extra)
 
 
 def differing_samples(rows: list[dict]) -> list[int]:
@@ -224,12 +286,14 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--out", default="profile_rollout.json")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also profile the host with cProfile and print the top N functions")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         design, samples = a.worker.split("@")
         Path(a.out).write_text(json.dumps(worker(design, a.model, int(samples), a.new_tokens,
-                                                 a.prompt_len)))
+                                                 a.prompt_len, a.host_profile)))
         return
     rows = []
     for samples in map(int, a.samples.split(",")):
@@ -240,7 +304,8 @@ def main():
             if design != "d":
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             subprocess.run([sys.executable, __file__, "--model", a.model, "--new-tokens",
-                            str(a.new_tokens), "--prompt-len", str(a.prompt_len), "--worker",
+                            str(a.new_tokens), "--prompt-len", str(a.prompt_len),
+                            "--host-profile", str(a.host_profile), "--worker",
                             f"{design}@{samples}", "--out", str(out)], check=True, env=env)
             rows.append(json.loads(out.read_text()))
             print(table(rows[-1:]), flush=True)
@@ -251,6 +316,16 @@ def main():
         print(f"\n{r['design']} @ {r['samples']}: top kernels (s over the rollout, calls)")
         for name, s, n in r["top_kernels"]:
             print(f"  {s:8.3f} {n:7d}  {name[:110]}")
+        if "host_top" in r:
+            print(f"{r['design']} @ {r['samples']}: host functions under cProfile (own ms per "
+                  "decode step, calls per step)")
+            for name, ms, n in r["host_top"]:
+                print(f"  {ms:8.3f} {n:7.1f}  {name[:110]}")
+        if "sleep_s" in r:
+            print(f"{r['design']} @ {r['samples']}: sleep {r['sleep_s']:.3f} s, wake "
+                  f"{r['wake_s']:.3f} s; the sleep's own time by function (ms, calls):")
+            for name, sec, n in r["sleep_top"]:
+                print(f"  {sec:8.3f} {n:7.0f}  {name[:110]}")
     if differ:
         print(f"simple_rl's engine variants sampled different bits at {differ} samples")
         sys.exit(1)

@@ -261,6 +261,12 @@ def test_rollout_profile_sorts_kernels_clocks_host_calls_and_tables_per_step(mon
     assert pr.differing_samples(same + [dict(row, design="d", bits="e" * 64)]) == []
     assert pr.differing_samples(same + [dict(row, design="a0", samples=256, bits="f" * 64)]) == [
         256]
+    stats = SimpleNamespace(stats={  # cProfile's: (file, line, function) -> (cc, nc, tt, ct, _)
+        ("/site/vllm/v1/core/sched/scheduler.py", 425, "schedule"): (256, 256, 0.3, 2.0, {}),
+        ("~", 0, "<built-in method builtins.len>"): (9, 2560, 0.5, 0.5, {})})
+    assert pr.top_functions(stats, steps=256, n=2) == [  # own ms and calls per decode step
+        ("~:0(<built-in method builtins.len>)", 1e3 * 0.5 / 256, 10.0),
+        ("scheduler.py:425(schedule)", 1e3 * 0.3 / 256, 1.0)]
 
 
 def test_floor_of_each_phase_by_hand():
