@@ -256,8 +256,6 @@ def launch_two_hosts(script: Path, args, env: dict, per_host_env=None,
 def metrics_rows(run_dir: Path, timings: bool = True) -> list[dict]:
     """The run's metrics.jsonl, a dict per line; without the time/ keys if not `timings` (runs
     to compare differ only there)."""
-    import json
-
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text()
             .splitlines()]
     return rows if timings else [{k: v for k, v in r.items() if not k.startswith("time/")}

@@ -123,8 +123,9 @@ def simple_rl(tmp, name, seed, steps, *extra, nproc=1):
     lines = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines()
              if line.startswith(("step", "parity:"))]
     digest = re.search(r"weights sha256 ([0-9a-f]{64})", out).group(1)
-    rows = [json.loads(r) for r in (tmp / "runs" / name / "metrics.jsonl").read_text().split("\n")
-            if r]
+    from helpers import metrics_rows  # here: tests/test_moe_gpu.py runs as a script too
+
+    rows = metrics_rows(tmp / "runs" / name)
     return lines, digest, [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))}
                            for r in rows], out
 
@@ -251,8 +252,9 @@ def test_qwen3_4b_at_the_defaults_fits_one_gpu(tmp_path_factory):
     cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", str(ckpt), "--steps", "2",
            "--save-every", "0", "--log-dir", str(tmp / "runs"), "--run-name", "q4b"]
     subprocess.run(cmd, check=True, env=_env(), timeout=900)
-    metrics = tmp / "runs" / "q4b" / "metrics.jsonl"
-    rows = [json.loads(r) for r in metrics.read_text().splitlines()]
+    from helpers import metrics_rows
+
+    rows = metrics_rows(tmp / "runs" / "q4b")
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     assert len(rows) == 2
     for r in rows:
@@ -284,8 +286,9 @@ def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
            "--steps", "60", "--eval-every", "20", "--save-every", "0",
            "--log-dir", str(tmp / "runs"), "--run-name", "learn"]
     subprocess.run(cmd, check=True, env=_env(), timeout=900)
-    rows = [json.loads(r) for r in (tmp / "runs" / "learn" / "metrics.jsonl").read_text()
-            .splitlines()]
+    from helpers import metrics_rows
+
+    rows = metrics_rows(tmp / "runs" / "learn")
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     steps = [r for r in rows if "loss" in r]
     print(json.dumps({"held_out_accuracy": acc,
