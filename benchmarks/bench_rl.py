@@ -440,10 +440,9 @@ def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
     lens = [len(p) + len(c) for p, c in zip(ro.prompts, ro.completions)]
     rollout_s, train_s, push_s = (metrics[f"time/{k}_s"] for k in ("rollout", "train", "push"))
     local = torch.tensor([rollout_s, train_s - spent["s"], spent["s"], push_s,
-                          rollout_s + train_s + push_s, metrics["time/engine_sleep_s"]],
-                         device=dev)
+                          metrics["time/step_s"], metrics["time/engine_sleep_s"]], device=dev)
     return step_row(step, warmup, local, lens, sum(map(len, ro.completions)), parity, args,
-                    trainer.ranks, len(trainer.task.prompt_ids) * trainer.cfg.group_size,
+                    trainer.ranks, trainer.cfg.num_prompts * trainer.cfg.group_size,
                     metrics.get("memory/in_use_gib", 0.0))
 
 
@@ -483,11 +482,10 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
 
 def step_row(step, warmup, local, lens, n_generated, parity, args, ranks, samples,
              peak_gib) -> dict:
-    """One step's row: times (rollout, update less optimizer.step (for a-c, rl_step's decode,
-    reward and advantages included: a few ms), optimizer, push, step, and the engine's sleep
-    within the rollout) as the slowest rank's,
-    tokens and FLOPs summed over ranks (lens and n_generated are this rank's); printed as JSON
-    on rank 0."""
+    """One step's row: times (rollout, update less optimizer.step, optimizer, push, step, and
+    the engine's sleep within the rollout) as the slowest rank's, tokens and FLOPs summed over
+    ranks (lens and n_generated are this rank's); printed as JSON on rank 0. The update holds
+    the decode, reward and advantages (a few ms), and for (d) its optimizer step too."""
     import torch
 
     import simple_rl as rl

@@ -21,10 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def charts() -> list[tuple[str, list[str]]]:
-    """(title, tags) of every chart on simple_rl's Custom Scalars dashboard, in its order."""
+    """(title, tags) of every chart in the first group of simple_rl's Custom Scalars dashboard,
+    in its order (a Qwen3-MoE run's routing chart included: without data it is left out)."""
     import simple_rl as rl
 
-    layout = rl.tensorboard_layout()["simple_rl"]
+    layout = rl.tensorboard_layout(moe=True)["simple_rl"]
     return [(title, tags) for title, (_, tags) in layout.items()]
 
 
@@ -55,12 +56,10 @@ def plot(scalars: dict, out: str, title: str, only: list[str] | None = None) -> 
         for tag in tags:
             if tag in scalars:
                 steps, values = zip(*scalars[tag])
-                ax.plot(steps, values, marker="o", markersize=3, label=tag.split("/")[-1])
+                ax.plot(steps, values, marker="o", markersize=3)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
-        if len(tags) > 1:
-            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out)
@@ -74,7 +73,7 @@ def main():
     p.add_argument("--out", default="curves.png")
     p.add_argument("--title", default="")
     p.add_argument("--charts", default="", help="comma-separated chart titles (their first "
-                   "words) to draw; default: every chart")
+                   "words) to draw; default: every chart of the first group")
     a = p.parse_args()
     only = [c.strip() for c in a.charts.split(",") if c.strip()]
     plot(read_scalars(a.run_dir), a.out, a.title or a.run_dir, only)

@@ -167,13 +167,15 @@ def top_functions(stats, steps: int, n: int) -> list[tuple[str, float, int]]:
 
 
 def sleep_and_wake(engine, n: int) -> dict:
-    """Seconds for simple_rl's engine to sleep (under cProfile) and to wake its weights and KV."""
+    """Seconds for simple_rl's engine to sleep (under cProfile) and to wake its weights and KV
+    (as push_weights wakes it; no trainer holds memory here). {} for an engine that never
+    sleeps (d)."""
     import cProfile
     import pstats
 
     import torch
 
-    if not getattr(engine.cfg, "engine_sleep", False) or engine.__class__.__name__ != "VLLMEngine":
+    if not engine.cfg.engine_sleep:
         return {}
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -219,8 +221,6 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
     steps = max(map(len, ro.completions))
     host = {k: sum(v) / steps for k, v in spent.items() if v}
     calls = {k: len(v) / steps for k, v in spent.items() if v}
-    for v in spent.values():
-        v.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         rollout()
     gpu = {k: v / steps for k, v in gpu_time_by_kind(prof).items()}

@@ -130,7 +130,7 @@ def test_plot_run_draws_the_dashboards_charts(tmp_path):
     import plot_run
 
     titles = [title for title, _ in plot_run.charts()]
-    assert titles == list(rl.tensorboard_layout()["simple_rl"])  # one layout, in its order
+    assert titles == list(rl.tensorboard_layout(moe=True)["simple_rl"])  # one layout, its order
     writer = SummaryWriter(str(tmp_path))
     for step in range(3):
         writer.add_scalar("reward_mean", 0.1 * step, step)
