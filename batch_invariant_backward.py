@@ -771,7 +771,7 @@ def moe_topk_backward(logits: Tensor, weights: Tensor, ids: Tensor, gw: Tensor,
     gw_sum = (g * w).sum(dim=-1, keepdim=True)  # (T, 1)
     idx = ids.long()
     if renormalize:
-        dz = torch.zeros_like(_wide(logits)).scatter(-1, idx, w * (g - gw_sum))
+        dz = logits.new_zeros(logits.shape, dtype=w.dtype).scatter(-1, idx, w * (g - gw_sum))
     else:
         p = torch.softmax(_wide(logits), dim=-1)
         dz = torch.zeros_like(p).scatter(-1, idx, g * w) - p * gw_sum

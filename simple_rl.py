@@ -812,7 +812,6 @@ def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tens
     (mlp.experts.e.{gate,up,down}_proj.weight: the hub's format) or fused as vLLM loads them
     (mlp.experts.gate_up_proj (E, 2I, dim), mlp.experts.down_proj (E, dim, I))."""
     out = {}
-    n = args.moe_args.num_experts if sparse_layers(args) else 0
     for i in sparse_layers(args):
         hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
         out[ours + "router.gate.weight"] = hf_state.pop(hf + "gate.weight")
@@ -820,7 +819,7 @@ def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tens
             out[ours + "experts.w13"] = hf_state.pop(hf + "experts.gate_up_proj")
             out[ours + "experts.w2"] = hf_state.pop(hf + "experts.down_proj")
             continue
-        expert = [f"{hf}experts.{e}." for e in range(n)]
+        expert = [f"{hf}experts.{e}." for e in range(args.moe_args.num_experts)]
         out[ours + "experts.w13"] = torch.stack([
             torch.cat([hf_state.pop(x + "gate_proj.weight"), hf_state.pop(x + "up_proj.weight")])
             for x in expert])
@@ -2183,8 +2182,8 @@ def tensorboard_layout(moe: bool = False) -> dict:
         ),
     }
     if moe:
-        layout["simple_rl"]["tokens routed to other experts (must stay 0)"] = [
-            "Multiline", ["determinism/routing_mismatch"]]
+        layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
+                                           "determinism/routing_mismatch")))
     return layout
 
 
