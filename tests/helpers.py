@@ -84,16 +84,25 @@ def make_checkpoint(
         eos_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     )
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
-    with torch.no_grad():  # HF inits norms to 1; random norms make the tests see every weight
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
+    model = random_model(Qwen3ForCausalLM, cfg, dtype, device)
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out, **kw)
     make_tokenizer(out, vocab_size=min(vocab, 320), chat=chat)
     return out
+
+
+def random_model(cls, cfg, dtype, device, router_std: float = 0.0):
+    """transformers' `cls(cfg)` with random norms (HF inits them to 1: random ones make the
+    tests see every weight) and, if router_std, random MoE routers (HF inits them to 0)."""
+    with torch.device(device):
+        model = cls(cfg).to(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif router_std and n.endswith("mlp.gate.weight"):
+                p.normal_(0, router_std)
+    return model
 
 
 class TorchEngine:
@@ -285,28 +294,21 @@ def copy_checkpoint(saved: Path, tmp_path: Path) -> Path:
 
 def make_moe_checkpoint(out: Path, *, vocab, hidden, layers, heads, kv_heads, head_dim, inter,
                         moe_inter, experts, top_k, mlp_only=(), norm_topk=True, tied=False,
-                        sparse_step=1, seed=0, dtype=torch.float32, device="cpu",
-                        max_pos=2048) -> Path:
+                        dtype=torch.float32, device="cpu", max_pos=2048) -> Path:
     """A random Qwen3MoeForCausalLM saved by transformers, in the hub's format (experts per
     expert; config.json says num_experts, as Qwen/Qwen3-30B-A3B's does), plus a tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     cfg = Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=inter, moe_intermediate_size=moe_inter, num_experts=experts,
         num_experts_per_tok=top_k, mlp_only_layers=list(mlp_only), norm_topk_prob=norm_topk,
-        decoder_sparse_step=sparse_step, tie_word_embeddings=tied, max_position_embeddings=max_pos,
-        eos_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM(cfg).to(dtype)
-    with torch.no_grad():  # HF inits norms to 1 and the router to 0: randomise both
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("mlp.gate.weight"):  # logits of std ~2: clear, varied choices
-                p.normal_(0, 2 / hidden**0.5)
+        tie_word_embeddings=tied, max_position_embeddings=max_pos, eos_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    # router logits of std ~2: clear, varied choices
+    model = random_model(Qwen3MoeForCausalLM, cfg, dtype, device, router_std=2 / hidden**0.5)
     model.save_pretrained(out)
     raw = json.loads((out / "config.json").read_text())
     raw["num_experts"] = raw.pop("num_local_experts", experts)  # the hub's key
