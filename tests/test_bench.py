@@ -221,6 +221,31 @@ def test_plot_run_draws_the_dashboards_charts_at_readme_width(resumed_run, tmp_p
     assert imread(out).shape[:2] == (260, 800)
 
 
+def test_user_stack_picks_the_rows_that_fit_beside_its_awake_engine():
+    """Design (d) at Qwen3-1.7B's shape on an H200 (143,771 MiB), 32 x 8 samples of 128 + N
+    tokens: 21 full rows (8085 tokens) at N = 256, where its 8192-token micro-batch peaked at
+    93-105 GiB; 2 rows at N = 2048, where the 3 rows that 8192 tokens hold ran out of memory
+    (the engine's KV cache, awake through the update, grows from 11 to 60 GiB)."""
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(vocab_size=151936, hidden_size=2048, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=6144, tie_word_embeddings=True)
+    args, h200, gib = rl.model_args_from_hf(hf), 143771 * 2**20, 2**30
+
+    def cfg(new_tokens):
+        return rl.Config(num_prompts=32, group_size=8, max_new_tokens=new_tokens,
+                         max_model_len=128 + new_tokens + 1)
+
+    short, long = cfg(256), cfg(2048)
+    assert bench_rl.user_micro_batch(short, args, h200) == 21 * 385
+    assert 93 <= bench_rl.user_peak(short, args, 8192) / gib <= 107  # as measured
+    assert bench_rl.user_micro_batch(long, args, h200) == 2 * 2177
+    assert bench_rl.user_peak(long, args, 3 * 2177) > h200  # the out-of-memory run
+    assert bench_rl.user_micro_batch(long, args, float("inf")) == 3 * 2177  # at most 8192
+    assert bench_rl.user_micro_batch(cfg(4096), args, h200) == 4225  # nothing fits: one row
+
+
 def test_rounds_pool_into_medians_over_every_measured_step():
     """Two rounds of one design: one row over all 4 measured steps (warm-ups left out), each
     timing their median, so one slow step of a noisy host does not move it."""
