@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_rl  # noqa: E402
 import plot_run  # noqa: E402
 import simple_rl as rl  # noqa: E402
-from helpers import TorchEngine, copy_run, main_cpu, metrics_rows  # noqa: E402
+from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows, run_cpu  # noqa: E402
 
 
 def test_flops_by_hand():
@@ -126,12 +126,14 @@ def test_table_reports_ratios_against_the_users_stack():
 
 
 @pytest.fixture(scope="module")
-def resumed_run(saved, tmp_path_factory):
-    """The `saved` run (2 steps, held-out evals before steps 0 and 2) resumed for a third step:
-    a run directory with two event files, as a resumed run has."""
-    run_dir = copy_run(saved.parent.parent, tmp_path_factory.mktemp("resumed"))
-    assert main_cpu(["--resume", str(run_dir / "checkpoints" / "step_000002"), "--steps", "3"]) == 0
-    return run_dir
+def resumed_run(ckpt, tmp_path_factory):
+    """A one-step tiny CPU run (held-out evals before and after its step) resumed for a second
+    step: a run directory with two event files, as a resumed run has."""
+    runs = tmp_path_factory.mktemp("resumed") / "runs"
+    run_cpu(cpu_argv(ckpt(), runs, steps=1, save_every=1, run_name="r"))
+    assert main_cpu(["--resume", str(runs / "r" / "checkpoints" / "step_000001"),
+                     "--steps", "2"]) == 0
+    return runs / "r"
 
 
 # logged on CUDA only, and for Qwen3-MoE only: a CPU run of a dense model has none of them
@@ -206,12 +208,12 @@ def test_plot_run_draws_the_dashboards_charts_at_readme_width(resumed_run, tmp_p
     assert [ax.get_title().replace("\n", " ") for ax in panels] == titles[:7]  # no MoE routing
     assert all(ax.get_xlabel() == "step" and ax.get_ylabel() for ax in panels)
     reward, held_out = panels[0].lines[0], panels[1].lines[0]
-    assert list(reward.get_xdata()) == [r["step"] for r in rows if "reward_mean" in r] == [0, 1, 2]
+    assert list(reward.get_xdata()) == [r["step"] for r in rows if "reward_mean" in r] == [0, 1]
     assert list(reward.get_ydata()) == pytest.approx([r["reward_mean"] for r in rows
                                                       if "reward_mean" in r], abs=1e-6)
     evals = {r["step"]: 100 * r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     steps = list(held_out.get_xdata())
-    assert steps[0] == 0 and steps[-1] == 3  # the first eval and the one after the last step
+    assert steps[0] == 0 and steps[-1] == 2  # the first eval and the one after the last step
     assert list(held_out.get_ydata()) == pytest.approx([evals[s] for s in steps])
     assert panels[1].get_ylabel() == "accuracy (%)"
     assert imread(out).shape[:2] == (plot_run.DPI * 2.6 * 3, 800)
