@@ -2167,7 +2167,7 @@ def tensorboard_layout(moe: bool = False) -> dict:
     The held-out accuracy is a Margin chart (value, lower, upper: exact tags), which TensorBoard
     never smooths: its few points keep their values (a smoothed line of 6 evals starts at its
     first, then lags), and the axis, which leaves out the outer 5% of the values it draws,
-    keeps the first and the last in view.
+    keeps the first and the last of a few evals in view (each point brings three values).
     """
     def charts(*titled):  # (title, tag): Multiline; (title, (value, lower, upper)): Margin
         return {title: ["Margin", list(tag)] if isinstance(tag, tuple)
