@@ -14,6 +14,7 @@ eval, say) is left out.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 import sys
@@ -62,6 +63,8 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     if not any(Path(run_dir).glob("events.out.tfevents.*")):
         sys.exit(f"plot_run: no TensorBoard event files in {run_dir}; give a run directory "
                  "(runs/<run>), not the folder of runs.")
+    # a resume's purge is expected: no "TensorFlow restart" warning for it
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
