@@ -78,7 +78,7 @@ def test_1_a_checkpoint_copied_out_of_its_run_resumes_into_a_new_run(saved, tmp_
     monkeypatch.chdir(tmp_path)
     assert main_cpu(["--resume", str(x / "dl" / "step_000002"), "--steps", "3"]) == 0
     (run,) = (tmp_path / "runs").iterdir()  # LOG_DIR/RUN_NAME: the defaults, a new run
-    assert f"as the new run runs/{run.name}" in capsys.readouterr().out
+    assert f"as the new run {tmp_path / 'runs' / run.name}" in capsys.readouterr().out
     assert (x / "final" / "mine.txt").read_text() == "mine"
     assert (x / "metrics.jsonl").read_text() == "my own notes\n"
     assert sorted(p.name for p in x.iterdir()) == ["dl", "final", "metrics.jsonl"]
