@@ -3397,11 +3397,12 @@ def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]], expect: dic
         return
     recorded = expect["recorded"] if isinstance(expect["recorded"], dict) else {}
     for name, files in inputs.items():
-        want = recorded.get(name)
+        want = recorded.get(name, {})  # none recorded: it must read no file
         found = digests(files)
         if found == want:
             continue
-        differs = [files[k] for k in sorted(files) if found.get(k) != (want or {}).get(k)]
+        want = want if isinstance(want, dict) else {}
+        differs = [files[k] for k in sorted(files) if found.get(k) != want.get(k)]
         what = str(differs[0]) if differs else f"{flag(name)} {getattr(cfg, name)}"
         need(name in expect["given"], f"{what} is not what the run read when {cfg.resume} was "
              f"saved (sha256 differs, or the checkpoint records none); pass {flag(name)} to "
@@ -3485,7 +3486,7 @@ def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None, dic
             need(continues(ckpt, run_dir), f"--resume {cfg.resume}: the runs in {log_dir} "
                  "changed while it started; try again.")
         check_checkpoint_files(ckpt)
-        cfg = resume_config(cfg, passed, ckpt)
+        cfg = absolute_paths(resume_config(cfg, passed, ckpt))  # an older one's may be relative
         expect = dict(recorded=read_checkpoint_state(ckpt).get("inputs"),
                       given=passed & set(INPUTS))
     validate(cfg)
