@@ -1472,7 +1472,7 @@ def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Te
                 shown = repr(value)[:80]
             except Exception:  # an int of more than 4300 digits, or a repr that raises
                 shown = f"a {type(value).__name__}"
-            raise RewardError(f"returned {shown}, not a number finite in fp32", i, text)
+            raise RewardError(f"returned {shown}, not a finite number in fp32", i, text)
         out.append(number)
     return torch.tensor(out, dtype=torch.float32)
 

@@ -2,7 +2,6 @@
 any machine, and the console stays quiet for file tasks (issue 30, items 5 and 6)."""
 
 import json
-import shutil
 
 import pytest
 import torch

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import simple_rl as rl
 from helpers import TorchEngine, copy_checkpoint, cpu_argv, main_cpu, metrics_rows
 from test_hardening2 import one_sentence, refuse
 
-EVIL = "from pathlib import Path\nPath({marker!r}).write_text('ran')\ndef f(c, a):\n    return 0.0\n"
+EVIL = ("from pathlib import Path\nPath({marker!r}).write_text('ran')\n"  # runs when imported
+        "def f(c, a):\n    return 0.0\n")
 
 
 def latest(tmp_path, *extra) -> list[str]:
@@ -133,8 +133,8 @@ def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, 
     err = exits(capsys, argv, 7)
     assert f"step 0: the reward ({file}:f) " in err and "on sample " in err
     want = {"exit": "raised SystemExit: 0", "huge int": "returned 1000000000",
-            "string": "returned 'correct', not a number finite in fp32",
-            "overflows fp32": "returned 1e+308, not a number finite in fp32",
+            "string": "returned 'correct', not a finite number in fp32",
+            "overflows fp32": "returned 1e+308, not a finite number in fp32",
             "overflows the group": "returned 3e+38, so large that its group's advantages"}[kind]
     assert want in err
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
@@ -353,7 +353,8 @@ def test_6_gsm8k_and_parquet_answers_are_kept_as_written(tmp_path):
     data.write_text(json.dumps({"question": "q", "answer": "so #### 12345678901234567891"}) +
                     "\n")
     assert [p.answer for p in rl.gsm8k_problems(str(data))] == ["12345678901234567891"]
-    table = pa.table({"question": ["a", "b"], "answer": pa.array([3, 12345678901234567], pa.int64())})
+    table = pa.table({"question": ["a", "b"],
+                      "answer": pa.array([3, 12345678901234567], pa.int64())})
     pq.write_table(table, tmp_path / "ints.parquet")
     got = [p.answer for p in rl.jsonl_problems(str(tmp_path / "ints.parquet"))]
     assert got == ["3", "12345678901234567"]
