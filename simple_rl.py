@@ -2266,8 +2266,8 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
     lines = [
         f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
         f"run directory {run_dir}: {where}",
-        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files its run read "
-           "are unchanged"] if ckpt else []),
+        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
+           "run's (sha256)"] if ckpt else []),
         f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
         "every safetensors header agree",
         f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
@@ -3854,7 +3854,7 @@ def quiet_console(verbose: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "warning")  # its autotuner's INFO lines
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split"
-    if "datasets" in sys.modules:  # imported before: it read the variable already
+    if sys.modules.get("datasets") is not None:  # imported before: it read the variable
         sys.modules["datasets"].disable_progress_bars()
     for module in ("torch", "vllm", "transformers", "torchtitan", "datasets", "triton"):
         warnings.filterwarnings("ignore", module=module)
