@@ -3253,9 +3253,10 @@ def read_dcp_metadata(ckpt: Path):
     need(isinstance(meta, Metadata) and isinstance(meta.state_dict_metadata, dict)
          and isinstance(meta.storage_data, dict), f"{ckpt} cannot be restored (trainer/.metadata "
          "is not DCP's metadata); resume from an earlier checkpoint.")
+    root = (ckpt / "trainer").resolve()  # its shards: inside it, after '..' and links
     paths = [getattr(info, "relative_path", None) for info in meta.storage_data.values()]
     outside = [p for p in paths if not isinstance(p, str) or not p or "\0" in p
-               or Path(p).is_absolute() or ".." in Path(p).parts]
+               or not (root / p).resolve().is_relative_to(root)]
     need(not outside, f"{ckpt} cannot be restored (trainer/.metadata names "
          f"{str(outside[:1])[1:-1][:80]}, not a file of trainer/); resume from an earlier "
          "checkpoint.")

@@ -390,17 +390,23 @@ def record_opens(event, args):
         OPENED.append(os.fsdecode(args[0]))
 
 
+@pytest.mark.parametrize("how", ["climbs out", "links out"])
 def test_7_9_a_metadata_path_out_of_the_checkpoint_is_refused_before_it_is_opened(
-        saved, tmp_path, capsys):
+        saved, tmp_path, capsys, how):
     ckpt = copy_checkpoint(saved, tmp_path)
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"\0" * 4096)
     file = ckpt / "trainer" / ".metadata"
     meta = pickle.loads(file.read_bytes())  # the test's own file: a plain load is fine here
-    rel = os.path.relpath(outside, ckpt / "trainer")
-    for info in meta.storage_data.values():
-        info.relative_path = rel
-    file.write_bytes(pickle.dumps(meta))
+    if how == "climbs out":
+        named = os.path.relpath(outside, ckpt / "trainer")
+        for info in meta.storage_data.values():
+            info.relative_path = named
+        file.write_bytes(pickle.dumps(meta))
+    else:  # the shard DCP would open is a link to a file elsewhere
+        named = next(iter(meta.storage_data.values())).relative_path
+        (ckpt / "trainer" / named).unlink()
+        (ckpt / "trainer" / named).symlink_to(outside)
     OPENED.clear()
     if not OPENED_HOOK:
         sys.addaudithook(record_opens)  # for the process's life: it records only while asked
@@ -411,6 +417,6 @@ def test_7_9_a_metadata_path_out_of_the_checkpoint_is_refused_before_it_is_opene
     finally:
         opened = OPENED[1:]
         OPENED.clear()
-    assert f"{ckpt} cannot be restored (trainer/.metadata names '{rel}', not a file of " \
+    assert f"{ckpt} cannot be restored (trainer/.metadata names '{named}', not a file of " \
            "trainer/)" in err
     assert not [p for p in opened if Path(p).name == "outside.bin"]
