@@ -190,10 +190,12 @@ class ExactEngine(TorchEngine):
 
     Shape for shape because the CPU reference kernels are not batch-invariant (vLLM's are):
     MKL's SGEMM rounds a row differently with the number of rows in the call, and which row
-    counts do depends on the thread count (here, with 2 or 8 threads, calls of 5-7 or 9-11 rows
-    round unlike calls of 12 or more; with 1 or 4, only 1-3 rows do). The reference MoE
-    experts run one GEMM per expert over its tokens, a handful in a tiny model, so a forward
-    of the whole batch rounds some tokens unlike the trainer's micro-batches.
+    counts do depends on the thread count (on one 2-core machine: 1-3 rows at any count, 5-7
+    and 9-11 rows too at 2 or 8 threads, against 12 or more), and the reference attention pads
+    every sample to the batch's longest, so its sums run over a length the others set. The MoE
+    experts run one GEMM per expert over its tokens, a handful in a tiny model: a forward of
+    the whole batch rounded some tokens unlike the trainer's micro-batches, at some thread
+    counts (the routing tests failed at 2, 4 and 8 threads, and passed at 1 by luck).
 
     `routed` (MoE): per sample, every layer's experts (a dense layer's rows 0) for each token
     that went through the model, the last generated one excepted, as vLLM returns them.

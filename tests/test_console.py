@@ -5,8 +5,6 @@ import logging
 import os
 import re
 
-import torch
-
 import simple_rl as rl
 from helpers import ExactEngine, TorchEngine, cpu_argv, main_cpu, metrics_rows
 
