@@ -183,6 +183,53 @@ class TorchEngine:
             self.model.load_state_dict(state)
 
 
+class ExactEngine(TorchEngine):
+    """The stand-in engine, with its logprobs recomputed by its copy of the policy in the
+    trainer's own micro-batches: the trainer's first forward, op for op and shape for shape,
+    so every token matches bit for bit, at any thread count.
+
+    Shape for shape because the CPU reference kernels are not batch-invariant (vLLM's are):
+    MKL's SGEMM rounds a row differently with the number of rows in the call, and which row
+    counts do depends on the thread count (on one 2-core machine: 1-3 rows at any count, 5-7
+    and 9-11 rows too at 2 or 8 threads, against 12 or more), and the reference attention pads
+    every sample to the batch's longest, so its sums run over a length the others set. The MoE
+    experts run one GEMM per expert over its tokens, a handful in a tiny model: a forward of
+    the whole batch rounded some tokens unlike the trainer's micro-batches, at some thread
+    counts (the routing tests failed at 2, 4 and 8 threads, and passed at 1 by luck).
+
+    `routed` (MoE): per sample, every layer's experts (a dense layer's rows 0) for each token
+    that went through the model, the last generated one excepted, as vLLM returns them.
+    """
+
+    def rollout(self, prompts, indices, step):
+        ro = super().rollout(prompts, indices, step)
+        packed = rl.pack(ro.prompts, ro.completions)
+        ro.logprobs = torch.empty(len(packed.targets))  # (N,)
+        routed = []
+        with torch.no_grad():
+            for samples in rl.plan_micro_batches(packed, self.cfg):
+                part, owned = rl.sub_pack(packed, samples)
+                ro.logprobs[owned], _ = self.model(part, self.cfg.temperature)
+                routed += self.routed_rows(part)
+        if rl.sparse_layers(self.model.args):
+            ro.routed = [rl.generated_routing(rows, len(p), len(c))
+                         for rows, p, c in zip(routed, ro.prompts, ro.completions)]
+        return ro
+
+    def routed_rows(self, part) -> list:
+        """vLLM's routed_experts of each sample of the forward just run: (L - 1, layers, k)."""
+        args = self.model.args
+        if not rl.sparse_layers(args):
+            return []
+        rows = torch.zeros(len(part.tokens), args.n_layers, args.moe_args.top_k,
+                           dtype=torch.uint8)  # (T, layers, k)
+        for i, b in enumerate(self.model.layers):
+            if b.sparse:
+                rows[:, i] = b.moe.topk.ids
+        cu = part.cu_seqlens.tolist()
+        return [rows[a : b - 1].numpy() for a, b in zip(cu, cu[1:])]
+
+
 # The tiny CPU run most tests start from: 2 prompts x 3 samples, 5 new tokens, fp32.
 CPU_RUN = dict(
     dtype="float32",

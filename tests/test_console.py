@@ -5,28 +5,15 @@ import logging
 import os
 import re
 
-import torch
-
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows
-
-
-class ExactEngine(TorchEngine):
-    """The stand-in engine, with its logprobs recomputed by one packed forward of its copy of
-    the policy: the same computation as the trainer's, so every token matches bit for bit."""
-
-    def rollout(self, prompts, indices, step):
-        ro = super().rollout(prompts, indices, step)
-        with torch.no_grad():
-            ro.logprobs, _ = self.model(rl.pack(ro.prompts, ro.completions), self.cfg.temperature)
-        return ro
+from helpers import ExactEngine, TorchEngine, cpu_argv, main_cpu, metrics_rows
 
 
 STEP_LINE = re.compile(
     r"^step (\d+)/5 \| reward \d\.\d{3}( \| held-out \d\.\d{3})? \| loss [+-]\d\.\d{4} \| "
     r"(?:kl \d\.\d{4} \| )?ent \d+\.\d{3} \| "
     r"len \d+\.\d \| mismatched 0/\d+ \| rollout \d+\.\ds train \d+\.\ds push \d\.\d\ds \| "
-    r"\d+\.\d s/step \| ETA \d+s$")
+    r"\d+\.\d s/step \| ETA [0-9hms]+$")  # ETA as format_duration writes it
 
 
 def test_one_parity_line_and_one_step_line_per_step_and_the_table_every_n(ckpt, tmp_path, capsys):

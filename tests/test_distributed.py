@@ -62,23 +62,36 @@ def test_two_ranks_sample_what_one_does_and_compute_its_gradient(ckpt, tmp_path)
         assert a.abs().sum() > 0, name
 
 
-def test_two_rank_checkpoints_resume_at_two_exactly_and_at_one(ckpt, tmp_path):
-    base = cpu_argv(ckpt(), tmp_path / "runs", num_prompts=3, micro_batch_tokens=128)
+TWO_RANKS = dict(num_prompts=3, micro_batch_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(ckpt, tmp_path_factory):
+    """A 2-step run on 2 ranks (checkpoint at step 2): (its output, its metrics as they were
+    when it ended, its run directory). Launched once for the two tests that need it."""
+    runs = tmp_path_factory.mktemp("two_ranks") / "runs"
+    out = launch(2, "main", *cpu_argv(ckpt(), runs, **TWO_RANKS), "--steps", "2",
+                 "--run-name", "part")
+    return out, metrics(runs / "part"), runs / "part"
+
+
+def test_two_rank_checkpoints_resume_at_two_exactly_and_at_one(ckpt, tmp_path, two_rank_run):
+    part = two_rank_run[2]
+    base = cpu_argv(ckpt(), tmp_path / "runs", **TWO_RANKS)
     whole = launch(2, "main", *base, "--steps", "4", "--run-name", "whole")
     assert "2 rank(s)" in whole.stdout and whole.stdout.count("| weights sha256") == 1
-    launch(2, "main", *base, "--steps", "2", "--run-name", "part")
-    saved = tmp_path / "runs" / "part" / "checkpoints" / "step_000002"
+    saved = part / "checkpoints" / "step_000002"
     assert sorted(p.name for p in (saved / "trainer").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # a shard per rank
     assert json.loads((saved / "state.json").read_text())["world_size"] == 2
     resumed = launch(2, "main", "--resume", saved, "--steps", "4")
     assert sha_of(resumed) == sha_of(whole)
-    assert metrics(tmp_path / "runs" / "part") == metrics(tmp_path / "runs" / "whole")
+    assert metrics(part) == metrics(tmp_path / "runs" / "whole")
     # another world size: DCP reshards the masters and AdamW state; the run goes on
     again = launch(1, "main", "--resume", saved, "--steps", "3", "--output-dir",
                    tmp_path / "one")
     assert "1 rank(s)" in again.stdout and (tmp_path / "one" / "model.safetensors").is_file()
-    rows = metrics(tmp_path / "runs" / "part")
+    rows = metrics(part)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # 3: the final held-out eval's own row
     assert "loss" not in rows[3] and "eval/accuracy" in rows[3]
     assert rows[2]["loss"] == pytest.approx(metrics(tmp_path / "runs" / "whole")[2]["loss"],
@@ -100,14 +113,14 @@ def test_a_reward_failing_on_one_rank_stops_every_rank(ckpt, tmp_path):
         "held-out problem 1," in out.stderr, out.stderr[-3000:]
 
 
-def test_two_hosts_train_as_two_processes_of_one_host(ckpt, tmp_path):
+def test_two_hosts_train_as_two_processes_of_one_host(ckpt, tmp_path, two_rank_run):
     """The multi-host launch (two launchers, c10d rendezvous, a shared --log-dir) gives the run
     that `--nproc-per-node 2` gives on one host: the same metrics and final weights."""
-    base = cpu_argv(ckpt(), tmp_path / "runs", num_prompts=3, micro_batch_tokens=128)
-    one_host = launch(2, "main", *base, "--steps", "2", "--run-name", "one_host")
+    one_host, one_host_rows, _ = two_rank_run
+    base = cpu_argv(ckpt(), tmp_path / "runs", **TWO_RANKS)
     outs = launch_two_hosts(DRIVER, ["main", *base, "--steps", "2", "--run-name", "two_hosts"],
                             driver_env(), timeout=600)
     main = [o for o in outs if "| weights sha256" in o]
     assert len(main) == 1 and "2 rank(s)" in main[0]  # one rank 0, whichever host it landed on
     assert re.search(r"weights sha256 ([0-9a-f]{64})", main[0]).group(1) == sha_of(one_host)
-    assert metrics(tmp_path / "runs" / "two_hosts") == metrics(tmp_path / "runs" / "one_host")
+    assert metrics(tmp_path / "runs" / "two_hosts") == one_host_rows

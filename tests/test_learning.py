@@ -31,7 +31,7 @@ def write_copy_task(path, n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def warm_start(src, out, rows: list[dict], steps: int = 300, copy_fraction: float = 0.3):
+def warm_start(src, out, rows: list[dict], steps: int = 150, copy_fraction: float = 0.3):
     """Supervised steps on "Q: <question>\nA: copy <its digit>" (30%) or "... guess <a random
     digit>" (70%): the warm start can copy, but mostly guesses."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM

@@ -13,7 +13,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, make_moe_checkpoint, metrics_rows
+from helpers import ExactEngine, cpu_argv, main_cpu, make_moe_checkpoint, metrics_rows
 
 TINY_MOE = dict(vocab=384, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96,
                 moe_inter=32, experts=8, top_k=2, mlp_only=(1,), norm_topk=True, tied=False)
@@ -149,36 +149,21 @@ def test_generated_routing_rows():
     assert rl.generated_routing(routed, 5, 3) is None and rl.generated_routing(None, 4, 3) is None
 
 
-class RoutingEngine(TorchEngine):
-    """The stand-in engine, returning routed experts as vLLM does: for each sample, a row per
-    token that went through the model (prompt, then every generated token but the last), with
-    every layer (a dense layer's rows 0). `corrupt` changes one id of the first sample. Its
-    logprobs are its copy's packed forward: with the trainer's weights (the first step) every
-    token matches the trainer's, so only a corrupted expert id differs."""
+class RoutingEngine(ExactEngine):
+    """The exact stand-in engine (with the trainer's weights, the first step, every token's
+    logprob and experts match the trainer's), returning routed experts as vLLM does.
+    `corrupt` changes one id of the first sample."""
 
     corrupt = False
 
     def rollout(self, prompts, indices, step):
         out = super().rollout(prompts, indices, step)
-        args, routed = self.model.args, []
-        for p, c in zip(out.prompts, out.completions):
-            seq = (p + c)[:-1]
-            with torch.no_grad():
-                self.model.hidden(rl.pack([seq], [[]]))
-            rows = np.zeros((len(seq), args.n_layers, args.moe_args.top_k), np.uint8)
-            for i, b in enumerate(self.model.layers):
-                if b.sparse:
-                    rows[:, i] = b.moe.topk.ids.numpy()
-            routed.append(rl.generated_routing(rows, len(p), len(c)))
         if self.corrupt:
-            first = routed[0][0, rl.sparse_layers(args)[0]]
+            args = self.model.args
+            first = out.routed[0][0, rl.sparse_layers(args)[0]]
             first[0] = (first[0] + 1) % args.moe_args.num_experts
             while int(first[0]) in first[1:].tolist():
                 first[0] = (first[0] + 1) % args.moe_args.num_experts
-        out.routed = routed
-        with torch.no_grad():
-            out.logprobs, _ = self.model(rl.pack(out.prompts, out.completions),
-                                         self.cfg.temperature)
         return out
 
 
