@@ -183,3 +183,92 @@ def test_the_calculator_answers_and_scores_the_last_turn():
                 "<calc>" + "1+" * 60 + "1</calc>", "<calc>2 / 3</calc>"):
         with pytest.raises(rl.ToolError):
             env.step(bad)
+
+
+BAD_ENVS = '''
+MADE = [0]
+
+
+class LateFailure:
+    """Episodes after the first step's (and check_env's) raise at their second turn."""
+
+    def __init__(self):
+        MADE[0] += 1
+        self.late, self.turn = MADE[0] > 7, 0
+
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion):
+        self.turn += 1
+        if self.turn == 1:
+            return "go on", None
+        if self.late:
+            raise RuntimeError("the tool broke")
+        return None, 1.0
+
+
+class NotText(LateFailure):
+    def step(self, completion):
+        return (["go on"], None) if self.late else (None, 0.0)
+
+
+class NoStep:
+    def reset(self, problem):
+        return problem.question
+
+
+class TwoArgs:
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion, answer):
+        return None, 0.0
+'''
+
+
+@pytest.mark.parametrize("name,says", [
+    ("LateFailure", "raised RuntimeError: the tool broke on sample "),
+    ("NotText", "returned the tool message ['go on'], not text on sample "),
+])
+def test_an_env_that_fails_mid_run_stops_with_exit_7_naming_episode_and_turn(
+        ckpt, tmp_path, capsys, name, says):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD_ENVS)
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=3, save_every=1, eval_size=0,
+                    env=f"{path}:{name}", run_name="r")
+    assert main_cpu(argv) == 7
+    err = capsys.readouterr().err
+    assert f"step 1: the env ({path}:{name}) {says}" in err, err
+    turn = "turn 2" if name == "LateFailure" else "turn 1"
+    assert f"of training problem " in err and f", {turn}, completion " in err
+    assert "Last good checkpoint: " in err and "step_000001" in err
+    assert (tmp_path / "runs" / "r" / "checkpoints" / "step_000001").is_dir()
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("{dir}/missing.py:Env", "--env: {dir}/missing.py is not a file."),
+    ("{dir}/bad.py:Nothing", "--env: {dir}/bad.py has no class 'Nothing'."),
+    ("{dir}/bad.py:NoStep", "--env {dir}/bad.py:NoStep: its env has no method step(completion)."),
+    ("{dir}/bad.py:TwoArgs", "--env {dir}/bad.py:TwoArgs: step(completion, answer) must take "
+                             "(completion)."),
+    ("calc.py", "--env 'calc.py' must be calc or name a Python file and a class in it"),
+])
+def test_a_bad_env_is_refused_before_the_engine_starts(ckpt, tmp_path, capsys, spec, says):
+    from helpers import CountingEngine
+
+    (tmp_path / "bad.py").write_text(BAD_ENVS)
+    CountingEngine.made = 0
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=spec.format(dir=tmp_path))
+    assert main_cpu(argv, CountingEngine) == 2
+    assert says.format(dir=tmp_path) in capsys.readouterr().err
+    assert CountingEngine.made == 0
+
+
+def test_a_tool_stop_of_several_tokens_is_refused(ckpt, tmp_path, capsys):
+    from helpers import CountingEngine
+
+    CountingEngine.made = 0
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", env="calc"), CountingEngine) == 2
+    assert "--tool-stop '</calc>' is " in capsys.readouterr().err  # the test tokenizer splits it
+    assert CountingEngine.made == 0
