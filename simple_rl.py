@@ -55,7 +55,8 @@ It learns (README "It learns"): a 25M Qwen3 warm-started here, then GRPO, on one
 
 Held-out problems are scored greedily (T = 0) before the first step, every --eval-every steps
 and after the last (`eval/accuracy`); --reward FILE.py:FUNCTION and --task jsonl bring your
-own reward and problems.
+own reward and problems; --env FILE.py:NAME an environment of several turns (the model calls
+a tool and goes on: an episode, trained on the model's tokens only; --env calc: a calculator).
     python simple_rl.py --model DIR --debug-parity                     # where do we differ?
 
 Tests (any machine):

@@ -272,3 +272,160 @@ def test_a_tool_stop_of_several_tokens_is_refused(ckpt, tmp_path, capsys):
     assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", env="calc"), CountingEngine) == 2
     assert "--tool-stop '</calc>' is " in capsys.readouterr().err  # the test tokenizer splits it
     assert CountingEngine.made == 0
+
+
+# The learning task: "Q: <3 letters>\nA:", answer a digit that only the tool knows. The model
+# either looks (" look<look>": the env answers " <digit>\n", the model takes it with " ok")
+# or guesses (" guess <digit>"). The warm start looks 3 times in 10, so greedy decoding
+# guesses, right about 1 time in 10; GRPO must learn to look.
+LOOK = '''
+class Look:
+    tool_stop = "<look>"
+
+    def reset(self, problem):
+        self.answer = problem.answer
+        return problem.question
+
+    def step(self, completion):
+        if completion.endswith("<look>"):
+            self.looked = True
+            return f" {self.answer}\\n", None
+        if getattr(self, "looked", False):
+            return None, float(completion.strip() == "ok")
+        return None, float(completion.strip()[-1:] == self.answer)
+'''
+
+
+def look_task(tmp, n: int = 400):
+    import json
+    import random
+
+    from helpers import make_checkpoint
+
+    rng = random.Random(0)
+    rows = [{"question": "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=3)),
+             "answer": str(rng.randrange(10))} for _ in range(n)]
+    (tmp / "look.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "look.py").write_text(LOOK)
+    base = make_checkpoint(tmp / "random", layers=2, hidden=128, heads=4, kv_heads=2,
+                           head_dim=32, inter=256, vocab=384)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_tokens(["<look>"])  # one token, and not a special one: the env reads it as text
+    tok.save_pretrained(base)
+    return base, rows
+
+
+def look_warm_start(src, out, rows, steps: int = 120, look_fraction: float = 0.3):
+    """Supervised steps on both kinds of answer, the loss on the model's tokens only; the
+    tool's message is in the sequence as the episode loop renders it (the text as is)."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = __import__("random").Random(1)
+    eos = tok.eos_token_id
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    for _ in range(steps):
+        seqs, labels = [], []
+        for r in rng.sample(rows, 32):
+            prompt = ids(f"Q: {r['question']}\nA:")
+            if rng.random() < look_fraction:
+                parts = [(ids(" look<look>"), True), (ids(f" {r['answer']}\n"), False),
+                         (ids(" ok") + [eos], True)]
+            else:
+                parts = [(ids(f" guess {rng.randrange(10)}") + [eos], True)]
+            seqs.append(prompt + [t for p, _ in parts for t in p])
+            labels.append([-100] * len(prompt) + [t if own else -100 for p, own in parts
+                                                  for t in p])
+        width = max(map(len, seqs))
+        x = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
+        y = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        model(input_ids=x, labels=y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def tool_token_logprob(path, rows) -> float:
+    """Mean logprob the model gives the tool's '\\n' after ' look<look> <digit>' (the tool's
+    text: never a training target)."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    for r in rows:
+        seq = tok(f"Q: {r['question']}\nA: look<look> {r['answer']}\n",
+                  add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -2].float()
+        out.append(torch.log_softmax(logits, -1)[seq[-1]].item())
+    return sum(out) / len(out)
+
+
+@pytest.fixture(scope="module")
+def look(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("look")
+    base, rows = look_task(tmp)
+    return look_warm_start(base, tmp / "warm", rows), tmp, rows
+
+
+def test_grpo_learns_to_call_the_tool_on_held_out_problems(look, tmp_path):
+    """Greedy held-out accuracy (tools included) and the tool-call rate rise, and the tool's own
+    tokens are not learned: the test fails if they are trained on, or if each episode's
+    reward is given to another episode."""
+    from helpers import metrics_rows
+
+    model, tmp, rows = look
+    argv = ["--model", str(model), "--log-dir", str(tmp_path), "--run-name", "look"]
+    flags = dict(dtype="float32", task="jsonl", data_files=tmp / "look.jsonl",
+                 chat_template="off", env=f"{tmp / 'look.py'}:Look", max_turns=2,
+                 num_prompts=16, group_size=8, max_new_tokens=6, max_model_len=64,
+                 micro_batch_tokens=4096, lr=1e-3, steps=8, eval_every=4, eval_size=32,
+                 seed=0, save_every=0)
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    run_cpu(argv)
+    out = metrics_rows(tmp_path / "look")
+    acc = {r["step"]: r["eval/accuracy"] for r in out if "eval/accuracy" in r}
+    calls = {r["step"]: r["eval/tool_call_frac"] for r in out if "eval/tool_call_frac" in r}
+    print(acc, calls, [r.get("episode/tool_call_frac") for r in out])
+    assert acc[0] < 0.3 and calls[0] < 0.2  # the warm start guesses
+    assert acc[8] >= acc[0] + 0.5 and calls[8] >= 0.8, (acc, calls)
+    steps = [r for r in out if "loss" in r]
+    assert steps[-1]["episode/tool_call_frac"] > steps[0]["episode/tool_call_frac"] + 0.3
+    assert all(r["determinism/tokens"] == r["episode/generated_tokens_mean"] * 128
+               for r in steps)
+    before = tool_token_logprob(model, rows[:50])
+    after = tool_token_logprob(tmp_path / "look" / "final", rows[:50])
+    print("tool token logprob", before, after)
+    assert after < before + 1.0, (before, after)
+
+
+def test_two_ranks_play_the_episodes_one_rank_plays(ckpt, tmp_path, env_file):
+    """N = 2 on gloo: the same episodes (turns, tool calls, ends, tokens, rewards) as N = 1,
+    and the same losses up to the order of fp32 sums."""
+    from test_distributed import launch, metrics
+
+    base = cpu_argv(ckpt(chat=True), tmp_path / "runs", num_prompts=3, steps=2, save_every=0,
+                    env=f"{env_file}:Scripted", max_turns=3, max_model_len=256,
+                    micro_batch_tokens=256)
+    for n in (1, 2):
+        launch(n, "main", *base, "--run-name", f"n{n}")
+    one, two = metrics(tmp_path / "runs" / "n1"), metrics(tmp_path / "runs" / "n2")
+    exact = [k for k in one[0] if k.startswith(("episode/", "reward", "determinism/tokens",
+                                                "completion", "eval/"))]
+    assert any(r["episode/turns_mean"] > 1 for r in one if "loss" in r)
+    assert [[r.get(k) for k in exact] for r in two] == [[r.get(k) for k in exact] for r in one]
+    for a, b in zip(one, two):
+        if "loss" in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
