@@ -1685,10 +1685,11 @@ class Episode:
 EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error")
 
 
-def new_episodes(trainer: Trainer, problems: list[Problem], n: int,
+def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]], n: int,
                  where: Callable[[int], str]) -> tuple[list[Env], list[list[int]]]:
-    """n fresh envs per problem, reset, and each problem's first prompt as ids (the chat
-    template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error."""
+    """n fresh envs per problem, reset, and each problem's first prompt as ids: the task's
+    (prompt_ids) when reset gives the question, else its message formatted as the task's (the
+    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * n)]
     messages = []
@@ -1701,8 +1702,12 @@ def new_episodes(trainer: Trainer, problems: list[Problem], n: int,
         except RewardError as e:
             e.where = where(i)
             raise
-    firsts = [Problem(m, p.answer) for m, p in zip(messages[::n], problems)]
-    return envs, format_prompts(firsts, trainer.tokenizer, trainer.cfg)
+    own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
+    prompts = list(prompt_ids)
+    for j, ids in zip(own, format_prompts([Problem(messages[j * n], problems[j].answer)
+                                           for j in own], trainer.tokenizer, trainer.cfg)):
+        prompts[j] = ids
+    return envs, prompts
 
 
 def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
@@ -2111,7 +2116,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         return f"sample {s % G} of training problem {chosen[mine[s // G]]}"
 
     def episodes() -> Rollout:
-        envs, prompts = new_episodes(trainer, problems, G, where)
+        envs, prompts = new_episodes(trainer, problems, [trainer.task.prompt_ids[chosen[i]]
+                                                         for i in mine], G, where)
         first = trainer.engine.rollout(prompts, mine, step)
         played = [Episode(env, [Turn(p, c)]) for env, p, c in
                   zip(envs, first.prompts, first_turns(first))]
@@ -2233,7 +2239,8 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
         return f"held-out problem {mine[i]}"
 
     def episodes() -> list[Episode]:
-        envs, prompts = new_episodes(trainer, [task.eval_problems[i] for i in mine], 1, where)
+        envs, prompts = new_episodes(trainer, [task.eval_problems[i] for i in mine],
+                                     [task.eval_prompt_ids[i] for i in mine], 1, where)
         if not prompts:
             return []
         outs = trainer.engine.generate(prompts, 1, [None] * len(prompts),
@@ -2393,21 +2400,25 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
 
 
 def episode_row(e: Episode) -> tuple:
-    """(turns, tool calls, status, generated tokens, tool tokens, seconds in env.step)."""
+    """(turns, tool calls, status, generated tokens per turn, tool tokens, seconds in
+    env.step)."""
     tool = sum(len(turn.context) for turn in e.turns[1:])
-    return len(e.turns), e.tool_calls, e.status, e.generated(), tool, e.tool_s
+    return len(e.turns), e.tool_calls, e.status, [len(t.out.ids) for t in e.turns], tool, e.tool_s
 
 
 def episode_metrics(rows: list[tuple]) -> dict[str, float]:
-    """Means over the step's episodes (every rank); how each ended, as fractions; the seconds
-    spent in env.step, summed over them."""
+    """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
+    the parity check compared at each turn; the seconds spent in env.step, summed."""
     n = len(rows)
-    turns, calls, status, generated, tool, seconds = zip(*rows)
+    turns, calls, status, per_turn, tool, seconds = zip(*rows)
+    generated = [sum(c) for c in per_turn]
+    checked = {f"determinism/tokens_turn{k + 1}": sum(c[k] for c in per_turn if len(c) > k)
+               for k in range(max(turns))}
     return {"episode/turns_mean": sum(turns) / n, "episode/tool_calls_mean": sum(calls) / n,
             "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
             **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
             "episode/generated_tokens_mean": sum(generated) / n,
-            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_s": sum(seconds)}
+            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_s": sum(seconds), **checked}
 
 
 def in_prompt_order(per_rank: list[list]) -> list:

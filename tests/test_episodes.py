@@ -103,6 +103,8 @@ def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_
     assert packed.targets.tolist() == generated == [
         t for c, mask in zip(ro.completions, ro.model) for t, own in zip(c, mask) if own]
     assert len(ro.logprobs) == len(generated) == parity.n_tokens == m["determinism/tokens"]
+    assert [m[f"determinism/tokens_turn{k}"] for k in (1, 2, 3)] == [
+        sum(len(e.turns[k].out.ids) for e in eps if len(e.turns) > k) for k in range(3)]
     assert sum(not own for mask in ro.model for own in mask) == m["episode/tool_tokens_mean"] * 16
     assert packed.tokens.tolist() == [t for e in eps for t in e.ids()]
     assert parity.max_abs_diff < 1e-4  # the stand-in's logprobs of every turn, as the trainer's
