@@ -2230,7 +2230,9 @@ def on_every_rank(trainer: Trainer, fn: Callable):
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     """Greedy (T = 0) episodes of the held-out problems, tools included, over every rank: their
     mean reward (for a 0/1 reward, the accuracy of the weights after `step` updates). Logged to
-    TensorBoard at `step`."""
+    TensorBoard at `step`, also in percent with its 95% interval (the dashboard's chart; normal
+    approximation, for a 0/1 reward the binomial one): 100 (mean +- 1.96 sqrt((mean(r^2) -
+    mean(r)^2) / N))."""
     task, cfg = trainer.task, trainer.cfg
     mine = my_prompts(len(task.eval_problems), trainer.ranks)
     t0 = time.perf_counter()
@@ -2250,15 +2252,20 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
         return played
 
     played = on_every_rank(trainer, episodes)
-    sums = torch.tensor([sum(e.reward for e in played), sum(e.generated() for e in played)],
-                        dtype=torch.float64, device=trainer.ranks.device)
-    total, length = (all_reduce(sums) / len(task.eval_problems)).tolist()
-    metrics = {"eval/accuracy": total, "eval/completion_len_mean": length}
-    if cfg.env:
-        calls = all_reduce(torch.tensor([sum(e.tool_calls > 0 for e in played)],
-                                        dtype=torch.float64, device=trainer.ranks.device))
-        metrics["eval/tool_call_frac"] = calls.item() / len(task.eval_problems)
-    metrics["time/eval_s"] = time.perf_counter() - t0
+    rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
+    sums = torch.tensor([rewards.sum().item(), rewards.square().sum().item(),
+                         sum(e.generated() for e in played),
+                         sum(e.tool_calls > 0 for e in played)], dtype=torch.float64,
+                        device=trainer.ranks.device)
+    n = len(task.eval_problems)
+    total, squares, length, calls = (all_reduce(sums) / n).tolist()
+    half = 1.96 * math.sqrt(max(squares - total * total, 0.0) / n)
+    metrics = {"eval/accuracy": total, "eval/accuracy_pct": 100 * total,
+               "eval/accuracy_low_pct": 100 * (total - half),
+               "eval/accuracy_high_pct": 100 * (total + half),
+               "eval/completion_len_mean": length,
+               **({"eval/tool_call_frac": calls} if cfg.env else {}),
+               "time/eval_s": time.perf_counter() - t0}
     write_scalars(trainer.writer, metrics, step)
     return metrics
 
@@ -2611,14 +2618,24 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
     """The Custom Scalars dashboard: the signals to act on first, one series per chart
     (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
-    Qwen3-MoE also the tokens whose experts differ from vLLM's."""
-    def charts(*titled):
-        return {title: ["Multiline", [tag]] for title, tag in titled}
+    Qwen3-MoE also the tokens whose experts differ from vLLM's.
+
+    TensorBoard reads a Multiline chart's tag as a regular expression matched at the start of
+    each tag, so each is anchored: `determinism/mismatched_tokens` alone, not `..._total` too.
+    The held-out accuracy is a Margin chart (value, lower, upper: exact tags), which TensorBoard
+    never smooths: its few points keep their values (a smoothed line of 6 evals starts at its
+    first, then lags), and the axis, which leaves out the outer 5% of the values it draws,
+    keeps the first and the last of a few evals in view (each point brings three values).
+    """
+    def charts(*titled):  # (title, tag): Multiline; (title, (value, lower, upper)): Margin
+        return {title: ["Margin", list(tag)] if isinstance(tag, tuple)
+                else ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in titled}
 
     layout = {
         "simple_rl": charts(
             ("reward (mean over the step's samples)", "reward_mean"),
-            ("held-out accuracy (greedy)", "eval/accuracy"),
+            ("held-out accuracy (greedy, %, 95% interval)",
+             ("eval/accuracy_pct", "eval/accuracy_low_pct", "eval/accuracy_high_pct")),
             ("loss", "loss"),
             ("KL to the initial policy (with --kl-coef > 0)", "kl_div"),
             ("entropy (nats per token)", "entropy"),

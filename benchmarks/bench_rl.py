@@ -11,7 +11,8 @@ prompts and token counts.
                  CUDA graphs, default model runner, no per-request seeds) in-process as TRL's
                  colocate mode runs it, and a Hugging Face transformers Qwen3 trainer (fp32
                  master weights, bf16 autocast, the best attention transformers offers,
-                 right-padded micro-batches as TRL pads them), in-memory push
+                 right-padded micro-batches as TRL pads them, of as many full-length rows as
+                 fit beside its awake engine: `user_micro_batch`), in-memory push
 
 Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is imported);
 `--nproc N` runs design (a) under torchrun on N GPUs (FSDP2 trainer, one engine per GPU):
@@ -19,6 +20,7 @@ Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is i
     python benchmarks/bench_rl.py --model CKPT --out bench.json [--designs abcd] [--profile]
     python benchmarks/bench_rl.py --model CKPT --out bench.json --designs ad --rounds 3
     python benchmarks/bench_rl.py --model CKPT --out bench_n2.json --designs a --nproc 2
+    python benchmarks/bench_rl.py --model CKPT --out bench_2048.json --new-tokens 2048
 
 Workload: 32 prompts x 8 samples, prompts of 128 random tokens, 256 new tokens, 1 warm-up
 step and 3 measured steps; a timing is the median over the measured steps (of every round,
@@ -46,9 +48,14 @@ sys.path.insert(0, str(ROOT))
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
 HBM_BYTES_S = 4.8e12  # H200 SXM datasheet
 LOGIT_PASSES = 4  # the sampler's fp32 passes over a step's logits (write, log-softmax, noise, pick)
-# (d)'s micro-batch when none is given: its padded fp32-master trainer peaked at 93 GiB with
-# 8192 tokens at 1.7B on an H200, so the 24576 that simple_rl picks there would not fit.
+# (d)'s largest micro-batch: its padded fp32-master trainer peaked at 93-105 GiB with 8192
+# tokens at 1.7B and 256 new tokens on an H200, so the 24576 that simple_rl picks would not fit.
 USER_MICRO_BATCH = 8192
+# (d)'s activations per token over what simple_rl's estimate counts for its own trainer: HF's
+# Qwen3 keeps fp32 residuals and norms, and the logprobs of every position unfused. From that
+# peak, 105 GiB: 11 KV cache + 3 engine weights + 26 trainer state + 3 bf16 weight copies + 4
+# fixed leave 58 GiB of activations at 8192 tokens, where simple_rl's estimate counts 23.6.
+USER_ACTIVATIONS = 2.5
 DESIGNS = {"a": "bitwise", "b": "plain", "c": "seed", "d": "user"}
 
 
@@ -184,6 +191,30 @@ def user_engine_class():
     return UserEngine
 
 
+def user_peak(cfg, args, tokens: int) -> float:
+    """(d)'s peak bytes on one GPU at `tokens` a micro-batch: what it keeps resident through
+    the update (the engine awake: bf16 weights and KV cache; fp32 master, gradient and AdamW
+    state; autocast's bf16 copy of every weight), fixed costs, and USER_ACTIVATIONS times the
+    activations simple_rl's estimate counts for that many tokens."""
+    import simple_rl as rl
+
+    est = rl.memory_estimate(rl.dataclasses.replace(cfg, micro_batch_tokens=tokens,
+                                                    engine_sleep=False), args, 1)
+    resident = est["engine"] + est["trainer state"] + est["bf16 weights"]
+    return resident + rl.MEMORY_FIXED + USER_ACTIVATIONS * est["activations"]
+
+
+def user_micro_batch(cfg, args, total: float) -> int:
+    """(d)'s micro-batch in tokens: k full-length rows (its rows are padded to the longest), the
+    most k with k rows <= USER_MICRO_BATCH tokens whose `user_peak` fits `total` bytes; else one
+    row. With the KV cache resident, 2048 new tokens leave room for 2 rows at 1.7B on an H200,
+    where 256 leave room for 21 (the 3 rows that 8192 tokens hold at 2048 ran out of memory)."""
+    seq = cfg.max_model_len
+    rows = [k for k in range(1, max(1, USER_MICRO_BATCH // seq) + 1)
+            if user_peak(cfg, args, k * seq) <= total]
+    return max(rows, default=1) * seq
+
+
 class HFTrainer:
     """(d)'s trainer: transformers' Qwen3 in fp32 with bf16 autocast, right-padded micro-batches,
     the same GRPO loss, fused AdamW."""
@@ -283,8 +314,11 @@ def measure(
         dtype="float32" if cpu else "bfloat16",
     )
     files = rl.load_model_files(cfg)
-    if design == "d" and not cfg.micro_batch_tokens:  # no memory model: the size it fits
-        cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=max(USER_MICRO_BATCH, seq))
+    if design == "d" and not cfg.micro_batch_tokens:  # the most rows its memory rule fits
+        cuda = rl.torch.cuda
+        total = float("inf") if cpu else cuda.get_device_properties(ranks.device).total_memory
+        mbt = user_micro_batch(cfg, files.args, total)
+        cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=mbt)
     cfg = rl.with_micro_batch(cfg, files.args, ranks)  # 0: what simple_rl picks on this GPU
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
         engine_factory = {

@@ -1,82 +1,125 @@
-"""Draw the charts to watch first from a run's TensorBoard event file, as one PNG.
+"""Draw the charts to watch first from a run's TensorBoard event files, as one PNG.
 
-    python benchmarks/plot_run.py runs/RUN --out curves.png      (needs matplotlib)
+    python benchmarks/plot_run.py runs/RUN --out curves.png
     python benchmarks/plot_run.py runs/RUN --charts reward,held-out --out learning.png
 
 The first group of charts on the Custom Scalars dashboard simple_rl writes (reward, held-out
-accuracy, loss, KL, entropy, the mismatched-token total, step time), read from the same
-layout, so the picture and the dashboard never disagree. A chart with no data in the run (the
-held-out accuracy without an eval, say) is left out.
+accuracy in percent with its 95% interval, loss, KL, entropy, the mismatched-token total, step
+time), read from the same layout and matched to the logged tags as TensorBoard matches them, so
+the picture and the dashboard never disagree. One series per chart, unsmoothed, at 800 pixels
+wide (the README's width). A chart with no data in the run (the held-out accuracy without an
+eval, say) is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import re
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+WIDTH_IN, DPI = 8.0, 100  # 800 pixels: the README's width
+YLABEL = {  # the y axis of each chart, by the tag it draws (default: the tag itself)
+    "reward_mean": "mean reward",
+    "eval/accuracy_pct": "accuracy (%)",
+    "kl_div": "KL (nats per token)",
+    "entropy": "nats per token",
+    "determinism/mismatched_tokens_total": "tokens",
+    "determinism/routing_mismatch": "tokens",
+    "time/step_s": "seconds",
+}
 
-def charts() -> list[tuple[str, list[str]]]:
-    """(title, tags) of every chart in the first group of simple_rl's Custom Scalars dashboard,
-    in its order (a Qwen3-MoE run's routing chart included: without data it is left out)."""
+
+def charts() -> list[tuple[str, str, list[str]]]:
+    """(title, kind, tags) of every chart in the first group of simple_rl's Custom Scalars
+    dashboard, in its order (a Qwen3-MoE run's routing chart included: without data it is
+    left out). kind "Multiline": one tag regex; "Margin": the value, lower and upper tags."""
     import simple_rl as rl
 
     layout = rl.tensorboard_layout(moe=True)["simple_rl"]
-    return [(title, tags) for title, (_, tags) in layout.items()]
+    return [(title, kind, tags) for title, (kind, tags) in layout.items()]
+
+
+def series(kind: str, tags: list[str], logged) -> list[str]:
+    """The logged tags a chart draws, as TensorBoard picks them: a Multiline tag is a regex
+    matched at the start of each tag; a Margin chart's three tags are exact names (all or
+    none)."""
+    if kind == "Margin":
+        return list(tags) if all(t in logged for t in tags) else []
+    return sorted(t for t in logged if any(re.match(pattern, t) for pattern in tags))
 
 
 def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} from the event files of one run directory (all of them:
+    a resumed run appends a file; TensorBoard's reader drops the steps a resume purged)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not any(Path(run_dir).glob("events.out.tfevents.*")):
+        sys.exit(f"plot_run: no TensorBoard event files in {run_dir}; give a run directory "
+                 "(runs/<run>), not the folder of runs.")
+    # a resume's purge is expected: no "TensorFlow restart" warning for it
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def plot(scalars: dict, out: str, title: str, only: list[str] | None = None) -> None:
+def plot(scalars: dict, out: str, title: str = "", only: list[str] | None = None):
+    """One panel per chart with data (those whose title starts with a word of `only`, if
+    given), three to a row, 800 pixels wide, saved to `out`; returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(name, tags) for name, tags in charts() if any(t in scalars for t in tags)
-              and (not only or name.startswith(tuple(only)))]
-    assert panels, "no simple_rl scalars in these event files"
+    panels = [(name, kind, series(kind, tags, scalars)) for name, kind, tags in charts()
+              if not only or name.startswith(tuple(only))]
+    panels = [p for p in panels if p[2]]
+    if not panels:
+        sys.exit("plot_run: none of the charts asked for has data in these event files.")
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(10 * cols / 3 + 1, 2.6 * rows), dpi=90,
-                             squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(WIDTH_IN, 2.6 * rows + 0.4 * bool(title)),
+                             dpi=DPI, squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (name, tags) in zip(axes.flat, panels):
-        for tag in tags:
-            if tag in scalars:
-                steps, values = zip(*scalars[tag])
-                ax.plot(steps, values, marker="o", markersize=3)
-        ax.set_title(name, fontsize=10)
+    for ax, (name, kind, tags) in zip(axes.flat, panels):
+        steps, values = zip(*scalars[tags[0]])
+        ax.plot(steps, values, marker="o", markersize=3 if len(steps) < 50 else 0)
+        if kind == "Margin":  # the 95% interval around the value
+            low, high = ([v for _, v in scalars[t]] for t in tags[1:])
+            ax.fill_between(steps, low, high, alpha=0.25, linewidth=0)
+        # a third of 800 pixels holds about 36 characters of a title
+        ax.set_title(textwrap.fill(name, 36, break_on_hyphens=False), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(YLABEL.get(tags[0], tags[0]), fontsize=8)
         ax.tick_params(labelsize=8)
-    fig.suptitle(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out)
+    plt.close(fig)  # out of pyplot's list of open figures; the object stays usable
+    return fig
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "run_dir", help="a run directory (LOG_DIR/RUN_NAME) or any folder of event files"
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("run_dir", help="a run directory (LOG_DIR/RUN_NAME)")
     p.add_argument("--out", default="curves.png")
-    p.add_argument("--title", default="")
+    p.add_argument("--title", default="", help="a title above the charts")
     p.add_argument("--charts", default="", help="comma-separated chart titles (their first "
-                   "words) to draw; default: every chart of the first group")
+                   "words) to draw; empty: every chart of the first group with data")
     a = p.parse_args()
     only = [c.strip() for c in a.charts.split(",") if c.strip()]
-    plot(read_scalars(a.run_dir), a.out, a.title or a.run_dir, only)
+    plot(read_scalars(a.run_dir), a.out, a.title, only)
     print(f"wrote {a.out}")
 
 

@@ -1,6 +1,7 @@
 """The benchmark harness on CPU: FLOPs by hand, a small run of designs a and c (stand-in engine)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,8 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_rl  # noqa: E402
+import plot_run  # noqa: E402
 import simple_rl as rl  # noqa: E402
-from helpers import TorchEngine  # noqa: E402
+from helpers import TorchEngine, cpu_argv, main_cpu, metrics_rows, run_cpu  # noqa: E402
 
 
 def test_flops_by_hand():
@@ -123,24 +125,127 @@ def test_table_reports_ratios_against_the_users_stack():
         "fwd_bwd_s 0.50-0.60" in text
 
 
-def test_plot_run_draws_the_dashboards_charts(tmp_path):
-    """The curves picture has the Custom Scalars dashboard's charts, those with data."""
-    from torch.utils.tensorboard import SummaryWriter
+@pytest.fixture(scope="module")
+def resumed_run(ckpt, tmp_path_factory):
+    """A one-step tiny CPU run (held-out evals before and after its step) resumed for a second
+    step: a run directory with two event files, as a resumed run has."""
+    runs = tmp_path_factory.mktemp("resumed") / "runs"
+    run_cpu(cpu_argv(ckpt(), runs, steps=1, save_every=1, run_name="r"))
+    assert main_cpu(["--resume", str(runs / "r" / "checkpoints" / "step_000001"),
+                     "--steps", "2"]) == 0
+    return runs / "r"
 
-    import plot_run
 
-    titles = [title for title, _ in plot_run.charts()]
-    assert titles == list(rl.tensorboard_layout(moe=True)["simple_rl"])  # one layout, its order
-    writer = SummaryWriter(str(tmp_path))
-    for step in range(3):
-        writer.add_scalar("reward_mean", 0.1 * step, step)
-        writer.add_scalar("time/rollout_s", 2.0, step)
-    writer.close()
-    scalars = plot_run.read_scalars(str(tmp_path))
-    assert scalars["reward_mean"] == [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.2))]
-    pytest.importorskip("matplotlib")
-    plot_run.plot(scalars, str(tmp_path / "curves.png"), "t")
-    assert (tmp_path / "curves.png").stat().st_size > 10_000
+# logged on CUDA only, and for Qwen3-MoE only: a CPU run of a dense model has none of them
+NOT_ON_CPU = ["memory/in_use_gib", "memory/peak_allocated_gib", "determinism/routing_mismatch",
+              "determinism/routing_tokens"]
+
+
+def test_every_dashboard_chart_draws_exactly_one_logged_tag(resumed_run):
+    """TensorBoard matches a Multiline chart's tag as a regex at the start of each logged tag
+    (`re.match`), and a Margin chart's three tags as `(value)|(lower)|(upper)`, escaped: each
+    chart must pick out exactly its own tags of a real run (unanchored,
+    `determinism/mismatched_tokens` drew `..._total` too)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(resumed_run), size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = acc.Tags()["scalars"] + NOT_ON_CPU
+    layout = rl.tensorboard_layout(moe=True)
+    for title, (kind, tags) in [c for group in layout.values() for c in group.items()]:
+        if kind == "Margin":
+            pattern = "|".join(f"({re.escape(t)})" for t in tags)
+            assert sorted(t for t in logged if re.match(pattern, t)) == sorted(tags), title
+        else:
+            assert len(tags) == 1, title  # one series: TensorBoard shows no legend
+            assert len([t for t in logged if re.match(tags[0], t)]) == 1, title
+    drawn = [plot_run.series(kind, tags, logged) for kind, tags in layout["simple_rl"].values()]
+    assert drawn == [["reward_mean"], ["eval/accuracy_pct", "eval/accuracy_low_pct",
+                     "eval/accuracy_high_pct"], ["loss"], ["kl_div"], ["entropy"],
+                     ["determinism/mismatched_tokens_total"], ["time/step_s"],
+                     ["determinism/routing_mismatch"]]
+
+
+def tensorboard_view(kind: str, values: list[float], lower=(), upper=()):
+    """What TensorBoard 2.x draws by default (smoothing 0.6, outliers ignored): the line's
+    values (a Multiline chart's debiased moving average; a Margin chart is never smoothed) and
+    the y range, the 5th to 95th percentile of every value drawn (line, lower, upper)."""
+    line = list(values)
+    if kind == "Multiline" and len(set(values)) > 1:
+        ema = 0.0
+        for i, v in enumerate(values):
+            ema = 0.6 * ema + 0.4 * v
+            line[i] = ema / (1 - 0.6 ** (i + 1))
+    drawn = torch.tensor([*line, *lower, *upper], dtype=torch.float64)
+    return line, torch.quantile(drawn, 0.05).item(), torch.quantile(drawn, 0.95).item()
+
+
+def test_held_out_chart_shows_every_eval_at_its_value_in_tensorboards_defaults():
+    """The README run's held-out accuracy (512 problems, greedy, before steps 0, 25, ..., 100
+    and after 120): on the dashboard's chart every point is drawn at its value and in view.
+    As a smoothed Multiline chart it spanned 0.48-0.64 and hid 0.246 and 0.684."""
+    acc = [0.24609375, 0.65625, 0.6484375, 0.662109375, 0.64453125, 0.68359375]
+    kind, tags = rl.tensorboard_layout()["simple_rl"]["held-out accuracy (greedy, %, 95% interval)"]
+    half = [1.96 * (p * (1 - p) / 512) ** 0.5 for p in acc]  # evaluate's interval, 0/1 rewards
+    pct = [100 * p for p in acc]
+    line, low, high = tensorboard_view(kind, pct, [100 * (p - h) for p, h in zip(acc, half)],
+                                       [100 * (p + h) for p, h in zip(acc, half)])
+    assert line == pytest.approx(pct) and low <= min(pct) and high >= max(pct)
+    assert tags[0] == "eval/accuracy_pct"
+
+
+def test_plot_run_draws_the_dashboards_charts_at_readme_width(resumed_run, tmp_path):
+    """plot_run.py on a tiny CPU run that was resumed (two event files): one panel per chart of
+    the dashboard's first group with data, axes labelled, the held-out accuracy in percent, 800
+    pixels wide; with --charts, only those."""
+    from matplotlib.image import imread
+
+    rows = metrics_rows(resumed_run)
+    out = tmp_path / "curves.png"
+    fig = plot_run.plot(plot_run.read_scalars(str(resumed_run)), str(out))
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    titles = [title for title, _, _ in plot_run.charts()]
+    assert [ax.get_title().replace("\n", " ") for ax in panels] == titles[:7]  # no MoE routing
+    assert all(ax.get_xlabel() == "step" and ax.get_ylabel() for ax in panels)
+    reward, held_out = panels[0].lines[0], panels[1].lines[0]
+    assert list(reward.get_xdata()) == [r["step"] for r in rows if "reward_mean" in r] == [0, 1]
+    assert list(reward.get_ydata()) == pytest.approx([r["reward_mean"] for r in rows
+                                                      if "reward_mean" in r], abs=1e-6)
+    evals = {r["step"]: 100 * r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    steps = list(held_out.get_xdata())
+    assert steps[0] == 0 and steps[-1] == 2  # the first eval and the one after the last step
+    assert list(held_out.get_ydata()) == pytest.approx([evals[s] for s in steps])
+    assert panels[1].get_ylabel() == "accuracy (%)"
+    assert imread(out).shape[:2] == (plot_run.DPI * 2.6 * 3, 800)
+    fig = plot_run.plot(plot_run.read_scalars(str(resumed_run)), str(out), only=["reward",
+                                                                               "held-out"])
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 2
+    assert imread(out).shape[:2] == (260, 800)
+
+
+def test_user_stack_picks_the_rows_that_fit_beside_its_awake_engine():
+    """Design (d) at Qwen3-1.7B's shape on an H200 (143,771 MiB), 32 x 8 samples of 128 + N
+    tokens: 21 full rows (8085 tokens) at N = 256, where its 8192-token micro-batch peaked at
+    93-105 GiB; 2 rows at N = 2048, where the 3 rows that 8192 tokens hold ran out of memory
+    (the engine's KV cache, awake through the update, grows from 11 to 60 GiB)."""
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(vocab_size=151936, hidden_size=2048, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=6144, tie_word_embeddings=True)
+    args, h200, gib = rl.model_args_from_hf(hf), 143771 * 2**20, 2**30
+
+    def cfg(new_tokens):
+        return rl.Config(num_prompts=32, group_size=8, max_new_tokens=new_tokens,
+                         max_model_len=128 + new_tokens + 1)
+
+    short, long = cfg(256), cfg(2048)
+    assert bench_rl.user_micro_batch(short, args, h200) == 21 * 385
+    assert 93 <= bench_rl.user_peak(short, args, 8192) / gib <= 107  # as measured
+    assert bench_rl.user_micro_batch(long, args, h200) == 2 * 2177
+    assert bench_rl.user_peak(long, args, 3 * 2177) > h200  # the out-of-memory run
+    assert bench_rl.user_micro_batch(long, args, float("inf")) == 3 * 2177  # at most 8192
+    assert bench_rl.user_micro_batch(cfg(4096), args, h200) == 4225  # nothing fits: one row
 
 
 def test_rounds_pool_into_medians_over_every_measured_step():

@@ -11,8 +11,6 @@ TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ra
         "determinism/max_abs_diff", "completion_len_mean", "completion_stopped_frac",
         "time/rollout_s", "time/engine_sleep_s", "time/train_s", "time/push_s", "time/step_s",
         "determinism/mismatched_tokens_total"]
-GPU_TAGS = ["memory/in_use_gib", "memory/peak_allocated_gib"]  # logged on CUDA only
-EVAL_TAGS = ["eval/accuracy", "eval/completion_len_mean", "time/eval_s"]  # logged by evaluate
 
 
 def make_trainer(path, tmp_path, **overrides):
@@ -103,17 +101,6 @@ def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckp
 def test_parity_report_flags_nan():
     rep = rl.parity_report(torch.tensor([-1.0]), torch.tensor([float("nan")]), torch.tensor([3]), 1)
     assert rep.n_mismatch == 1
-
-
-def test_custom_scalars_layout_names_logged_tags_one_per_chart():
-    layout = rl.tensorboard_layout()
-    charts = [c for category in layout.values() for c in category.values()]
-    assert all(len(tags) == 1 for _, tags in charts)  # TensorBoard shows no legend
-    tags = [ts[0] for _, ts in charts]
-    assert len(tags) == len(set(tags)) and set(tags) <= set(TAGS) | set(GPU_TAGS) | set(EVAL_TAGS)
-    first = [ts[0] for _, ts in layout["simple_rl"].values()]
-    assert first == ["reward_mean", "eval/accuracy", "loss", "kl_div", "entropy",
-                     "determinism/mismatched_tokens_total", "time/step_s"]
 
 
 def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(monkeypatch):

@@ -1,6 +1,7 @@
 """Your own reward (--reward FILE.py:FUNCTION) and task (--task jsonl), and their bad input."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -144,18 +145,20 @@ def test_the_default_reward_reads_text_answers_too():
 
 
 def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
-    """The warm-start script at a tiny size: a Qwen3 checkpoint that load_model_files accepts,
-    a tokenizer that splits digits, prompts exactly simple_rl's, and solutions the reward
-    scores 1."""
+    """The warm-start script at a tiny size: a progress line each --log-every steps (loss and
+    time), a Qwen3 checkpoint that load_model_files accepts, a tokenizer that splits digits,
+    prompts exactly simple_rl's, and solutions the reward scores 1."""
     import subprocess
 
     out = tmp_path / "warm"
     cmd = [sys.executable, str(ROOT / "examples" / "warm_start.py"), "--out", str(out),
            "--device", "cpu", "--layers", "1", "--dim", "64", "--ffn", "128", "--batch", "8",
-           "--steps", "2", "--eval-every", "2", "--eval-size", "4"]
+           "--steps", "2", "--eval-every", "2", "--eval-size", "4", "--log-every", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "held-out greedy accuracy" in done.stdout
+    assert re.search(r"^step 1/2 \| loss \d+\.\d{4} \| \d+ s \(\d+\.\d\d s/step\)$",
+                     done.stdout, re.M), done.stdout
+    assert "step 2 | loss" in done.stdout and "held-out greedy accuracy" in done.stdout
     files = rl.load_model_files(rl.Config(model=str(out)))
     assert files.args.n_layers == 1 and files.args.enable_weight_tying
     tok = files.tokenizer
