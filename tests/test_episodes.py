@@ -431,3 +431,27 @@ def test_two_ranks_play_the_episodes_one_rank_plays(ckpt, tmp_path, env_file):
     for a, b in zip(one, two):
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_the_tool_warm_start_calls_the_calculator_as_the_episode_loop_renders_it():
+    """examples/warm_start.py --tool: <calc> and </calc> are single tokens the env reads, and
+    a tool answer's sequence is the prompt, the call, the tool's message as simple_rl appends
+    it (not a target) and the answer: what an episode of `--env calc` holds."""
+    import sys
+
+    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
+    import warm_start as ws
+
+    tok = ws.make_tokenizer(512, 0, tool=True)
+    assert len(tok.encode("</calc>", add_special_tokens=False)) == 1
+    problem = rl.Problem("What is 47 * 83 - 5? End with 'Answer: <number>'.", "3896")
+    ids, _, labels = ws.batch_of([problem], [False], tok, torch.device("cpu"), tool=True)
+    call = tok("<calc>47 * 83 - 5</calc>", add_special_tokens=False)["input_ids"]
+    prompt = rl.format_prompts([problem], tok, rl.Config())[0]
+    tool = rl.tool_message_ids(tok, ["3896"], rl.Config())[0]
+    assert ids[0].tolist()[:len(prompt) + len(call) + len(tool)] == prompt + call + tool
+    trained = [t for t in labels[0].tolist() if t != -100]
+    assert tok.decode(trained) == "<calc>47 * 83 - 5</calc>Answer: 3896<|im_end|>"
+    env = rl.CalcEnv()
+    env.reset(problem)
+    assert env.step(tok.decode(call, skip_special_tokens=True)) == ("3896", None)
