@@ -198,12 +198,16 @@ class Config:
     log_param_deltas: bool = opt("logging", False, "log weight deltas per parameter, not only "
                                  "per layer")
     verbose: bool = opt("logging", False, "show vLLM's and the libraries' INFO logs and warnings")
+    check: bool = opt("logging", False, "run every check that needs no GPU (config, model files, "
+                      "tokenizer, data, reward, run directory), one line each, and exit")
     # --- checkpoints
     save_every: int = opt("checkpoints", 10, "save a checkpoint every N steps (0: only on "
                           "Ctrl-C/SIGTERM)")
     keep_last: int = opt("checkpoints", 3, "checkpoints to keep")
     resume: str = opt("checkpoints", "", "continue from a checkpoint directory, or 'latest'")
     overwrite: bool = opt("checkpoints", False, "replace LOG_DIR/RUN_NAME if it holds a run")
+    allow_changed_files: bool = opt("checkpoints", False, "resume with a --reward, --model or "
+                                    "--data-files whose files differ from the checkpoint's run's")
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -600,12 +604,13 @@ class ModelFiles:
     tool_ids: list[int] = field(default_factory=list)  # --tool-stop's ids: they end a turn too
 
 
-def load_model_files(cfg: Config) -> ModelFiles:
-    """Path, model args, tokenizer and stop ids, after checking they fit together and the config.
+def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
+    """Path, model args, tokenizer and stop ids, after checking they fit together and the config
+    (`path`: --model already resolved to a directory).
 
     Opens headers only; nothing here takes more than seconds.
     """
-    path = resolve_checkpoint(cfg.model)
+    path = path or resolve_checkpoint(cfg.model)
     hf_cfg = read_qwen3_config(path)
     args = model_args_from_hf(hf_cfg)
     need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
@@ -1250,50 +1255,82 @@ def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     return pool, heldout
 
 
-def read_rows(data_files: str, task: str):
-    """The rows of a local parquet or jsonl file, or of GSM8K on the hub (data_files '')."""
+def read_rows(data_files: str, task: str) -> dict[str, list]:
+    """The question and answer columns of a local jsonl or parquet file, or of GSM8K on the hub
+    (data_files ''). A jsonl number is read as the text written in the file."""
+    file = Path(data_files).expanduser()
+    if data_files:
+        need(file.is_file(), f"--data-files {data_files!r} is not a file.")
+        need(file.stat().st_size > 0, f"--data-files {data_files!r} is empty.")
+    if data_files and not data_files.endswith(".parquet"):
+        rows = read_jsonl(file)
+    else:
+        rows = read_with_datasets(data_files, task)
+    source = data_files or "GSM8K"
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    need({"question", "answer"} <= set(columns), f"{source} has columns {columns}; "
+         f"{'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' and 'answer'.")
+    need(len(rows) > 0, f"{source} has no rows.")
+    out = {k: [row.get(k) for row in rows] for k in ("question", "answer")}
+    bad = next(((i, q) for i, q in enumerate(out["question"])
+                if not isinstance(q, str) or q.strip() == ""), None)
+    if bad is not None:  # null or blank: it would be trained on as the text "None" or ""
+        raise ConfigError(f"{source}: row {bad[0]} has a question that is not text "
+                          f"({str(bad[1])[:60]!r}).")
+    return out
+
+
+def read_jsonl(file: Path) -> list[dict]:
+    """The rows of a JSON-lines file (or of one JSON list of rows), every number kept as the
+    text written in the file: 12345678901234567891 stays that, 4 stays "4"."""
+    as_text = dict(parse_int=str, parse_float=str, parse_constant=str)  # NaN: its text too
+    n = 0  # the line being read (0: the whole file)
+    try:
+        text = file.read_text()
+        if text.lstrip().startswith("["):
+            rows = json.loads(text, **as_text)
+        else:
+            rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line, **as_text))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" line {n}" if n else ""
+        raise ConfigError(f"--data-files {str(file)!r}{where} is not valid JSON "
+                          f"({type(e).__name__}: {str(e)[:200]}).") from e
+    need(isinstance(rows, list) and all(isinstance(r, dict) for r in rows),
+         f"--data-files {str(file)!r}: every row must be a JSON object with 'question' and "
+         "'answer'.")
+    return rows
+
+
+def read_with_datasets(data_files: str, task: str) -> list[dict]:
+    """The rows of a local parquet file (its own column types) or of GSM8K from the hub."""
     try:
         import datasets
     except ImportError as e:
         raise ConfigError(f"--task {task} needs the `datasets` package: pip install "
                           "datasets.") from e
-    file = Path(data_files).expanduser()
-    kind = "parquet" if data_files.endswith(".parquet") else "json"
     hub = {"offline": False}  # set when the hub's host did not answer: the cache only
     try:
         if data_files:
-            need(file.is_file(), f"--data-files {data_files!r} is not a file.")
-            need(file.stat().st_size > 0, f"--data-files {data_files!r} is empty.")
-            rows = datasets.load_dataset(kind, data_files=str(file), split="train")
+            rows = datasets.load_dataset("parquet", data_files=data_files, split="train")
         else:
             with hub_offline_unless_reachable(datasets, hub):  # no retries for half a minute
                 rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
-    except ConfigError:
-        raise
     except Exception as e:
         if data_files:  # a local file: its content, not the network, is the problem
-            kind = "parquet" if kind == "parquet" else "jsonl"
             cause = e
             while cause.__cause__ is not None:  # datasets wraps the parser's own error
                 cause = cause.__cause__
             text = " ".join(str(cause).split())[:200]
-            raise ConfigError(f"--data-files {data_files!r} is not readable as {kind} "
+            raise ConfigError(f"--data-files {data_files!r} is not readable as parquet "
                               f"({type(cause).__name__}: {text}).") from e
         why = ("the hub cannot be reached and it is not in the cache" if hub["offline"] else
                f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
         raise ConfigError(f"could not load GSM8K (openai/gsm8k): {why}; download it and pass "
                           "--data-files.") from e
-    source = data_files or "GSM8K"
-    need({"question", "answer"} <= set(rows.column_names), f"{source} has columns "
-         f"{rows.column_names}; {'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' "
-         "and 'answer'.")
-    need(len(rows) > 0, f"{source} has no rows.")
-    bad = next(((i, q) for i, q in enumerate(rows["question"])
-                if not isinstance(q, str) or q.strip() == ""), None)
-    if bad is not None:  # null or blank: it would be trained on as the text "None" or ""
-        raise ConfigError(f"{source}: row {bad[0]} has a question that is not text "
-                          f"({str(bad[1])[:60]!r}).")
-    return rows
+    return rows.to_list()
 
 
 def gsm8k_problems(data_files: str) -> list[Problem]:
@@ -1313,7 +1350,7 @@ def gsm8k_problems(data_files: str) -> list[Problem]:
 
 def jsonl_problems(data_files: str) -> list[Problem]:
     """Your rows: `question` is the prompt as written, `answer` what the reward compares with
-    (a number is read as its text)."""
+    (a number is read as the text written in the file)."""
     rows = read_rows(data_files, "jsonl")
     out = []
     for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
@@ -1464,6 +1501,15 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> float:
+    """A first call, before anything slow: an empty completion (a model may stop at once) must
+    get a finite number (returned)."""
+    try:
+        return score(reward_fn, [""], [task.problems[0].answer]).item()
+    except RewardError as e:
+        raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
+
+
 def user_object(spec: str, option: str):
     """FILE.py:NAME -> (the module's NAME or None, the file's path, NAME), once the file imports."""
     import importlib.util
@@ -1484,13 +1530,24 @@ def user_object(spec: str, option: str):
 
 def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
     """reward_fn(text, answer) of every sample, (B,) fp32; RewardError names the first sample
-    whose reward raised or is not a finite number."""
+    whose reward raised (SystemExit included: the reward's, not the run's end; Ctrl-C stays
+    Ctrl-C) or is not a number finite in fp32."""
     out = []
     for i, (text, answer) in enumerate(zip(texts, answers)):
         with user_errors(i, text):
             value = reward_fn(text, answer)
         out.append(finite_reward(value, i, text))
     return torch.tensor(out, dtype=torch.float32)
+
+
+def finite_advantages(rewards: torch.Tensor, cfg: Config, texts: list[str]) -> None:
+    """RewardError on the first sample whose group's advantages are not finite: rewards so
+    large that the group's mean or std overflows fp32."""
+    adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize, cfg.adv_eps)  # (B*G,)
+    bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
+    if bad:
+        raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
+                          "advantages are not finite", bad[0], texts[bad[0]])
 
 
 @contextlib.contextmanager
@@ -1500,14 +1557,23 @@ def user_errors(sample: int, completion: str):
         yield
     except ToolError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
         raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
 
 
 def finite_reward(value, sample: int, completion: str) -> float:
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"returned {value!r}, not a finite number", sample, completion)
-    return float(value)
+    """value as a float, if it is a number finite in fp32; RewardError otherwise."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) else math.nan
+    except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
+        number = math.nan
+    if not (math.isfinite(number) and abs(number) <= FP32_MAX):
+        try:
+            shown = repr(value)[:80]
+        except Exception:  # an int of more than 4300 digits, or a repr that raises
+            shown = f"a {type(value).__name__}"
+        raise RewardError(f"returned {shown}, not a finite number in fp32", sample, completion)
+    return number
 
 
 # ==========================================================================
@@ -2096,6 +2162,7 @@ class Trainer:
     writer: object = None  # TensorBoard SummaryWriter, on rank 0
     reward_fn: RewardFn = reward  # reward(completion, answer) -> float: ours or --reward's
     make_env: Callable[[], Env] | None = None  # --env's; None: one turn, scored by reward_fn
+    inputs: dict = field(default_factory=dict)  # sha256 of the files the run read (INPUTS)
     mismatched_total: int = 0  # mismatched tokens since the run began (kept in checkpoints)
 
 
@@ -2124,6 +2191,13 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         play(trainer.engine, trainer.tokenizer, cfg, played,
              lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn), cfg.temperature,
              where)
+        rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
+        try:  # rewards so large that a group's advantages overflow fp32
+            finite_advantages(rewards, cfg, decode(trainer.tokenizer,
+                                                   [e.turns[-1].out.ids for e in played]))
+        except RewardError as e:
+            e.where = where(e.sample)
+            raise
         return episodes_rollout(played, first.routed is not None)
 
     t0 = time.perf_counter()
@@ -2193,9 +2267,10 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
 def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
     """Each metric to TensorBoard at `step` (on rank 0; the other ranks have no writer)."""
     if writer is not None:
-        for k, v in metrics.items():
-            writer.add_scalar(k, v, step)
-        writer.flush()
+        with writing(Path(writer.log_dir)):
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
@@ -2281,7 +2356,8 @@ def eval_due(cfg: Config, step: int) -> bool:
 def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
 
-    Ctrl-C or SIGTERM lets the current step finish, saves a checkpoint and closes TensorBoard.
+    Ctrl-C or SIGTERM lets the current step (or the last eval, or the export) finish, saves a
+    checkpoint and closes TensorBoard.
     A non-finite logprob, loss, gradient norm or weight stops the run before anything is saved
     or pushed, writes a diagnostic and keeps the last good checkpoint.
     """
@@ -2304,29 +2380,66 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                     raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
                                      f"mismatched tokens and {parity.routing_mismatch} routed "
                                      "to other experts.", EXIT_PARITY)
-                # every rank stops together, after the signal any of them received
-                asked = int(all_reduce(torch.tensor([stop.signal or 0], device=device),
-                                       dist.ReduceOp.MAX))
-                if asked or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                asked = signal_on_any_rank(stop, device)
+                if asked:
+                    raise save_and_stop(trainer, run_dir, source, step + 1, asked,
+                                        f"after step {step}")
+                if cfg.save_every and (step + 1) % cfg.save_every == 0:
                     print0(f"saving checkpoint step_{step + 1:06d}")
-                    ckpt = save_checkpoint(run_dir, trainer, step + 1, source)
-                    if asked:
-                        code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
-                        raise RunStopped(f"stopped after step {step}; checkpoint {ckpt}; "
-                                         f"continue with --resume {ckpt}", code)
-        if eval_due(cfg, cfg.steps):
-            with stops_at(trainer, cfg.steps, run_dir):
-                final = evaluate(trainer, cfg.steps)
-            if metrics_log is not None:
-                metrics_log.write(json.dumps({"step": cfg.steps, **final}) + "\n")
-            print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f} "
-                   f"({len(trainer.task.eval_problems)} problems, greedy)")
+                    save_checkpoint(run_dir, trainer, step + 1, source)
+            if eval_due(cfg, cfg.steps):
+                with stops_at(trainer, cfg.steps, run_dir):
+                    final = evaluate(trainer, cfg.steps)
+                log_row(metrics_log, {"step": cfg.steps, **final})
+                print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
+                       f" ({len(trainer.task.eval_problems)} problems, greedy)")
+            asked = signal_on_any_rank(stop, device)  # during the last eval: no export
+            if asked:
+                raise save_and_stop(trainer, run_dir, source, cfg.steps, asked,
+                                    "after the last step, before the final export")
+            digest = export_final(trainer, run_dir, source)
+            asked = signal_on_any_rank(stop, device)  # during the export, which is whole
+            if asked:
+                raise save_and_stop(trainer, run_dir, source, cfg.steps, asked,
+                                    f"after the final export ({export_dir(cfg, run_dir)})")
     finally:
-        if metrics_log is not None:
-            metrics_log.close()
-        if trainer.writer is not None:
-            trainer.writer.close()
-    return export_final(trainer, run_dir, source)
+        close_logs(trainer, metrics_log, run_dir)
+    return digest
+
+
+def signal_on_any_rank(stop: StopRequest, device) -> int:
+    """The Ctrl-C or SIGTERM any rank received (0: none): every rank stops together."""
+    return int(all_reduce(torch.tensor([stop.signal or 0], device=device), dist.ReduceOp.MAX))
+
+
+def save_and_stop(trainer: Trainer, run_dir: Path, source: Path, next_step: int, asked: int,
+                  when: str) -> RunStopped:
+    """After a signal: the checkpoint of the steps done, and the stop (exit 130 or 143)."""
+    print0(f"saving checkpoint step_{next_step:06d}")
+    ckpt = save_checkpoint(run_dir, trainer, next_step, source)
+    code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
+    return RunStopped(f"stopped {when}; checkpoint {ckpt}; continue with --resume {ckpt}", code)
+
+
+def log_row(metrics_log, row: dict) -> None:
+    """A row of metrics.jsonl, flushed (rank 0 has the file open; the others have None)."""
+    if metrics_log is not None:
+        with writing(Path(metrics_log.name)):
+            metrics_log.write(json.dumps(row) + "\n")
+            metrics_log.flush()
+
+
+def close_logs(trainer: Trainer, metrics_log, run_dir: Path) -> None:
+    """metrics.jsonl and TensorBoard closed, each even if the other fails (a disk error: exit
+    6, as at every write)."""
+    try:
+        with writing(run_dir / "metrics.jsonl"):
+            if metrics_log is not None:
+                metrics_log.close()
+    finally:
+        with writing(run_dir):
+            if trainer.writer is not None:
+                trainer.writer.close()
 
 
 def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, float],
@@ -2334,10 +2447,8 @@ def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, flo
     """The step's row in metrics.jsonl (rank 0), its parity line (with the token table every
     --parity-every steps, the run's first, and any that differs) and its step line."""
     cfg = trainer.cfg
-    if metrics_log is not None:
-        row = {k: v for k, v in metrics.items() if not k.startswith("weight_delta/")}
-        metrics_log.write(json.dumps({"step": step, **row}) + "\n")
-        metrics_log.flush()
+    log_row(metrics_log, {"step": step, **{k: v for k, v in metrics.items()
+                                           if not k.startswith("weight_delta/")}})
     bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
     if bitwise or not parity.n_mismatch:  # with reference kernels setup said once why
         if parity.n_mismatch or step % cfg.parity_every == 0 or first:
@@ -2501,32 +2612,46 @@ def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
 def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
           device_type: str = "cuda"):
     """Build (or rebuild from a checkpoint) everything `train` needs; returns
-    (trainer, first step, run dir, model dir).
+    (trainer, first step, run dir, model dir), or None after --check.
 
-    Every check that needs only the config, the checkpoint and the tokenizer runs before the
-    run directory is made and before the engine starts. engine_factory(cfg, files, ranks)
-    makes the rollout engine: VLLMEngine by default (tests pass a CPU stand-in).
+    Every check that needs only the config, the checkpoint, the files and the reward runs
+    before the GPU is looked for (in one process), the run directory is made and the engine
+    starts. engine_factory(cfg, files, ranks) makes the rollout engine: VLLMEngine by default
+    (tests pass a CPU stand-in).
     """
-    # 1. Ranks. The process group exists before vLLM starts: vLLM joins it.
-    if engine_factory is None:
+    # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
+    # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
+    gpu_first = engine_factory is None and "RANK" in os.environ
+    if gpu_first:
         prepare_environment(cfg)
-        engine_factory = VLLMEngine
     ranks = init_ranks(device_type)
 
     # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
-    cfg, ckpt = on_rank0(lambda: resolve_run(cfg, passed))
+    cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))
     check_ranks(cfg, ranks.world)
 
-    # 3. Model files, tokenizer, the run's prompts, memory: headers and text only, seconds.
-    files = load_model_files(cfg)
+    # 3. Every check that needs no GPU: a resume reads only the files its run read; then model
+    # files, tokenizer, the run's prompts and the reward (headers and text only, seconds).
+    model_dir = resolve_checkpoint(cfg.model)
+    inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
+    check_unchanged(cfg, inputs, expect)
+    files = load_model_files(cfg, model_dir)
     task = load_task(cfg, files.tokenizer)
     reward_fn = load_reward(cfg.reward)
+    empty = check_reward(reward_fn, cfg.reward, task)
     make_env = load_env(cfg.env, reward_fn)
-    env = check_env(make_env, cfg, task)
+    env = check_env(make_env, cfg, task) if cfg.env else None  # else check_reward did it
     stops = cfg.tool_stop or getattr(env, "tool_stop", "")
     files = dataclasses.replace(files, tool_ids=tool_stop_ids(files.tokenizer, stops))
     if files.tool_ids:
         tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
+    if cfg.check:  # nothing made, no engine: say what was checked
+        print0(check_report(cfg, ckpt, files, task, empty))
+        return None
+    if engine_factory is None:  # the GPU, the environment parity needs and vLLM
+        if not gpu_first:
+            prepare_environment(cfg)
+        engine_factory = VLLMEngine
     cfg = with_micro_batch(cfg, files.args, ranks)  # the run's config keeps the choice
     memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
@@ -2548,7 +2673,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     del hf_state
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
-                      reward_fn=reward_fn, make_env=make_env if cfg.env else None)
+                      reward_fn=reward_fn, make_env=make_env if cfg.env else None,
+                      inputs={n: digests(f) for n, f in inputs.items()})
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
 
@@ -2590,6 +2716,7 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
     was logged after the checkpoint."""
     from torch.utils.tensorboard import SummaryWriter
 
+    quiet_writer_thread()
     with writing(run_dir):
         trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
         trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
@@ -2606,6 +2733,32 @@ def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory:
     memory = f" | {memory} (estimate)" if memory else ""
     return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
             f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
+
+
+def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
+                 empty: float) -> str:
+    """--check's answer: one line per thing checked, each of which passed."""
+    run_dir = Path(cfg.log_dir) / cfg.run_name
+    where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
+             "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
+    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
+    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
+    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
+    lines = [
+        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
+        f"run directory {run_dir}: {where}",
+        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
+           "run's (sha256)"] if ckpt else []),
+        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
+        "every safetensors header agree",
+        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
+        f"data ({cfg.task}): {len(task.problems)} training problems, {len(task.eval_problems)} "
+        f"held out; the longest prompt ({max(lengths)} tokens) fits --max-model-len",
+        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
+        "on an empty completion",
+        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
+    ]
+    return "\n".join(f"check: {line}" for line in lines)
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -2680,7 +2833,10 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     released when it ends, however it ends."""
     held = set(RUN_LOCKS)
     try:
-        trainer, start, run_dir, path = setup(cfg, passed, engine_factory, device_type)
+        built = setup(cfg, passed, engine_factory, device_type)
+        if built is None:  # --check
+            return ""
+        trainer, start, run_dir, path = built
         if trainer.cfg.debug_parity:
             cfg = trainer.cfg
             first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
@@ -2736,6 +2892,7 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 REWARD_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
 FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
 MAX_TURNS = 2**15  # a turn's seeds lie turn * 2^48 above the first's, within 64 bits
+FP32_MAX = 3.4028234663852886e38  # fp32's largest finite number
 MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
 
 
@@ -2778,7 +2935,24 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, set[str]]:
             group.add_argument(flag(f.name), dest=f.name, type=kind, choices=meta["choices"],
                                help=meta["help"] + shown)
     given = vars(p.parse_args(argv))
-    return Config(**given), set(given)
+    return absolute_paths(Config(**given)), set(given)
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """Every path of the config made absolute, once, at start: a reward or a library that
+    changes the working directory mid-run cannot move the run or what it reads."""
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().absolute()) if path else path
+
+    reward = cfg.reward
+    if ":" in reward:
+        file, name = reward.rsplit(":", 1)
+        reward = f"{absolute(file)}:{name}"
+    return dataclasses.replace(
+        cfg, log_dir=absolute(cfg.log_dir), output_dir=absolute(cfg.output_dir),
+        data_files=absolute(cfg.data_files), reward=reward,
+        resume=cfg.resume if cfg.resume == "latest" else absolute(cfg.resume),
+        model=absolute(cfg.model) if looks_like_path(cfg.model) else cfg.model)
 
 
 def need(ok: bool, message: str) -> None:
@@ -3472,7 +3646,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
         if is_main():
             state = dict(next_step=next_step, world_size=trainer.ranks.world,
                          shapes=model_shapes(trainer.model),
-                         mismatched_total=trainer.mismatched_total,
+                         mismatched_total=trainer.mismatched_total, inputs=trainer.inputs,
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
                          sampler_seeds=[sample_seed(cfg, next_step, i)
@@ -3587,6 +3761,13 @@ def read_dcp_metadata(ckpt: Path):
     need(isinstance(meta, Metadata) and isinstance(meta.state_dict_metadata, dict)
          and isinstance(meta.storage_data, dict), f"{ckpt} cannot be restored (trainer/.metadata "
          "is not DCP's metadata); resume from an earlier checkpoint.")
+    root = (ckpt / "trainer").resolve()  # its shards: inside it, after '..' and links
+    paths = [getattr(info, "relative_path", None) for info in meta.storage_data.values()]
+    outside = [p for p in paths if not isinstance(p, str) or not p or "\0" in p
+               or not (root / p).resolve().is_relative_to(root)]
+    need(not outside, f"{ckpt} cannot be restored (trainer/.metadata names "
+         f"{str(outside[:1])[1:-1][:80]}, not a file of trainer/); resume from an earlier "
+         "checkpoint.")
     return meta
 
 
@@ -3677,9 +3858,69 @@ RESUMABLE = {"steps", "save_every", "keep_last", "parity_rows", "parity_every", 
              "eval_every"}
 
 
-# The flags a resume takes from the command line only: where it writes and what it may delete
-# are never chosen by a checkpoint's files.
-PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume"}
+# The flags a resume takes from the command line only: where it writes, what it may delete and
+# which changes it accepts are never chosen by a checkpoint's files.
+PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume", "allow_changed_files",
+              "check"}
+
+
+# The flags that name what a run reads: the reward's code, the model's config and tokenizer,
+# the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A resume
+# imports only the command line's --reward; --model and --data-files it takes from the command
+# line, or from the checkpoint when their files still have the recorded sha256.
+INPUTS = ("reward", "env", "model", "data_files")
+
+
+def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
+    """The files behind one of INPUTS, by key: the reward's or env's file (keyed by NAME), the
+    data file, the model's config.json and tokenizer files."""
+    if name == "model":
+        return {f: model_dir / f for f in ("config.json", *TOKENIZER_FILES)
+                if (model_dir / f).is_file()}
+    if not value or (name == "env" and value == "calc"):
+        return {}
+    if name in ("reward", "env"):
+        file, function = value.rsplit(":", 1)
+        return {function: Path(file)}
+    return {"data": Path(value)}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digests(files: dict[str, Path]) -> dict[str, str]:
+    """sha256 of each regular file (a FIFO or a device is left to the loader to refuse)."""
+    return {key: sha256_file(p) for key, p in files.items() if p.is_file()}
+
+
+def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]], expect: dict | None):
+    """On a resume, before any of `inputs` is read: each must be what the checkpoint's run
+    read (sha256). A path taken from the checkpoint must match; one given on the command line
+    may differ only with --allow-changed-files, which says so in a warning."""
+    if expect is None:
+        return
+    recorded = expect["recorded"] if isinstance(expect["recorded"], dict) else {}
+    for name, files in inputs.items():
+        want = recorded.get(name, {})  # none recorded: it must read no file
+        found = digests(files)
+        if found == want:
+            continue
+        want = want if isinstance(want, dict) else {}
+        differs = [files[k] for k in sorted(files) if found.get(k) != want.get(k)]
+        what = str(differs[0]) if differs else f"{flag(name)} {getattr(cfg, name)}"
+        need(name in expect["given"], f"{what} is not what the run read when {cfg.resume} was "
+             f"saved (sha256 differs, or the checkpoint records none); pass {flag(name)} to "
+             "name the files to use (changed ones also need --allow-changed-files).")
+        need(cfg.allow_changed_files, f"{what} is not what the run read when {cfg.resume} was "
+             "saved (sha256 differs, or the checkpoint records none); pass "
+             "--allow-changed-files to resume with it.")
+        print0(f"warning: {what} differs from what the run read when {cfg.resume} was saved; "
+               "resuming with it (--allow-changed-files).")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -3706,7 +3947,8 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
     """The checkpoint's config, with the flags a resume may change; warns about the others.
 
     Where the run writes and what it may delete come from the command line alone
-    (PATH_FLAGS; see resume_location): never from the checkpoint's run_config.json.
+    (PATH_FLAGS; see resume_location), and so does the reward's code: never from the
+    checkpoint's run_config.json.
     """
     file = ckpt / "run_config.json"
     try:
@@ -3718,30 +3960,49 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         validate(dataclasses.replace(resumed, resume=""))
     except ConfigError as e:
         raise ConfigError(f"{file} holds an invalid config: {e}") from e
-    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS
+    need(not resumed.reward or "reward" in passed, f"{ckpt}'s run used --reward "
+         f"{resumed.reward}; a resume imports no code its checkpoint names: pass --reward "
+         "FILE.py:FUNCTION again.")
+    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS)
                      if getattr(cfg, n) != saved.get(n))
     if ignored:
         flags = ", ".join(flag(n) for n in ignored)
         print0(f"warning: --resume takes these from the checkpoint and ignores the command "
                f"line's: {flags}.")
-    keep = {n: getattr(cfg, n) for n in RESUMABLE if n in passed}
-    keep.update({n: getattr(cfg, n) for n in PATH_FLAGS})
+    keep = {n: getattr(cfg, n) for n in RESUMABLE | set(INPUTS) if n in passed}
+    keep.update({n: getattr(cfg, n) for n in PATH_FLAGS}, reward=cfg.reward)
     log_dir, run_name = resume_location(cfg, passed, ckpt)
     keep.update(log_dir=log_dir, run_name=run_name, resume=str(ckpt))
     return dataclasses.replace(resumed, **keep)
 
 
-def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None]:
-    """The config to run (a resume's comes from its checkpoint) and the checkpoint, if any."""
-    ckpt = find_checkpoint(cfg) if cfg.resume else None
-    if ckpt is not None:
+def resolve_run(cfg: Config, passed: set[str]) -> tuple[Config, Path | None, dict | None]:
+    """The config to run (a resume's comes from its checkpoint), the checkpoint, if any, and
+    what check_unchanged compares the run's input files with (None: not a resume).
+
+    A resume that continues a run directory locks it first, then chooses and reads its
+    checkpoint: no other process can replace the run in between.
+    """
+    ckpt, expect = None, None
+    if cfg.resume:
+        ckpt = find_checkpoint(cfg)
+        log_dir, run_name = resume_location(cfg, passed, ckpt)
+        run_dir = Path(log_dir) / run_name
+        if continues(ckpt, run_dir):
+            with writing(run_dir):
+                lock_run_dir(run_dir)
+            ckpt = find_checkpoint(cfg)  # chosen again, under the lock
+            need(continues(ckpt, run_dir), f"--resume {cfg.resume}: the runs in {log_dir} "
+                 "changed while it started; try again.")
         check_checkpoint_files(ckpt)
-        cfg = resume_config(cfg, passed, ckpt)
+        cfg = absolute_paths(resume_config(cfg, passed, ckpt))  # an older one's may be relative
+        expect = dict(recorded=read_checkpoint_state(ckpt).get("inputs"),
+                      given=passed & set(INPUTS))
     validate(cfg)
     if not cfg.run_name:
         cfg = dataclasses.replace(cfg, run_name=time.strftime("%Y%m%d-%H%M%S"))
     check_run_paths(cfg, ckpt)  # before the weights are read, and again under the run's lock
-    return cfg, ckpt
+    return cfg, ckpt, expect
 
 
 def purge_after(metrics_log: Path, start: int) -> None:
@@ -3855,14 +4116,15 @@ def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
     """LOG_DIR/RUN_NAME, made and locked; an old run there is replaced only with --overwrite,
     which removes what that one directory holds and nothing else."""
     run_dir = check_run_paths(cfg, ckpt)
-    with writing(run_dir):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock_run_dir(run_dir)
-    try:  # again under the lock: a run may have started there since the checks
-        check_run_paths(cfg, ckpt)
-    except ConfigError:
-        release_run_dir(run_dir)
-        raise
+    if not continues(ckpt, run_dir):  # a resume in place locked it before reading (resolve_run)
+        with writing(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock_run_dir(run_dir)
+        try:  # again under the lock: a run may have started there since the checks
+            check_run_paths(cfg, ckpt)
+        except ConfigError:
+            release_run_dir(run_dir)
+            raise
     if holds_run(run_dir) and not continues(ckpt, run_dir):
         with writing(run_dir):
             for p in run_dir.iterdir():  # everything but the lock this process holds
@@ -4100,12 +4362,35 @@ def quiet_console(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "warning")  # its autotuner's INFO lines
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split"
+    if sys.modules.get("datasets") is not None:  # imported before: it read the variable
+        sys.modules["datasets"].disable_progress_bars()
     for module in ("torch", "vllm", "transformers", "torchtitan", "datasets", "triton"):
         warnings.filterwarnings("ignore", module=module)
     import logging
 
     for name in ("torch.distributed", "torchtitan", "datasets", "httpx"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_writer_thread() -> None:
+    """TensorBoard writes its events from a thread; an error there (a full disk) is raised again
+    at the next write or flush in the main thread, where `writing` makes it one sentence: the
+    thread's own traceback is not printed."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "simple_rl", False):  # installed once per process
+        return
+
+    def hook(args):
+        if not isinstance(args.thread, _AsyncWriterThread):
+            previous(args)
+
+    hook.simple_rl = True
+    threading.excepthook = hook
 
 
 def quiet_vllm(verbose: bool) -> None:
@@ -4147,8 +4432,8 @@ def prepare_environment(cfg: Config) -> None:
 
 
 class StopRequest:
-    """The first Ctrl-C or SIGTERM asks to stop after the current step (checkpoint, exit 130
-    or 143); a second Ctrl-C aborts at once."""
+    """The first Ctrl-C or SIGTERM asks to stop after the current step, last eval or export
+    (checkpoint, exit 130 or 143); a second Ctrl-C aborts at once."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -4162,7 +4447,8 @@ class StopRequest:
     def handle(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         again = " (Ctrl-C again aborts)" if signum == signal.SIGINT else ""
-        print0(f"\n{name}: finishing this step, then saving a checkpoint{again}.")
+        print0(f"\n{name}: finishing this step (or the last eval or export), then saving a "
+               f"checkpoint{again}.")
         self.signal = signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)

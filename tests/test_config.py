@@ -58,9 +58,9 @@ def test_cli_parses_types_booleans_and_records_what_was_given():
     cfg, given = rl.parse_config(["--group-size", "4", "--temperature", "0.7",
                                   "--no-std-normalize", "--model", "x", "--strict-parity"])
     assert cfg.group_size == 4 and cfg.temperature == 0.7 and cfg.std_normalize is False
-    assert cfg.model == "x" and cfg.strict_parity is True
+    assert cfg.model == str(Path("x").absolute()) and cfg.strict_parity is True  # a path
     assert given == {"group_size", "temperature", "std_normalize", "model", "strict_parity"}
-    assert rl.parse_config([]) == (rl.Config(), set())
+    assert rl.parse_config([]) == (rl.Config(log_dir=str(Path("runs").absolute())), set())
 
 
 @pytest.mark.parametrize("argv,needle", [

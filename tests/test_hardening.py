@@ -222,6 +222,9 @@ def test_a_checkpoint_from_another_model_is_refused(saved, ckpt, tmp_path, capsy
     config["model"] = str(ckpt(layers=3))  # a model with one more layer
     (ckpt_dir / "run_config.json").write_text(json.dumps(config))
     err = one_line_error(main_cpu(["--resume", str(ckpt_dir), "--steps", "3"]), capsys)
+    assert "config.json is not what the run read when" in err  # refused before it is read
+    err = one_line_error(main_cpu(["--resume", str(ckpt_dir), "--steps", "3", "--model",
+                                   config["model"], "--allow-changed-files"]), capsys)
     assert "was saved from another model" in err
 
 

@@ -132,8 +132,12 @@ def test_gsm8k_errors_are_one_sentence(ckpt, tmp_path, capsys, monkeypatch):
     assert "GSM8K rows need 'question' and 'answer'" in err(base + ["--data-files", str(bad)])
     write_gsm8k(bad, [{"question": "x", "answer": "just 1"}])
     assert "an answer without '#### <number>'" in err(base + ["--data-files", str(bad)])
+    parquet = tmp_path / "bad.parquet"
+    write_gsm8k(parquet, [{"question": "x", "answer": "just 1"}])
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
-    assert "--task gsm8k needs the `datasets` package" in err(base + ["--data-files", str(bad)])
+    assert "an answer without '#### <number>'" in err(base + ["--data-files", str(bad)])
+    assert "--task gsm8k needs the `datasets` package" in err(base + ["--data-files",
+                                                                      str(parquet)])
     assert not (tmp_path / "runs").exists()
 
 

@@ -1,0 +1,426 @@
+"""Hardening, third pass: a checkpoint runs no code and chooses no file it cannot vouch for, a
+reward cannot end a run as a success, every write fails in one sentence, a resume cannot mix
+two runs, a signal after the last step saves it, and jsonl answers stay as written. One test
+(or more) per row of the issue, numbered as there."""
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import simple_rl as rl
+from helpers import TorchEngine, copy_checkpoint, cpu_argv, main_cpu, metrics_rows
+from test_hardening2 import one_sentence, refuse
+
+EVIL = ("from pathlib import Path\nPath({marker!r}).write_text('ran')\n"  # runs when imported
+        "def f(c, a):\n    return 0.0\n")
+
+
+def latest(tmp_path, *extra) -> list[str]:
+    return ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
+            "--steps", "3", *map(str, extra)]
+
+
+def exits(capsys, argv, want: int, engine=None) -> str:
+    """main on argv (after what came before, e.g. a checkpoint built for the test, is read):
+    the exit code `want`, in one sentence."""
+    capsys.readouterr()
+    return one_sentence(capsys, main_cpu(argv, engine), want)
+
+
+def edit_json(file: Path, **change) -> None:
+    data = json.loads(file.read_text())
+    data.update(change)
+    file.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------- 1. no code from a checkpoint
+
+
+@pytest.mark.parametrize("given", ["nothing", "mine", "mine, allowed"])
+def test_1_a_checkpoints_reward_is_never_imported(saved, tmp_path, capsys, given):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    edit_json(ckpt / "run_config.json", reward=f"{tmp_path / 'evil.py'}:f")
+    mine = tmp_path / "mine.py"
+    mine.write_text("def f(completion, answer):\n    return 1.0\n")
+    argv = latest(tmp_path)
+    if given == "nothing":
+        err = refuse(argv, capsys)
+        assert "a resume imports no code its checkpoint names: pass --reward FILE.py:FUNCTION " \
+               "again." in err
+    elif given == "mine":  # the run used another reward (none): a change, refused
+        err = refuse(argv + ["--reward", f"{mine}:f"], capsys)
+        assert f"{mine} is not what the run read when {ckpt} was saved" in err
+        assert "pass --allow-changed-files to resume with it." in err
+    else:
+        assert main_cpu(argv + ["--reward", f"{mine}:f", "--allow-changed-files"]) == 0
+        assert "resuming with it (--allow-changed-files)" in capsys.readouterr().out
+        assert metrics_rows(ckpt.parent.parent)[-2]["reward_mean"] == 1.0  # mine ran
+    assert not marker.exists()
+
+
+def test_1_your_own_reward_resumes_and_a_changed_one_is_refused(ckpt, tmp_path, capsys):
+    mine = tmp_path / "mine.py"
+    mine.write_text("def f(completion, answer):\n    return float(len(completion) % 2)\n")
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r",
+                             reward=f"{mine}:f", eval_size=0)) == 0
+    moved = tmp_path / "moved.py"
+    shutil.copy(mine, moved)  # the same file elsewhere: the same sha256, accepted
+    assert main_cpu(latest(tmp_path, "--reward", f"{moved}:f")) == 0
+    mine.write_text("def f(completion, answer):\n    return 0.5\n")
+    err = refuse(latest(tmp_path, "--steps", 4, "--reward", f"{mine}:f"), capsys)
+    assert f"{mine} is not what the run read when" in err and "--allow-changed-files" in err
+
+
+def test_1_a_resume_takes_the_recorded_model_only_while_its_files_are_unchanged(
+        saved, ckpt, tmp_path, capsys):
+    run_ckpt = copy_checkpoint(saved, tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(ckpt(), model)  # the same files: their sha256 are the recorded ones
+    edit_json(run_ckpt / "run_config.json", model=str(model))
+    assert main_cpu(latest(tmp_path)) == 0  # no --model needed
+    edit_json(model / "tokenizer_config.json", model_max_length=7)
+    err = refuse(latest(tmp_path, "--steps", 4), capsys)
+    assert f"{model / 'tokenizer_config.json'} is not what the run read when" in err
+    assert "pass --model to name the files to use" in err
+    err = refuse(latest(tmp_path, "--steps", 4, "--model", model), capsys)
+    assert "pass --allow-changed-files to resume with it." in err
+    assert main_cpu(latest(tmp_path, "--steps", 4, "--model", model,
+                           "--allow-changed-files")) == 0
+
+
+def test_1_a_checkpoint_naming_other_data_is_refused_before_it_is_read(saved, tmp_path, capsys,
+                                                                       monkeypatch):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    data = tmp_path / "other.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    edit_json(ckpt / "run_config.json", task="jsonl", data_files=str(data), eval_size=0)
+    monkeypatch.setattr(rl, "read_rows", lambda *a: pytest.fail("read before the check"))
+    err = refuse(latest(tmp_path), capsys)
+    assert f"{data} is not what the run read when {ckpt} was saved" in err
+    assert "pass --data-files to name the files to use" in err
+
+
+# ---------------------------------------------------------------- 2. a reward cannot end a run
+
+
+REWARDS = {
+    "exit": "import sys\n    sys.exit(0)",
+    "huge int": "return 10**400",
+    "string": "return 'correct'",
+    "overflows fp32": "return 1e308",
+    "overflows the group": "return 3e38",
+}
+
+
+@pytest.mark.parametrize("kind", list(REWARDS))
+def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, capsys, kind):
+    file = tmp_path / "r.py"
+    file.write_text("calls = [0]\ndef f(completion, answer):\n    calls[0] += 1\n"
+                    f"    if calls[0] == 1:  # the check at start\n        return 0.0\n"
+                    f"    {REWARDS[kind]}\n")
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r", reward=f"{file}:f",
+                    eval_size=0, max_new_tokens=3)
+    err = exits(capsys, argv, 7)
+    assert f"step 0: the reward ({file}:f) " in err and "on sample " in err
+    want = {"exit": "raised SystemExit: 0", "huge int": "returned 1000000000",
+            "string": "returned 'correct', not a finite number in fp32",
+            "overflows fp32": "returned 1e+308, not a finite number in fp32",
+            "overflows the group": "returned 3e+38, so large that its group's advantages"}[kind]
+    assert want in err
+    assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
+
+
+def test_2_a_reward_that_exits_at_the_first_call_is_refused_at_start(ckpt, tmp_path, capsys):
+    file = tmp_path / "r.py"
+    file.write_text("import sys\ndef f(completion, answer):\n    sys.exit(0)\n")
+    err = refuse(cpu_argv(ckpt(), tmp_path / "runs", reward=f"{file}:f"), capsys)
+    assert "on an empty completion it raised SystemExit: 0." in err
+
+
+# ---------------------------------------------------------------- 3. every write, one sentence
+
+
+class FailingFile:
+    """metrics.jsonl, failing at its n-th write or at close with a real OSError."""
+
+    def __init__(self, file, code: int, at: str):
+        self.file, self.code, self.at, self.name = file, code, at, file.name
+
+    def fail(self):
+        raise OSError(self.code, os.strerror(self.code), self.name)
+
+    def write(self, text):
+        if self.at == "write" and '"step": 1' in text:
+            self.fail()
+        return self.file.write(text)
+
+    def flush(self):
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+        if self.at == "close":
+            self.fail()
+
+
+WRITES = [("metrics write", errno.ENOSPC), ("metrics close", errno.EIO),
+          ("tensorboard step", errno.EROFS), ("tensorboard eval", errno.EACCES),
+          ("tensorboard flush", errno.ENOSPC), ("tensorboard close", errno.EIO)]
+WORDS = {errno.ENOSPC: "no space left on the device holding", errno.EIO: "could not write",
+         errno.EROFS: "is on a read-only file system", errno.EACCES: "no permission to write"}
+
+
+@pytest.mark.parametrize("where,code", WRITES)
+def test_3_a_write_failing_mid_run_exits_6(ckpt, tmp_path, monkeypatch, capsys, where, code):
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "runs" / "w"
+
+    def fail(*a, **k):
+        raise OSError(code, os.strerror(code), str(run_dir / "events.out.tfevents"))
+
+    if where.startswith("metrics"):
+        real_open = Path.open
+
+        def open_failing(self, *a, **k):
+            f = real_open(self, *a, **k)
+            return FailingFile(f, code, where.split()[1]) if self.name == "metrics.jsonl" else f
+
+        monkeypatch.setattr(Path, "open", open_failing)
+    else:
+        real = {n: getattr(SummaryWriter, n) for n in ("add_scalar", "flush", "close")}
+
+        def add_scalar(self, tag, *a, **k):
+            if (where == "tensorboard step" and tag == "loss") or \
+                    (where == "tensorboard eval" and tag == "eval/accuracy" and a[1] > 0):
+                fail()
+            return real["add_scalar"](self, tag, *a, **k)
+
+        monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+        if where in ("tensorboard flush", "tensorboard close"):
+            name = where.split()[1]
+            monkeypatch.setattr(SummaryWriter, name, lambda self: (real[name](self), fail()))
+    err = exits(capsys, cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="w"), 6)
+    assert WORDS[code] in err and str(run_dir) in err
+
+
+def mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir()
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+class FillDiskAtStep1(TorchEngine):
+    """Another program fills the disk while step 1's rollout runs."""
+
+    disk: Path = None
+
+    def rollout(self, prompts, indices, step):
+        if step == 1:
+            with open(FillDiskAtStep1.disk / "filler", "wb", buffering=0) as f:
+                with pytest.raises(OSError):
+                    while True:
+                        f.write(b"x" * 2**16)
+        return super().rollout(prompts, indices, step)
+
+
+def test_3_a_real_disk_filled_mid_run_exits_6(ckpt, tmp_path, capsys):
+    disk = tmp_path / "disk"
+    if not mount_tmpfs(disk, "96m"):
+        pytest.skip("mounting a tmpfs needs root on Linux")
+    try:
+        FillDiskAtStep1.disk = disk
+        err = exits(capsys, cpu_argv(ckpt(), disk / "runs", steps=3, run_name="t",
+                                     save_every=1), 6, FillDiskAtStep1)
+        assert f"no space left on the device holding {disk / 'runs' / 't'}" in err
+        assert rl.is_complete(disk / "runs" / "t" / "checkpoints" / "step_000001")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+# ---------------------------------------------------------------- 4. a resume and an overwrite
+
+
+@pytest.mark.parametrize("hook", ["check_run_paths", "lock_run_dir"])
+def test_4_an_overwrite_between_a_resumes_start_and_its_lock_cannot_mix_two_runs(
+        saved, ckpt, tmp_path, monkeypatch, capsys, hook):
+    copy_checkpoint(saved, tmp_path)
+    run_dir = tmp_path / "runs" / "r"
+    overwrite = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r", overwrite=True,
+                         seed=5)
+    real = getattr(rl, hook)
+    codes = []
+
+    def other_process_runs_first(*a, **k):  # the overwrite runs to its end before this one
+        if not codes:
+            codes.append(None)
+            codes[0] = main_cpu(overwrite)
+        return real(*a, **k)
+
+    monkeypatch.setattr(rl, hook, other_process_runs_first)
+    assert main_cpu(latest(tmp_path, "--save-every", 1)) == 0
+    seeds = {json.loads((c / "run_config.json").read_text())["seed"]
+             for c in rl.complete_checkpoints(run_dir)}
+    assert len(seeds) == 1, f"checkpoints of two runs in one directory (overwrite: {codes})"
+    rows = metrics_rows(run_dir)
+    assert [m["step"] for m in rows if "loss" in m] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- 5. a signal after the last step
+
+
+class Signalled(Exception):
+    """What the test's own handler raises when no handler of simple_rl's is installed."""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("during", ["last eval", "export"])
+def test_5_a_signal_during_the_last_eval_or_export_saves_the_last_step(
+        ckpt, tmp_path, monkeypatch, capsys, sig, during):
+    def unhandled(*a):  # simple_rl's own handler must be the one called
+        raise Signalled
+
+    previous = {s: signal.signal(s, unhandled) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    class SignalAtLastEval(TorchEngine):
+        evals = 0
+
+        def generate(self, prompts, n, seeds, max_tokens, temperature):
+            if temperature == 0:  # a held-out eval's (single-turn) episodes
+                self.evals += 1
+                if self.evals == 2:  # the second eval: after the last step
+                    os.kill(os.getpid(), sig)
+            return super().generate(prompts, n, seeds, max_tokens, temperature)
+
+    real_save = rl.save_hf_checkpoint
+
+    def signal_in_export(out, *a, **k):
+        real_save(out, *a, **k)
+        if out.name.startswith(".tmp_final"):
+            os.kill(os.getpid(), sig)
+
+    if during == "export":
+        monkeypatch.setattr(rl, "save_hf_checkpoint", signal_in_export)
+    run_dir = tmp_path / "runs" / "s"
+    try:
+        err = exits(capsys, cpu_argv(ckpt(), tmp_path / "runs", steps=1, run_name="s"),
+                    143 if sig == signal.SIGTERM else 130,
+                    SignalAtLastEval if during == "last eval" else TorchEngine)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    ckpt_dir = run_dir / "checkpoints" / "step_000001"
+    assert f"checkpoint {ckpt_dir}; continue with --resume {ckpt_dir}" in err
+    assert rl.is_complete(ckpt_dir)
+    if during == "last eval":
+        assert "before the final export" in err and not (run_dir / "final").exists()
+    else:
+        assert "after the final export" in err and rl.is_earlier_export(run_dir / "final")
+    assert not list(run_dir.glob(".tmp_*"))
+
+
+# ---------------------------------------------------------------- 6. answers as written
+
+
+def test_6_jsonl_answers_are_kept_as_written(tmp_path):
+    answers = [3, 2.5, 4, 12345678901234567891, "x", 4.0, -0.10, 1e5, "7"]
+    lines = [f'{{"question": "q{i}", "answer": {json.dumps(a) if isinstance(a, str) else a}}}'
+             for i, a in enumerate(answers)]
+    lines[5] = '{"question": "q5", "answer": 4.0}'
+    lines[6] = '{"question": "q6", "answer": -0.10}'
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    got = [p.answer for p in rl.jsonl_problems(str(data))]
+    assert got == ["3", "2.5", "4", "12345678901234567891", "x", "4.0", "-0.10", "100000.0", "7"]
+    assert rl.reward("Answer: 12345678901234567891", got[3]) == 1.0
+    assert rl.reward("Answer: 12345678901234567890", got[3]) == 0.0
+
+
+def test_6_gsm8k_and_parquet_answers_are_kept_as_written(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "so #### 12345678901234567891"}) +
+                    "\n")
+    assert [p.answer for p in rl.gsm8k_problems(str(data))] == ["12345678901234567891"]
+    table = pa.table({"question": ["a", "b"],
+                      "answer": pa.array([3, 12345678901234567], pa.int64())})
+    pq.write_table(table, tmp_path / "ints.parquet")
+    got = [p.answer for p in rl.jsonl_problems(str(tmp_path / "ints.parquet"))]
+    assert got == ["3", "12345678901234567"]
+
+
+# ---------------------------------------------------------------- 7. paths fixed at start
+
+
+def test_7_a_reward_that_changes_directory_does_not_move_the_run(ckpt, tmp_path, monkeypatch,
+                                                                 capsys):
+    away = tmp_path / "away"
+    away.mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "r.py").write_text(
+        f"import os\ndef f(completion, answer):\n    os.chdir({str(away)!r})\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path / "work")
+    argv = cpu_argv(ckpt(), "runs", steps=2, run_name="r", reward="r.py:f")
+    assert main_cpu(argv) == 0
+    assert list(away.iterdir()) == []
+    assert (tmp_path / "work" / "runs" / "r" / "final" / "model.safetensors").is_file()
+    config = json.loads((tmp_path / "work" / "runs" / "r" / "checkpoints" / "step_000002" /
+                         "run_config.json").read_text())
+    assert config["reward"] == f"{tmp_path / 'work' / 'r.py'}:f"
+    assert config["log_dir"] == str(tmp_path / "work" / "runs")
+
+
+OPENED: list = []  # while not empty: every path opened since
+OPENED_HOOK: list = []
+
+
+def record_opens(event, args):
+    if OPENED and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        OPENED.append(os.fsdecode(args[0]))
+
+
+@pytest.mark.parametrize("how", ["climbs out", "links out"])
+def test_7_9_a_metadata_path_out_of_the_checkpoint_is_refused_before_it_is_opened(
+        saved, tmp_path, capsys, how):
+    ckpt = copy_checkpoint(saved, tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"\0" * 4096)
+    file = ckpt / "trainer" / ".metadata"
+    meta = pickle.loads(file.read_bytes())  # the test's own file: a plain load is fine here
+    if how == "climbs out":
+        named = os.path.relpath(outside, ckpt / "trainer")
+        for info in meta.storage_data.values():
+            info.relative_path = named
+        file.write_bytes(pickle.dumps(meta))
+    else:  # the shard DCP would open is a link to a file elsewhere
+        named = next(iter(meta.storage_data.values())).relative_path
+        (ckpt / "trainer" / named).unlink()
+        (ckpt / "trainer" / named).symlink_to(outside)
+    OPENED.clear()
+    if not OPENED_HOOK:
+        sys.addaudithook(record_opens)  # for the process's life: it records only while asked
+        OPENED_HOOK.append(True)
+    OPENED.append(None)  # recording
+    try:
+        err = refuse(["--resume", str(ckpt), "--steps", "3"], capsys)
+    finally:
+        opened = OPENED[1:]
+        OPENED.clear()
+    assert f"{ckpt} cannot be restored (trainer/.metadata names '{named}', not a file of " \
+           "trainer/)" in err
+    assert not [p for p in opened if Path(p).name == "outside.bin"]
