@@ -55,7 +55,8 @@ It learns (README "It learns"): a 25M Qwen3 warm-started here, then GRPO, on one
 
 Held-out problems are scored greedily (T = 0) before the first step, every --eval-every steps
 and after the last (`eval/accuracy`); --reward FILE.py:FUNCTION and --task jsonl bring your
-own reward and problems.
+own reward and problems; --env FILE.py:NAME an environment of several turns (the model calls
+a tool and goes on: an episode, trained on the model's tokens only; --env calc: a calculator).
     python simple_rl.py --model DIR --debug-parity                     # where do we differ?
 
 Tests (any machine):
@@ -136,6 +137,11 @@ class Config:
     data_files: str = opt("rollout", "", "local parquet or jsonl with question/answer fields")
     reward: str = opt("rollout", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
                       "(default: 1 if the number after 'Answer:' is right, else 0)")
+    env: str = opt("rollout", "", "episodes of several turns: calc (arithmetic with a calculator "
+                   "tool) or FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
+    max_turns: int = opt("rollout", 4, "model turns per episode at most (each tool call ends one)")
+    tool_stop: str = opt("rollout", "", "comma-separated strings, each one token, that end a turn "
+                         "to call the tool (default: the env's tool_stop)")
     chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
                              "(auto: when it has one)", ("auto", "on", "off"))
     enable_thinking: bool = opt("rollout", False, "let Qwen3 think (<think>...</think>) first")
@@ -151,6 +157,8 @@ class Config:
                             "same kernels, fewer launches)")
     engine_sleep: bool = opt("rollout", True, "free vLLM's KV cache and weights while the "
                              "trainer runs (vLLM sleep mode)")
+    prefix_caching: bool = opt("rollout", True, "let vLLM reuse the KV of prefixes it has seen "
+                               "(an episode's earlier turns, a prompt's G samples)")
     # --- grpo
     clip_eps: float = opt("grpo", 0.2, "PPO clip range eps_c")
     kl_coef: float = opt("grpo", 0.0, "beta of the k3 KL to the frozen initial policy "
@@ -593,6 +601,7 @@ class ModelFiles:
     args: object  # TorchTitan's Qwen3ModelArgs
     tokenizer: object
     eos_ids: list[int]
+    tool_ids: list[int] = field(default_factory=list)  # --tool-stop's ids: they end a turn too
 
 
 def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
@@ -754,6 +763,18 @@ def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
     return sorted(set(flat))
 
 
+def tool_stop_ids(tokenizer, stops: str) -> list[int]:
+    """The token id of each comma-separated --tool-stop string. vLLM runs without a tokenizer,
+    so a turn ends at a token id (kept as the turn's last generated token), not at a string."""
+    ids = []
+    for stop in filter(None, stops.split(",")):
+        got = tokenizer.encode(stop, add_special_tokens=False)
+        need(len(got) == 1, f"--tool-stop {stop!r} is {len(got)} tokens of the tokenizer, not one "
+             "(a turn ends at a token id: add the string to the tokenizer as one token).")
+        ids += got
+    return ids
+
+
 def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
     from safetensors.torch import load_file
@@ -894,6 +915,48 @@ class Rollout:
     # generated token, (C, layers, k) ints (every layer; a dense layer's rows are 0), or None
     # where the engine returned none. None for a dense model.
     routed: list[torch.Tensor | None] | None = None
+    # Episodes of several turns: a completion is everything after the first prompt, the model's
+    # tokens and the tools' (model[b][t]: token t is the model's); None: every token is.
+    model: list[list[bool]] | None = None
+    episodes: list[Episode] | None = None
+
+
+@dataclass
+class Completion:
+    """One sample of one request, as an engine returns it."""
+    ids: list[int]  # generated token ids (a stop id, when it ended at one, is the last)
+    logprobs: list[float]  # the engine's logprob of each
+    stopped: bool  # ended at a stop id (eos or a tool stop), not at its token limit
+    routed: torch.Tensor | None = None  # Qwen3-MoE: (len(ids), layers, k) experts, or None
+
+
+class Engine:
+    """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
+    `generate`, `sleep` and `push`. `rollout`, turn 1 of a step's episodes, is `generate`."""
+
+    cfg: Config
+    moe = False
+
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int | None],
+                 max_tokens: list[int], temperature: float) -> list[list[Completion]]:
+        """n completions of each prompt, stopping at the engine's stop ids; request j's k-th
+        sample is seeded seeds[j] + k (None and temperature 0: greedy)."""
+        raise NotImplementedError
+
+    def rollout(self, prompts: list[list[int]], indices: list[int], step: int) -> Rollout:
+        """G samples of each prompt; prompt j has the seed of its index in the whole step."""
+        cfg = self.cfg
+        outs = self.generate(prompts, cfg.group_size, [sample_seed(cfg, step, i) for i in indices],
+                             [cfg.max_new_tokens] * len(prompts), cfg.temperature)
+        samples = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
+        logprobs = [x for _, c in samples for x in c.logprobs]
+        return Rollout(
+            prompts=[list(p) for p, _ in samples],
+            completions=[c.ids for _, c in samples],
+            logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
+            stopped=[c.stopped for _, c in samples],
+            routed=[c.routed for _, c in samples] if self.moe else None,
+        )
 
 
 # Decode steps of up to this many sequences replay CUDA graphs; vLLM's default cap, 512, left
@@ -901,7 +964,7 @@ class Rollout:
 CUDA_GRAPH_MAX_BATCH = 1024
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """This rank's vLLM engine, in this process, so its model is reachable for weight pushes.
 
     Tensor parallel 1: each rank generates its own share of the prompts. Under torchrun the
@@ -916,7 +979,7 @@ class VLLMEngine:
         route_vllm_seeded_sampling_through_one_kernel()
         route_vllm_linear_through_cublaslt()
         self.cfg = cfg
-        self.eos_ids = files.eos_ids
+        self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
         samples = samples_per_rank(cfg, ranks.world)
         graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
@@ -938,6 +1001,7 @@ class VLLMEngine:
             # vLLM still checks at start that this fraction is free; ask for what it will use
             gpu_memory_utilization=min(0.9, max(0.05, (weights + kv + 6 * 2**30) / total)),
             enable_sleep_mode=cfg.engine_sleep,
+            enable_prefix_caching=cfg.prefix_caching,
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
@@ -955,51 +1019,39 @@ class VLLMEngine:
                 max_cudagraph_capture_size=min(samples, CUDA_GRAPH_MAX_BATCH)) if graphs else None,
         )
 
-    def rollout(self, prompts: list[list[int]], indices: list[int], step: int) -> Rollout:
-        """G samples of each prompt; prompt j has the seed of its index in the whole step."""
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int | None],
+                 max_tokens: list[int], temperature: float) -> list[list[Completion]]:
+        """Engine.generate, one vLLM call. A greedy call (the held-out eval) drops the prefix
+        cache it filled, so the next rollout computes exactly what it would without an eval."""
         from vllm import TokensPrompt
 
-        params = [self.sampling_params(sample_seed(self.cfg, step, i)) for i in indices]
+        params = [self.sampling_params(s, n=n, max_tokens=m, temperature=temperature)
+                  for s, m in zip(seeds, max_tokens)]
         with gc_paused():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                      use_tqdm=False)
-        samples = [(o.prompt_token_ids, c) for o in outs
-                   for c in sorted(o.outputs, key=lambda c: c.index)]
-        logprobs = [x for _, c in samples for x in completion_logprobs(c)]
-        return Rollout(
-            prompts=[list(p) for p, _ in samples],
-            completions=[list(c.token_ids) for _, c in samples],
-            logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
-            stopped=[c.finish_reason == "stop" for _, c in samples],
-            routed=[generated_routing(c.routed_experts, len(p), len(c.token_ids))
-                    for p, c in samples] if self.moe else None,
-        )
+        if temperature == 0:
+            self.llm.reset_prefix_cache()
+        return [[Completion(list(c.token_ids), completion_logprobs(c), c.finish_reason == "stop",
+                            generated_routing(c.routed_experts, len(p), len(c.token_ids))
+                            if self.moe else None)
+                 for c in sorted(o.outputs, key=lambda c: c.index)]
+                for p, o in zip(prompts, outs)]
 
-    def sampling_params(self, seed: int | None):
-        """G samples of one prompt, seeded seed, seed + 1, ..., seed + G - 1 by vLLM."""
+    def sampling_params(self, seed: int | None, n: int | None = None,
+                        max_tokens: int | None = None, temperature: float | None = None):
+        """n (default G) samples of one prompt, seeded seed, seed + 1, ..., seed + n - 1 by vLLM.
+        A stop id (eos or a tool stop) stays in the generated ids; finish_reason is "stop"."""
         from vllm import SamplingParams
 
         cfg = self.cfg
         # flat_logprobs: a few flat lists per request instead of a dict and an object per
         # token, so vLLM's output processing makes fewer Python objects at every decode step
-        return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, logprobs=0,
-                              flat_logprobs=True, max_tokens=cfg.max_new_tokens, seed=seed,
+        return SamplingParams(n=n or cfg.group_size,
+                              temperature=cfg.temperature if temperature is None else temperature,
+                              logprobs=0, flat_logprobs=True,
+                              max_tokens=max_tokens or cfg.max_new_tokens, seed=seed,
                               stop_token_ids=self.eos_ids, detokenize=False)
-
-    def greedy(self, prompts: list[list[int]]) -> list[list[int]]:
-        """One greedy (T = 0) completion per prompt: the held-out eval.
-
-        No seed is drawn, and the prefix cache it fills is dropped, so the next rollout
-        computes exactly what it would have computed without an eval.
-        """
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.max_new_tokens,
-                                stop_token_ids=self.eos_ids, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 use_tqdm=False)
-        self.llm.reset_prefix_cache()
-        return [list(o.outputs[0].token_ids) for o in outs]
 
     def sleep(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the push refills them)."""
@@ -1049,6 +1101,12 @@ def sample_seed(cfg: Config, step: int, prompt: int) -> int:
     return (cfg.seed * 1_000_003 + step * 10_007 + prompt) * cfg.group_size % 2**48
 
 
+def turn_seed(cfg: Config, step: int, prompt: int, sample: int, turn: int) -> int:
+    """Seed of turn `turn` (0: the first) of sample `sample` of a prompt: the first turn's is
+    vLLM's sample_seed + sample; turn k's adds k * 2^48, so no two turns of a step share one."""
+    return sample_seed(cfg, step, prompt) + sample + turn * 2**48
+
+
 def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
     """The step's prompts this rank generates and trains on: i mod world == rank."""
     return list(range(ranks.rank, num_prompts, ranks.world))
@@ -1070,9 +1128,11 @@ class Packed:
         return dataclasses.replace(self, **moved)
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]]) -> Packed:
+def pack(prompts: list[list[int]], completions: list[list[int]],
+         model: list[list[bool]] | None = None) -> Packed:
     """Samples back to back, no padding; token t of completion b is predicted at
-    start_b + P_b - 1 + t."""
+    start_b + P_b - 1 + t. The targets are every completion token, or those model[b][t] marks
+    (an episode's tool tokens are context, not targets)."""
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
     L = P + C
@@ -1081,6 +1141,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]]) -> Packed:
     positions = torch.arange(len(tokens)) - torch.repeat_interleave(starts, L)
     sample = torch.repeat_interleave(torch.arange(len(C)), C)
     offset = torch.arange(int(C.sum())) - torch.repeat_interleave(torch.cumsum(C, 0) - C, C)
+    if model is not None:
+        keep = torch.tensor([m for ms in model for m in ms], dtype=torch.bool)  # (sum C,)
+        sample, offset = sample[keep], offset[keep]
     return Packed(
         tokens=tokens,
         positions=positions,
@@ -1323,16 +1386,22 @@ def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list
     if not problems:
         return []
     if uses_chat_template(cfg, tokenizer):
-        try:  # a template is code: it may raise, or do what the sandbox refuses
-            texts = tokenizer.apply_chat_template(  # one call renders every conversation
-                [[{"role": "user", "content": p.question}] for p in problems], tokenize=False,
-                add_generation_prompt=True, enable_thinking=cfg.enable_thinking)
-        except Exception as e:
-            raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
-                              f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
+        texts = chat_texts(tokenizer, [[{"role": "user", "content": p.question}]
+                                       for p in problems], cfg)
     else:
         texts = [f"Q: {p.question}\nA:" for p in problems]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def chat_texts(tokenizer, conversations: list[list[dict]], cfg: Config) -> list[str]:
+    """Each conversation through the chat template, with the assistant's generation prompt."""
+    try:  # a template is code: it may raise, or do what the sandbox refuses
+        return tokenizer.apply_chat_template(  # one call renders every conversation
+            conversations, tokenize=False, add_generation_prompt=True,
+            enable_thinking=cfg.enable_thinking)
+    except Exception as e:
+        raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
+                          f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
 
 
 def load_task(cfg: Config, tokenizer) -> Task:
@@ -1404,7 +1473,7 @@ class RewardError(RuntimeError):
         super().__init__(what)
         self.sample = sample  # index among this rank's samples of the step
         self.completion = completion
-        self.where = f"sample {sample}"  # the caller names it better: see score_on_every_rank
+        self.where = f"sample {sample}"  # the caller names it better: see on_every_rank
 
     def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
         return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
@@ -1418,21 +1487,9 @@ def load_reward(spec: str) -> RewardFn:
     """
     if not spec:
         return reward
-    import importlib.util
     import inspect
 
-    file, name = spec.rsplit(":", 1)
-    path = Path(file).expanduser()
-    need(path.is_file(), f"--reward: {path} is not a file.")
-    module_spec = importlib.util.spec_from_file_location(f"simple_rl_reward_{path.stem}", path)
-    need(module_spec is not None and module_spec.loader is not None, f"--reward: {path} cannot "
-         "be imported as a Python module.")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
-        raise ConfigError(f"--reward: importing {path} failed ({type(e).__name__}: {e}).") from e
-    fn = getattr(module, name, None)
+    fn, path, name = user_object(spec, "--reward")
     need(callable(fn), f"--reward: {path} has no function {name!r}.")
     try:
         inspect.signature(fn).bind("completion", "answer")
@@ -1453,27 +1510,33 @@ def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> float:
         raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
 
 
+def user_object(spec: str, option: str):
+    """FILE.py:NAME -> (the module's NAME or None, the file's path, NAME), once the file imports."""
+    import importlib.util
+
+    file, name = spec.rsplit(":", 1)
+    path = Path(file).expanduser()
+    need(path.is_file(), f"{option}: {path} is not a file.")
+    module_spec = importlib.util.spec_from_file_location(f"simple_rl_user_{path.stem}", path)
+    need(module_spec is not None and module_spec.loader is not None, f"{option}: {path} cannot "
+         "be imported as a Python module.")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
+        raise ConfigError(f"{option}: importing {path} failed ({type(e).__name__}: {e}).") from e
+    return getattr(module, name, None), path, name
+
+
 def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
     """reward_fn(text, answer) of every sample, (B,) fp32; RewardError names the first sample
     whose reward raised (SystemExit included: the reward's, not the run's end; Ctrl-C stays
     Ctrl-C) or is not a number finite in fp32."""
     out = []
     for i, (text, answer) in enumerate(zip(texts, answers)):
-        try:
+        with user_errors(i, text):
             value = reward_fn(text, answer)
-        except (Exception, SystemExit) as e:
-            raise RewardError(f"raised {type(e).__name__}: {e}", i, text) from e
-        try:
-            number = float(value) if isinstance(value, numbers.Real) else math.nan
-        except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
-            number = math.nan
-        if not (math.isfinite(number) and abs(number) <= FP32_MAX):
-            try:
-                shown = repr(value)[:80]
-            except Exception:  # an int of more than 4300 digits, or a repr that raises
-                shown = f"a {type(value).__name__}"
-            raise RewardError(f"returned {shown}, not a finite number in fp32", i, text)
-        out.append(number)
+        out.append(finite_reward(value, i, text))
     return torch.tensor(out, dtype=torch.float32)
 
 
@@ -1485,6 +1548,343 @@ def finite_advantages(rewards: torch.Tensor, cfg: Config, texts: list[str]) -> N
     if bad:
         raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
                           "advantages are not finite", bad[0], texts[bad[0]])
+
+
+@contextlib.contextmanager
+def user_errors(sample: int, completion: str):
+    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
+    try:
+        yield
+    except ToolError:
+        raise
+    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
+        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
+
+
+def finite_reward(value, sample: int, completion: str) -> float:
+    """value as a float, if it is a number finite in fp32; RewardError otherwise."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) else math.nan
+    except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
+        number = math.nan
+    if not (math.isfinite(number) and abs(number) <= FP32_MAX):
+        try:
+            shown = repr(value)[:80]
+        except Exception:  # an int of more than 4300 digits, or a repr that raises
+            shown = f"a {type(value).__name__}"
+        raise RewardError(f"returned {shown}, not a finite number in fp32", sample, completion)
+    return number
+
+
+# ==========================================================================
+# Episodes: turns, tools and environments
+# ==========================================================================
+# An episode is a prompt and the model's turns, with a tool's message between two turns. It
+# stays token ids from end to end: a turn's ids are kept as sampled (decoding and re-encoding
+# them could change them) and a tool's message is rendered to ids and appended. A single-turn
+# task is an episode of one turn, which RewardEnv scores with --reward.
+
+
+class ToolError(Exception):
+    """An env's step raises it when the model called the tool wrongly: the episode ends there,
+    counted as a tool error, with reward 0."""
+
+
+class Env:
+    """One episode's environment. simple_rl makes one per episode (--env FILE.py:NAME: NAME()),
+    calls reset once, then step after each of the model's turns, with that turn's text.
+
+    step returns (tool message, None) to answer a tool call, and the model goes on in another
+    turn, or (None, reward) to end the episode. tool_stop: the strings (comma-separated, one
+    token each) that end a turn to call the tool; --tool-stop overrides it.
+    """
+
+    tool_stop = ""
+
+    def reset(self, problem: Problem) -> str:
+        """The user's first message (the same for every episode of a problem)."""
+        return problem.question
+
+    def step(self, completion: str) -> tuple[str | None, float | None]:
+        raise NotImplementedError
+
+
+class RewardEnv(Env):
+    """One turn, scored by reward_fn(completion, answer)."""
+
+    def __init__(self, reward_fn: RewardFn = reward):
+        self.reward_fn = reward_fn
+
+    def reset(self, problem: Problem) -> str:
+        self.answer = problem.answer
+        return problem.question
+
+    def step(self, completion: str) -> tuple[str | None, float | None]:
+        return None, self.reward_fn(completion, self.answer)
+
+
+class CalcEnv(RewardEnv):
+    """--env calc: a turn that ends in <calc>EXPR</calc> (integers, + - *, parentheses) gets
+    EXPR's value as the tool's message; a turn without one is scored by reward_fn."""
+
+    tool_stop = "</calc>"
+
+    def step(self, completion: str) -> tuple[str | None, float | None]:
+        if not completion.endswith("</calc>"):
+            return None, self.reward_fn(completion, self.answer)
+        return str(calculate(completion[: -len("</calc>")].rsplit("<calc>", 1)[-1])), None
+
+
+def calculate(expr: str) -> int:
+    """The value of an integer expression of + - * and parentheses; ToolError if it is none."""
+    import ast
+
+    ops = {"Add": "+", "Sub": "-", "Mult": "*"}
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op).__name__ in ops:
+            return ARITH[ops[type(node.op).__name__]](value(node.left), value(node.right))
+        raise ToolError(f"{expr[:40]!r} is not an integer expression of + - * and parentheses")
+
+    try:
+        return value(ast.parse(expr.strip(), mode="eval").body if len(expr) <= 100 else None)
+    except (SyntaxError, ValueError) as e:
+        raise ToolError(f"{expr[:40]!r} does not parse") from e
+
+
+def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
+    """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
+    of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
+    if not spec:
+        return lambda: RewardEnv(reward_fn)
+    if spec == "calc":
+        return lambda: CalcEnv(reward_fn)
+    make, path, name = user_object(spec, "--env")
+    need(callable(make), f"--env: {path} has no class {name!r}.")
+    return make
+
+
+def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
+    """Before anything slow: an env is made, has reset(problem) and step(completion), gives
+    the first problem a text and an empty completion (a model may stop at once) a reward or a
+    tool message. Returns that env (its tool_stop is the default --tool-stop)."""
+    import inspect
+
+    label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
+    try:
+        env = make_env()
+    except Exception as e:
+        raise ConfigError(f"{label}: making an env raised {type(e).__name__}: {e}.") from e
+    for method, arg in (("reset", "problem"), ("step", "completion")):
+        fn = getattr(env, method, None)
+        need(callable(fn), f"{label}: its env has no method {method}({arg}).")
+        try:
+            inspect.signature(fn).bind(arg)
+        except TypeError:
+            raise ConfigError(f"{label}: {method}{inspect.signature(fn)} must take "
+                              f"({arg}).") from None
+        except ValueError:  # no signature to inspect: the first call will tell
+            pass
+    try:
+        env_reset(env, task.problems[0], 0)
+        env_step(env, "", 0)
+    except RewardError as e:
+        raise ConfigError(f"{label}: on an empty completion it {e}.") from e
+    except ToolError:
+        pass
+    return env
+
+
+def env_reset(env: Env, problem: Problem, sample: int) -> str:
+    with user_errors(sample, ""):
+        message = env.reset(problem)
+    if not isinstance(message, str):
+        raise RewardError(f"reset returned {message!r}, not text", sample, "")
+    return message
+
+
+def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None]:
+    """env.step(text), checked: a tool message is text; without one, the reward is a finite
+    number. RewardError otherwise (a ToolError passes)."""
+    with user_errors(sample, text):
+        out = env.step(text)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise RewardError(f"returned {out!r}, not (tool message, reward)", sample, text)
+    message, value = out
+    if message is not None and not isinstance(message, str):
+        raise RewardError(f"returned the tool message {message!r}, not text", sample, text)
+    if message is None or value is not None:
+        value = finite_reward(value, sample, text)
+    return message, value
+
+
+@dataclass
+class Turn:
+    context: list[int]  # the ids fed before it: the prompt (turn 1), else the tool's message
+    out: Completion  # what the model generated
+    capped: bool = False  # its token limit was what --max-model-len left, not --max-new-tokens
+
+
+@dataclass
+class Episode:
+    env: Env
+    turns: list[Turn]
+    status: str = "running"  # then one of EPISODE_ENDS
+    reward: float = 0.0  # the env's, or 0 if it ended without one
+    tool_calls: int = 0  # tool messages the env gave
+    tool_s: float = 0.0  # seconds in env.step
+
+    def ids(self) -> list[int]:
+        return [t for turn in self.turns for t in turn.context + turn.out.ids]
+
+    def generated(self) -> int:
+        return sum(len(turn.out.ids) for turn in self.turns)
+
+
+# completed: the env scored a turn that ended at a stop id; length: one that hit
+# --max-new-tokens; context: the turn or the tool's message ran into --max-model-len;
+# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError
+EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error")
+
+
+def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]], n: int,
+                 where: Callable[[int], str]) -> tuple[list[Env], list[list[int]]]:
+    """n fresh envs per problem, reset, and each problem's first prompt as ids: the task's
+    (prompt_ids) when reset gives the question, else its message formatted as the task's (the
+    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error."""
+    make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
+    envs = [make() for _ in range(len(problems) * n)]
+    messages = []
+    for i, env in enumerate(envs):
+        try:
+            messages.append(env_reset(env, problems[i // n], i))
+            if messages[-1] != messages[i - i % n]:  # a prompt's n samples share its prefill
+                raise RewardError("reset gave the episodes of one problem different first "
+                                  "messages", i, messages[-1])
+        except RewardError as e:
+            e.where = where(i)
+            raise
+    own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
+    prompts = list(prompt_ids)
+    for j, ids in zip(own, format_prompts([Problem(messages[j * n], problems[j].answer)
+                                           for j in own], trainer.tokenizer, trainer.cfg)):
+        prompts[j] = ids
+    return envs, prompts
+
+
+def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
+         seed: Callable[[int, int], int | None], temperature: float,
+         where: Callable[[int], str]) -> None:
+    """Advance every episode until it ends, all together. After each turn, every live
+    episode's env reads the turn's text; a tool message is rendered to ids and appended, and
+    the episodes that go on get their next turn from one engine.generate over all of them.
+    seed(i, k) seeds episode i's turn k (0: the first, already generated)."""
+    live = list(range(len(episodes)))
+    for turn in range(1, cfg.max_turns + 1):
+        texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
+        messages = {}
+        for i, text in zip(live, texts):
+            try:
+                message = end_turn(episodes[i], text, turn == cfg.max_turns, i)
+            except RewardError as e:
+                e.where = f"{where(i)}, turn {turn}"
+                raise
+            if message is not None:
+                messages[i] = message
+        going = []
+        for (i, message), ids in zip(messages.items(),
+                                     tool_message_ids(tokenizer, list(messages.values()), cfg)):
+            context = episodes[i].ids() + ids
+            if len(context) + 1 > cfg.max_model_len:  # no room left for a token
+                episodes[i].status = "context"
+            else:
+                going.append((i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
+        if not going:
+            return
+        outs = engine.generate([episodes[i].ids() + ids for i, ids, _ in going], 1,
+                               [seed(i, turn) for i, _, _ in going], [m for _, _, m in going],
+                               temperature)
+        for (i, ids, m), (out,) in zip(going, outs):
+            episodes[i].turns.append(Turn(ids, out, capped=m < cfg.max_new_tokens))
+        live = [i for i, _, _ in going]
+
+
+def end_turn(episode: Episode, text: str, last: bool, sample: int) -> str | None:
+    """Hand the episode's last turn to its env: the tool message if the episode goes on, else
+    None, with the episode's status and reward set."""
+    t0 = time.perf_counter()
+    try:
+        message, value = env_step(episode.env, text, sample)
+    except ToolError:
+        message, value, episode.status = None, 0.0, "tool_error"
+    finally:
+        episode.tool_s += time.perf_counter() - t0
+    episode.reward = value or 0.0
+    if message is not None:
+        episode.tool_calls += 1
+        if not last:
+            return message
+        episode.status = "max_turns"
+    elif episode.status == "running":
+        end = episode.turns[-1]
+        episode.status = "completed" if end.out.stopped else "context" if end.capped else "length"
+    return None
+
+
+TURN_MARK = "SIMPLE_RL_TURN_MARK"
+
+
+def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[int]]:
+    """The ids appended after a turn for each tool message. With a chat template: what it
+    renders after an assistant turn's content (that turn's end, the tool's turn, the next
+    assistant turn's generation prompt), found after a marker, so only the new part; without
+    one, the message's text as is."""
+    if not messages:
+        return []
+    texts = messages
+    if uses_chat_template(cfg, tokenizer):
+        turns = [[{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
+                  {"role": "tool", "content": m}] for m in messages]
+        texts = chat_texts(tokenizer, turns, cfg)
+        need(all(t.count(TURN_MARK) == 1 for t in texts), "the chat template does not render "
+             "an assistant turn's content as is, so a tool message cannot be appended to an "
+             "episode's ids; pass --chat-template off.")
+        texts = [t.split(TURN_MARK, 1)[1] for t in texts]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
+    """The episodes as the trainer packs them: the first turn's prompt, then the rest (the
+    model's turns and the tools' ids, marked in `model`), vLLM's logprobs of the model's."""
+    completions, model, routed = [], [], []
+    for e in episodes:
+        parts = [(turn.context if k else [], turn.out.ids) for k, turn in enumerate(e.turns)]
+        completions.append([t for tool, ids in parts for t in tool + ids])
+        model.append([m for tool, ids in parts for m in [False] * len(tool) + [True] * len(ids)])
+        got = [turn.out.routed for turn in e.turns]
+        routed.append(None if any(r is None for r in got) else torch.cat(got))
+    logprobs = [x for e in episodes for turn in e.turns for x in turn.out.logprobs]
+    return Rollout(
+        prompts=[e.turns[0].context for e in episodes],
+        completions=completions,
+        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        stopped=[e.status == "completed" for e in episodes],
+        routed=routed if moe else None,
+        model=model,
+        episodes=episodes,
+    )
+
+
+def first_turns(rollout: Rollout) -> list[Completion]:
+    """An engine's Rollout (turn 1) as one Completion per sample."""
+    logprobs = rollout.logprobs.split([len(c) for c in rollout.completions])
+    routed = rollout.routed or [None] * len(rollout.completions)
+    return [Completion(c, lp.tolist(), s, r) for c, lp, s, r
+            in zip(rollout.completions, logprobs, rollout.stopped, routed)]
 
 
 # ==========================================================================
@@ -1752,7 +2152,7 @@ class Trainer:
     """Everything a step touches, built once by `setup` (or by a test, with a stand-in engine)."""
 
     cfg: Config
-    engine: object  # .rollout(prompts, indices, step) -> Rollout, .sleep(), .push(weights)
+    engine: Engine  # .generate and .rollout (turn 1), .sleep(), .push(weights)
     tokenizer: object
     model: Qwen3
     ref_model: Qwen3 | None
@@ -1761,6 +2161,7 @@ class Trainer:
     ranks: Ranks
     writer: object = None  # TensorBoard SummaryWriter, on rank 0
     reward_fn: RewardFn = reward  # reward(completion, answer) -> float: ours or --reward's
+    make_env: Callable[[], Env] | None = None  # --env's; None: one turn, scored by reward_fn
     inputs: dict = field(default_factory=dict)  # sha256 of the files the run read (INPUTS)
     mismatched_total: int = 0  # mismatched tokens since the run began (kept in checkpoints)
 
@@ -1772,21 +2173,42 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     device = trainer.ranks.device
     G = trainer.cfg.group_size
 
-    # 1. Rollout: this rank's share of the step's prompts, G samples each, seeded by index.
+    # 1. Rollout: this rank's share of the step's prompts, G episodes each. Turn 1 samples G
+    # completions of each prompt, seeded by its index; later turns continue every live episode.
     chosen = step_problems(len(trainer.task.problems), cfg.num_prompts, step, cfg.seed)
     mine = my_prompts(cfg.num_prompts, ranks)
+    problems = [trainer.task.problems[chosen[i]] for i in mine]
+
+    def where(s: int) -> str:
+        return f"sample {s % G} of training problem {chosen[mine[s // G]]}"
+
+    def episodes() -> Rollout:
+        envs, prompts = new_episodes(trainer, problems, [trainer.task.prompt_ids[chosen[i]]
+                                                         for i in mine], G, where)
+        first = trainer.engine.rollout(prompts, mine, step)
+        played = [Episode(env, [Turn(p, c)]) for env, p, c in
+                  zip(envs, first.prompts, first_turns(first))]
+        play(trainer.engine, trainer.tokenizer, cfg, played,
+             lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn), cfg.temperature,
+             where)
+        rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
+        try:  # rewards so large that a group's advantages overflow fp32
+            finite_advantages(rewards, cfg, decode(trainer.tokenizer,
+                                                   [e.turns[-1].out.ids for e in played]))
+        except RewardError as e:
+            e.where = where(e.sample)
+            raise
+        return episodes_rollout(played, first.routed is not None)
+
     t0 = time.perf_counter()
-    rollout = trainer.engine.rollout([trainer.task.prompt_ids[chosen[i]] for i in mine], mine, step)
+    rollout = on_every_rank(trainer, episodes)
     in_use = [device_in_use(device)]  # the engine's peak: weights and a full KV cache
     t_sleep = time.perf_counter()
     trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
     t1 = time.perf_counter()
 
-    # 2. Reward and advantages: a prompt's G samples are all on this rank.
-    texts = decode(trainer.tokenizer, rollout.completions)
-    answers = [trainer.task.problems[chosen[i]].answer for i in mine for _ in range(G)]
-    rewards = score_on_every_rank(trainer, texts, answers, lambda s: f"sample {s % G} of "
-                                  f"training problem {chosen[mine[s // G]]}", True)  # (B*G,)
+    # 2. Advantages from each episode's reward: a prompt's G episodes are all on this rank.
+    rewards = torch.tensor([e.reward for e in rollout.episodes], dtype=torch.float32)  # (B*G,)
     adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps).to(device)
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
@@ -1820,7 +2242,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
     (token sums, grad norm, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    packed = pack(rollout.prompts, rollout.completions)
+    packed = pack(rollout.prompts, rollout.completions, rollout.model)
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     sparse = sparse_layers(trainer.model.args)
     routing = torch.empty(len(packed.targets), len(sparse), trainer.model.args.moe_args.top_k,
@@ -1838,7 +2260,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
         parity.moe = True
         if rollout.routed:
             parity.routing_tokens, parity.routing_mismatch = routing_report(
-                rollout.routed, routing, [len(c) for c in rollout.completions], sparse)
+                rollout.routed, routing, generated_lengths(rollout), sparse)
     return sums, grad_norm, n_tokens, parity_over_ranks(parity, device)
 
 
@@ -1858,50 +2280,67 @@ def decode(tokenizer, completions: list[list[int]]) -> list[str]:
                                   skip_special_tokens=True)
 
 
-def score_on_every_rank(trainer: Trainer, texts: list[str], answers: list[str],
-                        where: Callable[[int], str], groups: bool = False) -> torch.Tensor:
-    """The rewards of this rank's samples (B,), with `groups` checked to give finite advantages.
-    If the reward failed on any rank, every rank raises that RewardError (so none waits in a
-    collective); where(i) names sample i."""
+def generated_lengths(rollout: Rollout) -> list[int]:
+    """Tokens the model generated, per sample (an episode's tool tokens are not its)."""
+    return [len(c) if rollout.model is None else sum(m)
+            for c, m in zip(rollout.completions, rollout.model or rollout.completions)]
+
+
+def on_every_rank(trainer: Trainer, fn: Callable):
+    """fn()'s result. If a reward or env failed in it on any rank, every rank raises that
+    RewardError (so none waits in a collective)."""
     try:
-        rewards, failure = score(trainer.reward_fn, texts, answers), None
-        if groups:
-            finite_advantages(rewards, trainer.cfg, texts)
+        out, failure = fn(), None
     except RewardError as e:
-        rewards, failure = None, e
-        e.where = where(e.sample)
+        out, failure = None, e
     if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
         flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
         if int(all_reduce(flag, dist.ReduceOp.MAX)):
             failure = next(f for f in all_gather_objects(failure) if f is not None)
     if failure is not None:
         raise failure
-    return rewards
+    return out
 
 
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
-    """Greedy (T = 0) mean reward on the held-out problems, over every rank: for a 0/1 reward,
-    the accuracy of the weights after `step` updates. Logged to TensorBoard at `step`, also in
-    percent with its 95% interval (the dashboard's chart; normal approximation, for a 0/1
-    reward the binomial one): 100 (mean +- 1.96 sqrt((mean(r^2) - mean(r)^2) / N))."""
-    task = trainer.task
+    """Greedy (T = 0) episodes of the held-out problems, tools included, over every rank: their
+    mean reward (for a 0/1 reward, the accuracy of the weights after `step` updates). Logged to
+    TensorBoard at `step`, also in percent with its 95% interval (the dashboard's chart; normal
+    approximation, for a 0/1 reward the binomial one): 100 (mean +- 1.96 sqrt((mean(r^2) -
+    mean(r)^2) / N))."""
+    task, cfg = trainer.task, trainer.cfg
     mine = my_prompts(len(task.eval_problems), trainer.ranks)
     t0 = time.perf_counter()
-    prompts = [task.eval_prompt_ids[i] for i in mine]
-    completions = trainer.engine.greedy(prompts) if prompts else []
-    texts = decode(trainer.tokenizer, completions)
-    answers = [task.eval_problems[i].answer for i in mine]
-    rewards = score_on_every_rank(trainer, texts, answers, lambda i: f"held-out problem {mine[i]}")
+
+    def where(i: int) -> str:
+        return f"held-out problem {mine[i]}"
+
+    def episodes() -> list[Episode]:
+        envs, prompts = new_episodes(trainer, [task.eval_problems[i] for i in mine],
+                                     [task.eval_prompt_ids[i] for i in mine], 1, where)
+        if not prompts:
+            return []
+        outs = trainer.engine.generate(prompts, 1, [None] * len(prompts),
+                                       [cfg.max_new_tokens] * len(prompts), 0.0)
+        played = [Episode(env, [Turn(p, c)]) for env, p, (c,) in zip(envs, prompts, outs)]
+        play(trainer.engine, trainer.tokenizer, cfg, played, lambda i, turn: None, 0.0, where)
+        return played
+
+    played = on_every_rank(trainer, episodes)
+    rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
     sums = torch.tensor([rewards.sum().item(), rewards.square().sum().item(),
-                         sum(map(len, completions))], dtype=torch.float64,
+                         sum(e.generated() for e in played),
+                         sum(e.tool_calls > 0 for e in played)], dtype=torch.float64,
                         device=trainer.ranks.device)
     n = len(task.eval_problems)
-    total, squares, length = (all_reduce(sums) / n).tolist()
+    total, squares, length, calls = (all_reduce(sums) / n).tolist()
     half = 1.96 * math.sqrt(max(squares - total * total, 0.0) / n)
     metrics = {"eval/accuracy": total, "eval/accuracy_pct": 100 * total,
                "eval/accuracy_low_pct": 100 * (total - half),
                "eval/accuracy_high_pct": 100 * (total + half),
-               "eval/completion_len_mean": length, "time/eval_s": time.perf_counter() - t0}
+               "eval/completion_len_mean": length,
+               **({"eval/tool_call_frac": calls} if cfg.env else {}),
+               "time/eval_s": time.perf_counter() - t0}
     write_scalars(trainer.writer, metrics, step)
     return metrics
 
@@ -2025,9 +2464,11 @@ def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s
     routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
                f"{int(m['determinism/routing_tokens'])} | "
                if "determinism/routing_mismatch" in m else "")
+    turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
+             if "episode/turns_mean" in m else "")  # episodes of several turns
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
             f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
-            f"{m['completion_len_mean']:.1f} | mismatched "
+            f"{m['completion_len_mean']:.1f}{turns} | mismatched "
             f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
             f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
             f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
@@ -2049,13 +2490,16 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
     routing = {"determinism/routing_mismatch": parity.routing_mismatch,
                "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
-    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(),
-                   [len(c) for c in rollout.completions[j * G:(j + 1) * G]],
-                   rollout.stopped[j * G:(j + 1) * G]) for j in range(n_prompts)]
+    lengths = generated_lengths(rollout)
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
+                   rollout.stopped[j * G:(j + 1) * G],
+                   [episode_row(e) for e in rollout.episodes[j * G:(j + 1) * G]] if cfg.env
+                   else []) for j in range(n_prompts)]
     every = in_prompt_order(all_gather_objects(per_prompt))
-    all_rewards = torch.tensor([r for rs, _, _ in every for r in rs])
-    lens = torch.tensor([n for _, ns, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss in every for s in ss]
+    all_rewards = torch.tensor([r for rs, _, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss, _ in every for s in ss]
+    rows = [row for *_, rs in every for row in rs]
     return {
         "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
         **({"kl_div": kl} if cfg.kl_coef > 0 else {}),  # no reference model: no KL to show
@@ -2069,7 +2513,30 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
         "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
         "time/step_s": sum(times),
         **routing,
+        **(episode_metrics(rows) if cfg.env else {}),  # episodes of several turns
     }
+
+
+def episode_row(e: Episode) -> tuple:
+    """(turns, tool calls, status, generated tokens per turn, tool tokens, seconds in
+    env.step)."""
+    tool = sum(len(turn.context) for turn in e.turns[1:])
+    return len(e.turns), e.tool_calls, e.status, [len(t.out.ids) for t in e.turns], tool, e.tool_s
+
+
+def episode_metrics(rows: list[tuple]) -> dict[str, float]:
+    """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
+    the parity check compared at each turn; the seconds spent in env.step, summed."""
+    n = len(rows)
+    turns, calls, status, per_turn, tool, seconds = zip(*rows)
+    generated = [sum(c) for c in per_turn]
+    checked = {f"determinism/tokens_turn{k + 1}": sum(c[k] for c in per_turn if len(c) > k)
+               for k in range(max(turns))}
+    return {"episode/turns_mean": sum(turns) / n, "episode/tool_calls_mean": sum(calls) / n,
+            "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
+            **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
+            "episode/generated_tokens_mean": sum(generated) / n,
+            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_s": sum(seconds), **checked}
 
 
 def in_prompt_order(per_rank: list[list]) -> list:
@@ -2172,6 +2639,12 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     task = load_task(cfg, files.tokenizer)
     reward_fn = load_reward(cfg.reward)
     empty = check_reward(reward_fn, cfg.reward, task)
+    make_env = load_env(cfg.env, reward_fn)
+    env = check_env(make_env, cfg, task) if cfg.env else None  # else check_reward did it
+    stops = cfg.tool_stop or getattr(env, "tool_stop", "")
+    files = dataclasses.replace(files, tool_ids=tool_stop_ids(files.tokenizer, stops))
+    if files.tool_ids:
+        tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
     if cfg.check:  # nothing made, no engine: say what was checked
         print0(check_report(cfg, ckpt, files, task, empty))
         return None
@@ -2200,7 +2673,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     del hf_state
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
-                      reward_fn=reward_fn, inputs={n: digests(f) for n, f in inputs.items()})
+                      reward_fn=reward_fn, make_env=make_env if cfg.env else None,
+                      inputs={n: digests(f) for n, f in inputs.items()})
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
 
@@ -2247,7 +2721,7 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
         trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
         trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
         moe = bool(sparse_layers(trainer.model.args))
-        trainer.writer.add_custom_scalars(tensorboard_layout(moe))
+        trainer.writer.add_custom_scalars(tensorboard_layout(moe, bool(trainer.cfg.env)))
     if resumed_at is not None:
         purge_after(run_dir / "metrics.jsonl", resumed_at)
 
@@ -2294,7 +2768,7 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
-def tensorboard_layout(moe: bool = False) -> dict:
+def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
     """The Custom Scalars dashboard: the signals to act on first, one series per chart
     (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
     Qwen3-MoE also the tokens whose experts differ from vLLM's.
@@ -2338,6 +2812,18 @@ def tensorboard_layout(moe: bool = False) -> dict:
     if moe:
         layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
                                            "determinism/routing_mismatch")))
+    if tools:  # --env: episodes of several turns
+        layout["simple_rl"].update(charts(
+            ("episodes that call the tool", "episode/tool_call_frac"),
+            ("held-out episodes that call the tool (greedy)", "eval/tool_call_frac")))
+        layout["simple_rl details"].update(charts(
+            ("turns per episode", "episode/turns_mean"),
+            ("tool calls per episode", "episode/tool_calls_mean"),
+            ("episodes ended by a tool error", "episode/tool_error_frac"),
+            ("episodes cut at --max-model-len", "episode/context_frac"),
+            ("episodes cut at --max-turns", "episode/max_turns_frac"),
+            ("tool tokens per episode", "episode/tool_tokens_mean"),
+            ("time in the env (s)", "time/tool_s")))
     return layout
 
 
@@ -2405,6 +2891,7 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 REWARD_SPEC = re.compile(r".+\.py:[A-Za-z_][A-Za-z0-9_]*")
 FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
+MAX_TURNS = 2**15  # a turn's seeds lie turn * 2^48 above the first's, within 64 bits
 FP32_MAX = 3.4028234663852886e38  # fp32's largest finite number
 MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
 
@@ -2524,6 +3011,10 @@ def validate(cfg: Config) -> None:
     need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
     need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
          f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
+    need(cfg.env in ("", "calc") or REWARD_SPEC.fullmatch(cfg.env) is not None, f"--env "
+         f"{cfg.env!r} must be calc or name a Python file and a class in it: FILE.py:NAME.")
+    need(1 <= cfg.max_turns <= MAX_TURNS, f"--max-turns must lie in [1, {MAX_TURNS}] "
+         f"(got {cfg.max_turns}).")
     need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
          f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
     need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
@@ -3377,18 +3868,18 @@ PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume", "allow
 # the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A resume
 # imports only the command line's --reward; --model and --data-files it takes from the command
 # line, or from the checkpoint when their files still have the recorded sha256.
-INPUTS = ("reward", "model", "data_files")
+INPUTS = ("reward", "env", "model", "data_files")
 
 
 def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
-    """The files behind one of INPUTS, by key: the reward's file (keyed by its function), the
+    """The files behind one of INPUTS, by key: the reward's or env's file (keyed by NAME), the
     data file, the model's config.json and tokenizer files."""
     if name == "model":
         return {f: model_dir / f for f in ("config.json", *TOKENIZER_FILES)
                 if (model_dir / f).is_file()}
-    if not value:
+    if not value or (name == "env" and value == "calc"):
         return {}
-    if name == "reward":
+    if name in ("reward", "env"):
         file, function = value.rsplit(":", 1)
         return {function: Path(file)}
     return {"data": Path(value)}
@@ -3975,7 +4466,9 @@ def stops_at(trainer: Trainer, step: int, run_dir: Path):
     except NonFiniteError as e:
         raise nonfinite_stop(e, step, run_dir) from e
     except RewardError as e:
-        raise RunStopped(f"step {step}: the reward ({trainer.cfg.reward or 'simple_rl.reward'}) "
+        what = (f"env ({trainer.cfg.env})" if trainer.cfg.env else
+                f"reward ({trainer.cfg.reward or 'simple_rl.reward'})")
+        raise RunStopped(f"step {step}: the {what} "
                          f"{e} on {e.where}, completion {e.completion[:80]!r}; nothing of this "
                          f"step was applied. Last good checkpoint: {last_good(run_dir)}.",
                          EXIT_REWARD) from e

@@ -185,8 +185,8 @@ def user_engine_class():
                 max_num_seqs=samples,
             )
 
-        def sampling_params(self, seed):
-            return super().sampling_params(None)  # unseeded, as TRL asks: one noise draw a step
+        def sampling_params(self, seed, **kw):
+            return super().sampling_params(None, **kw)  # unseeded, as TRL asks: one noise draw
 
     return UserEngine
 

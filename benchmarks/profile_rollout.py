@@ -150,8 +150,8 @@ def list_logprobs(rl) -> None:
     """Design al: vLLM's default logprobs (a dict and a Logprob object per token)."""
     plain = rl.VLLMEngine.sampling_params
 
-    def sampling_params(self, seed):
-        params = plain(self, seed)
+    def sampling_params(self, seed, **kw):
+        params = plain(self, seed, **kw)
         params.flat_logprobs = False
         return params
 

@@ -84,8 +84,9 @@ def worked_solution(question: str) -> str:
     return f"{first}\n{v1} {op2} {c} = {v2}\nAnswer: {v2}"
 
 
-def make_tokenizer(vocab_size: int, seed: int):
-    """Byte-level BPE on the task's text; digits are never merged (one token per digit)."""
+def make_tokenizer(vocab_size: int, seed: int, tool: bool = False):
+    """Byte-level BPE on the task's text; digits are never merged (one token per digit). With
+    `tool`, <calc> and </calc> are one token each (not special ones: the env reads them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,13 +98,25 @@ def make_tokenizer(vocab_size: int, seed: int):
     tok.decoder = decoders.ByteLevel()
     problems = rl.arithmetic_problems(2000, seed)
     corpus = [f"user\n{p.question}\nassistant\n{worked_solution(p.question)}" for p in problems]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2 * tool, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
+    if tool:
+        fast.add_tokens(["<calc>", "</calc>"])
     return fast
+
+
+def tool_answer(problem: rl.Problem, tokenizer) -> list[tuple[list[int], bool]]:
+    """A calculator call, as (ids, trained) pieces: <calc>the sum</calc>, the tool's message as
+    simple_rl's episode renders it (not trained on), then the answer."""
+    a, op1, b, op2, c = QUESTION.match(problem.question).groups()
+    ids = tokenizer([f"<calc>{a} {op1} {b} {op2} {c}</calc>", f"Answer: {problem.answer}"],
+                    add_special_tokens=False)["input_ids"]
+    tool = rl.tool_message_ids(tokenizer, [problem.answer], rl.Config())[0]
+    return [(ids[0], True), (tool, False), (ids[1], True)]
 
 
 def make_model(tokenizer, a: argparse.Namespace):
@@ -120,18 +133,24 @@ def make_model(tokenizer, a: argparse.Namespace):
     return Qwen3ForCausalLM(config)
 
 
-def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, device):
+def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, device,
+             tool: bool = False):
     """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only.
-    direct[i]: problem i is answered at once, else worked out step by step."""
+    direct[i]: problem i is answered at once, else worked out step by step (with `tool`: by a
+    calculator call)."""
     prompts = rl.format_prompts(problems, tokenizer, rl.Config())  # (B, P_b): simple_rl's ids
     from torch.nn.utils.rnn import pad_sequence
 
     texts = [direct_answer(p) if d else worked_solution(p.question)
              for p, d in zip(problems, direct)]
     answers = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    parts = [tool_answer(q, tokenizer) if tool and not d else [(c, True)]
+             for q, d, c in zip(problems, direct, answers)]
     eos = tokenizer.eos_token_id
-    seqs = [torch.tensor(p + c + [eos]) for p, c in zip(prompts, answers)]
-    targets = [torch.tensor([-100] * len(p) + c + [eos]) for p, c in zip(prompts, answers)]
+    seqs = [torch.tensor(p + [t for ids, _ in ps for t in ids] + [eos])
+            for p, ps in zip(prompts, parts)]
+    targets = [torch.tensor([-100] * len(p) + [t if own else -100 for ids, own in ps for t in ids]
+                            + [eos]) for p, ps in zip(prompts, parts)]
     ids = pad_sequence(seqs, batch_first=True, padding_value=tokenizer.pad_token_id)  # (B, L)
     labels = pad_sequence(targets, batch_first=True, padding_value=-100)  # (B, L)
     mask = pad_sequence([torch.ones_like(t) for t in seqs], batch_first=True)  # (B, L)
@@ -183,6 +202,9 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=1536, help="MLP intermediate size")
     p.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the "
                    "tokenizer's must fit)")
+    p.add_argument("--tool", action="store_true", help="answers that are not guesses call the "
+                   "calculator (<calc>a op b op c</calc>, then 'Answer: N') instead of working "
+                   "the sum out: a warm start for simple_rl.py --env calc")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where to train")
     a = p.parse_args()
@@ -193,7 +215,7 @@ def main() -> None:
     device = torch.device(a.device)
     torch.manual_seed(a.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    tokenizer = make_tokenizer(a.vocab, a.seed)
+    tokenizer = make_tokenizer(a.vocab, a.seed, a.tool)
     assert len(tokenizer) <= a.vocab, "the tokenizer must fit the model's vocab"
     model = make_model(tokenizer, a).to(device)
     n_params = sum(t.numel() for t in model.parameters())
@@ -214,7 +236,7 @@ def main() -> None:
         problems = [q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
                     if q.question not in never][: a.batch]
         direct = [rng.random() < a.direct_fraction for _ in problems]
-        ids, mask, labels = batch_of(problems, direct, tokenizer, device)
+        ids, mask, labels = batch_of(problems, direct, tokenizer, device, a.tool)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()

@@ -105,69 +105,52 @@ def random_model(cls, cfg, dtype, device, router_std: float = 0.0):
     return model
 
 
-class TorchEngine:
+class TorchEngine(rl.Engine):
     """CPU stand-in for VLLMEngine: samples from its own copy of the policy, no KV cache.
 
     It recomputes the full prefix for each new token (fine for tiny models), returns
     processed logprobs of softmax(logits / T) as vLLM does, and takes pushed weights by HF
-    name, as vLLM's loader does.
+    name, as vLLM's loader does. Only `generate` is its own: simple_rl's episode loop runs on it.
     """
 
     def __init__(self, cfg: rl.Config, files=None, ranks=None):
         self.model = None  # built from the first push
         self.cfg, self.files = cfg, files
-        self.eos_ids = set(files.eos_ids if files else (0,))
+        self.eos_ids = set(files.eos_ids + files.tool_ids if files else (0,))  # they end a turn
         self.sleeps = 0
-        self.greedy_calls = 0
+        self.calls = []  # per generate: (prompts, n, seeds, max_tokens, temperature)
 
     @torch.no_grad()
-    def rollout(self, prompts, indices, step):
-        cfg, G = self.cfg, self.cfg.group_size
-        seqs = [list(p) for p in prompts for _ in range(G)]
-        gens = [
-            torch.Generator().manual_seed(rl.sample_seed(cfg, step, indices[i // G]) * 97 + i % G)
-            for i in range(len(seqs))
-        ]
+    def generate(self, prompts, n, seeds, max_tokens, temperature):
+        self.calls.append(([list(p) for p in prompts], n, list(seeds), list(max_tokens),
+                           temperature))
+        seqs = [list(p) for p in prompts for _ in range(n)]
+        limit = [m for m in max_tokens for _ in range(n)]
+        gens = [None if seeds[i // n] is None else
+                torch.Generator().manual_seed(seeds[i // n] * 97 + i % n) for i in range(len(seqs))]
         comps = [[] for _ in seqs]
         lps = [[] for _ in seqs]
-        live = list(range(len(seqs)))
-        for _ in range(cfg.max_new_tokens):
-            if not live:
-                break
-            z = self.next_logits([seqs[i] + comps[i] for i in live]) / cfg.temperature
-            lp = torch.log_softmax(z, -1)
+        live = [i for i in range(len(seqs)) if limit[i] > 0]
+        while live:
+            z = self.next_logits([seqs[i] + comps[i] for i in live])
+            lp = torch.log_softmax(z / temperature if temperature > 0 else z, -1)
             for row, i in enumerate(live):
-                t = int(torch.multinomial(lp[row].exp(), 1, generator=gens[i]))
+                if gens[i] is None:  # greedy
+                    t = int(z[row].argmax())
+                else:
+                    t = int(torch.multinomial(lp[row].exp(), 1, generator=gens[i]))
                 comps[i].append(t)
                 lps[i].append(float(lp[row, t]))
-            live = [i for i in live if comps[i][-1] not in self.eos_ids]
-        return rl.Rollout(
-            prompts=seqs,
-            completions=comps,
-            logprobs=torch.tensor([x for l in lps for x in l]),
-            stopped=[c[-1] in self.eos_ids for c in comps],
-        )
+            live = [i for i in live if comps[i][-1] not in self.eos_ids and
+                    len(comps[i]) < limit[i]]
+        out = [rl.Completion(c, lp, bool(c) and c[-1] in self.eos_ids) for c, lp in zip(comps, lps)]
+        return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
 
     def next_logits(self, seqs):
         """fp32 logits (B, V) of the token after each sequence."""
         packed = rl.pack(seqs, [[] for _ in seqs])
         h = self.model.hidden(packed)
         return self.model.logits(h[packed.cu_seqlens[1:].long() - 1]).float()  # (B, V)
-
-    @torch.no_grad()
-    def greedy(self, prompts):
-        """One argmax completion per prompt, as VLLMEngine.greedy."""
-        self.greedy_calls += 1
-        comps = [[] for _ in prompts]
-        live = list(range(len(prompts)))
-        for _ in range(self.cfg.max_new_tokens):
-            if not live:
-                break
-            top = self.next_logits([list(prompts[i]) + comps[i] for i in live]).argmax(-1)
-            for i, t in zip(live, top.tolist()):
-                comps[i].append(t)
-            live = [i for i in live if comps[i][-1] not in self.eos_ids]
-        return comps
 
     def sleep(self):
         self.sleeps += 1

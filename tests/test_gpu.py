@@ -298,3 +298,112 @@ def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
     assert len(steps) == 60
     assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 5000
                for r in steps)
+
+
+# ---------------------------------------------------------------- episodes of several turns
+
+# The env answers after every turn until turn K (3 or 4, by the question's length), whatever
+# the model wrote, so every episode has 3+ turns and a prompt's episodes end at different turns.
+SCRIPTED_ENV = '''
+class Scripted:
+    def reset(self, problem):
+        self.turns, self.last = 0, 3 + len(problem.question) % 2
+        return problem.question
+
+    def step(self, completion):
+        self.turns += 1
+        if self.turns < self.last:
+            return f"result {self.turns}: {len(completion)}", None
+        return None, float(len(completion) % 2)
+'''
+
+
+def episode_run(tmp, name, *extra):
+    """simple_rl.py on a tiny random Qwen3 with a chat template and the scripted env: metrics
+    rows and the weights sha256."""
+    if not (tmp / "ckpt" / "config.json").is_file():
+        from helpers import make_checkpoint as tiny
+
+        tiny(tmp / "ckpt", dtype=torch.bfloat16, chat=True)
+        (tmp / "env.py").write_text(SCRIPTED_ENV)
+    cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", str(tmp / "ckpt"),
+           "--env", f"{tmp / 'env.py'}:Scripted", "--max-turns", "4", "--steps", "3",
+           "--num-prompts", "16", "--group-size", "8", "--max-new-tokens", "48",
+           "--max-model-len", "512", "--lr", "1e-4", "--entropy-coef", "0.01",
+           "--eval-size", "16", "--save-every", "0", "--log-dir", str(tmp / "runs"),
+           "--run-name", name, *extra]
+    out = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
+                         timeout=900).stdout
+    from helpers import metrics_rows
+
+    return metrics_rows(tmp / "runs" / name), re.search(r"weights sha256 ([0-9a-f]{64})",
+                                                       out).group(1)
+
+
+@pytest.mark.parametrize("temperature", ["1.0", "0.7"])
+def test_every_token_of_every_turn_bitwise_equal_with_prefix_caching(tmp_path_factory,
+                                                                     temperature):
+    """3 steps of 16 prompts x 8 episodes of 3-4 turns (each turn after the episode so far
+    and a tool message, prefilled from vLLM's prefix cache), pushes between: 0 mismatched
+    tokens at every step; the same run without prefix caching trains to the same weights."""
+    _need_gpu_stack()
+    tmp = tmp_path_factory.mktemp(f"episodes{temperature}")
+    rows, digest = episode_run(tmp, "cached", "--temperature", temperature)
+    steps = [r for r in rows if "loss" in r]
+    print(json.dumps([{k: v for k, v in r.items() if k.startswith(("determinism/", "episode/",
+                                                                   "time/rollout"))}
+                      for r in steps]))
+    assert len(steps) == 3
+    for r in steps:
+        assert r["determinism/mismatched_tokens"] == 0 and r["determinism/max_abs_diff"] == 0
+        assert 3 <= r["episode/turns_mean"] <= 4 and r["episode/turns_mean"] not in (3, 4)
+        assert r["determinism/tokens"] > 128 * 3 * 20  # every generated token of every turn
+        assert r["episode/tool_tokens_mean"] > 0
+    if temperature == "1.0":
+        _, uncached = episode_run(tmp, "uncached", "--temperature", temperature,
+                                  "--no-prefix-caching")
+        assert uncached == digest
+
+
+CALC_RUN = ["--env", "calc", "--max-turns", "3", *LEARNING_RUN, "--steps", "60",
+            "--eval-every", "20", "--save-every", "0"]
+
+
+def test_grpo_learns_to_call_the_calculator(tmp_path_factory):
+    """examples/warm_start.py --tool (or SIMPLE_RL_TOOL_WARM_START), then simple_rl.py --env
+    calc for 60 steps on one GPU: greedy held-out accuracy, tools included, rises by at least
+    20 points, the tool-call rate rises, no generated token of any turn differs at any step;
+    the same run without prefix caching ends with the same weights."""
+    _need_gpu_stack()
+    tmp = tmp_path_factory.mktemp("calc")
+    warm = os.environ.get("SIMPLE_RL_TOOL_WARM_START") or str(tmp / "warm")
+    if not os.environ.get("SIMPLE_RL_TOOL_WARM_START"):
+        subprocess.run([sys.executable, str(ROOT / "examples" / "warm_start.py"), "--tool",
+                        "--out", warm], check=True, timeout=900)
+    from helpers import metrics_rows
+
+    digests, rows = {}, {}
+    for name, extra in (("cached", []), ("uncached", ["--no-prefix-caching"])):
+        cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", warm, *CALC_RUN, *extra,
+               "--log-dir", str(tmp / "runs"), "--run-name", name]
+        out = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
+                             timeout=900).stdout
+        digests[name] = re.search(r"weights sha256 ([0-9a-f]{64})", out).group(1)
+        rows[name] = metrics_rows(tmp / "runs" / name)
+    acc = {r["step"]: r["eval/accuracy"] for r in rows["cached"] if "eval/accuracy" in r}
+    calls = {r["step"]: r["eval/tool_call_frac"] for r in rows["cached"] if "eval/accuracy" in r}
+    steps = [r for r in rows["cached"] if "loss" in r]
+    print(json.dumps({"held_out_accuracy": acc, "held_out_tool_calls": calls,
+                      "sha256": digests,
+                      "tool_call_frac": [round(r["episode/tool_call_frac"], 3) for r in steps],
+                      "turns": [round(r["episode/turns_mean"], 2) for r in steps],
+                      "tokens": [r["determinism/tokens"] for r in steps],
+                      "rollout_s": [round(r["time/rollout_s"], 2) for r in steps]}))
+    assert sorted(acc) == [0, 20, 40, 60]
+    assert acc[60] >= acc[0] + 0.20, acc
+    assert calls[60] > calls[0], calls
+    assert steps[-1]["episode/tool_call_frac"] > steps[0]["episode/tool_call_frac"]
+    assert len(steps) == 60
+    assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 5000
+               for r in steps)
+    assert digests["uncached"] == digests["cached"]

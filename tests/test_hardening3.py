@@ -296,10 +296,14 @@ def test_5_a_signal_during_the_last_eval_or_export_saves_the_last_step(
     previous = {s: signal.signal(s, unhandled) for s in (signal.SIGTERM, signal.SIGINT)}
 
     class SignalAtLastEval(TorchEngine):
-        def greedy(self, prompts):
-            if self.greedy_calls == 1:  # the second eval: after the last step
-                os.kill(os.getpid(), sig)
-            return super().greedy(prompts)
+        evals = 0
+
+        def generate(self, prompts, n, seeds, max_tokens, temperature):
+            if temperature == 0:  # a held-out eval's (single-turn) episodes
+                self.evals += 1
+                if self.evals == 2:  # the second eval: after the last step
+                    os.kill(os.getpid(), sig)
+            return super().generate(prompts, n, seeds, max_tokens, temperature)
 
     real_save = rl.save_hf_checkpoint
 

@@ -1,0 +1,472 @@
+"""Episodes of several turns on CPU: the episode loop over the stand-in engine (turns, tool
+messages appended as ids, masks, seeds, parity over every turn), the calculator env, and the
+bad input of --env."""
+
+import pytest
+import torch
+
+import simple_rl as rl
+from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
+
+# A turn-1 text of c characters makes the episode call the tool c % 3 times: 1 to 3 turns,
+# mixed within a prompt's group, the same on any number of ranks.
+SCRIPTED = '''
+class Scripted:
+    def reset(self, problem):
+        self.calls, self.answered = None, 0
+        return problem.question
+
+    def step(self, completion):
+        if self.calls is None:
+            self.calls = len(completion) % 3
+        if self.answered < self.calls:
+            self.answered += 1
+            return f"tool says {self.answered}", None
+        return None, float(len(completion) % 2)
+
+
+class Counted(Scripted):
+    """Episode k (in the order simple_rl makes them) calls the tool k % 3 times."""
+    made = 0
+
+    def reset(self, problem):
+        question = super().reset(problem)
+        Counted.made += 1
+        self.calls = Counted.made % 3
+        return question
+
+
+class Forever(Scripted):
+    def step(self, completion):
+        return "again", None
+'''
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "envs.py"
+    path.write_text(SCRIPTED)
+    return path
+
+
+class Recorder:
+    """Keeps what rl_step's episodes became (rl.episodes_rollout's result)."""
+
+    def __init__(self, monkeypatch):
+        self.rollouts = []
+        plain = rl.episodes_rollout
+
+        def keep(*a, **k):
+            self.rollouts.append(plain(*a, **k))
+            return self.rollouts[-1]
+
+        monkeypatch.setattr(rl, "episodes_rollout", keep)
+
+
+def make_trainer(path, tmp_path, **overrides):
+    cfg, given = rl.parse_config(cpu_argv(path, tmp_path / "runs", **overrides))
+    rl.validate(cfg)
+    trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
+    return trainer
+
+
+def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_tokens(
+        ckpt, tmp_path, env_file, monkeypatch):
+    seen = Recorder(monkeypatch)
+    trainer = make_trainer(ckpt(chat=True), tmp_path, env=f"{env_file}:Counted", max_turns=3,
+                           num_prompts=2, group_size=4, max_new_tokens=4, eval_size=0,
+                           kl_coef=0.0, max_model_len=256, micro_batch_tokens=256)
+    cfg, tok, engine = trainer.cfg, trainer.tokenizer, trainer.engine
+    m, parity = rl.rl_step(trainer, 0)
+    ro = seen.rollouts[-1]
+    eps = ro.episodes
+    turns = [len(e.turns) for e in eps]
+    assert turns == [3, 1, 2, 3, 1, 2, 3, 1], turns  # mixed, within groups too (check_env made 1)
+    for e in eps:
+        assert len(e.turns) == 1 + e.env.calls and e.tool_calls == e.env.calls
+        assert e.status in ("completed", "length")
+    # one generate per turn over every live episode: G samples per prompt, then one each
+    calls = engine.calls
+    assert [c[1] for c in calls] == [4, 1, 1] and len(calls[0][0]) == 2
+    mine = rl.my_prompts(cfg.num_prompts, trainer.ranks)
+    assert calls[0][2] == [rl.sample_seed(cfg, 0, i) for i in mine]  # today's first turn
+    assert [len(c[0]) for c in calls[1:]] == [sum(t > k for t in turns) for k in (1, 2)]
+    # turn k is generated after the episode's ids so far and the tool's message, as ids: the
+    # template's end of the assistant turn, the tool turn and the next generation prompt
+    for k in (1, 2):
+        live = [i for i, t in enumerate(turns) if t > k]
+        want = rl.tool_message_ids(tok, [f"tool says {k}"], cfg)[0]
+        assert tok.decode(want) == (f"<|im_end|>\n<|im_start|>tool\ntool says {k}<|im_end|>\n"
+                                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        for i, prompt, seed in zip(live, calls[k][0], calls[k][2]):
+            e = eps[i]
+            assert e.turns[k].context == want
+            assert prompt == [t for turn in e.turns[:k] for t in turn.context + turn.out.ids] \
+                + want
+            assert seed == rl.turn_seed(cfg, 0, mine[i // 4], i % 4, k)
+    # every sample's seed differs from every other of the step, across turns
+    seeds = [s + j for _, n, ss, _, _ in calls for s in ss for j in range(n)]
+    assert len(seeds) == len(set(seeds)) == 8 + sum(t - 1 for t in turns)
+    # the packed episode: the targets are exactly the model's tokens of every turn
+    packed = rl.pack(ro.prompts, ro.completions, ro.model)
+    generated = [t for e in eps for turn in e.turns for t in turn.out.ids]
+    assert packed.targets.tolist() == generated == [
+        t for c, mask in zip(ro.completions, ro.model) for t, own in zip(c, mask) if own]
+    assert len(ro.logprobs) == len(generated) == parity.n_tokens == m["determinism/tokens"]
+    assert [m[f"determinism/tokens_turn{k}"] for k in (1, 2, 3)] == [
+        sum(len(e.turns[k].out.ids) for e in eps if len(e.turns) > k) for k in range(3)]
+    assert sum(not own for mask in ro.model for own in mask) == m["episode/tool_tokens_mean"] * 8
+    assert packed.tokens.tolist() == [t for e in eps for t in e.ids()]
+    assert parity.max_abs_diff < 1e-4  # the stand-in's logprobs of every turn, as the trainer's
+    assert m["episode/turns_mean"] == sum(turns) / 8
+    assert m["episode/tool_calls_mean"] == sum(t - 1 for t in turns) / 8
+    assert m["episode/tool_call_frac"] == sum(t > 1 for t in turns) / 8
+    assert m["completion_len_mean"] == len(generated) / 8
+    rewards = torch.tensor([e.reward for e in eps])
+    assert m["reward_mean"] == pytest.approx(rewards.mean().item())
+    trainer.writer.close()
+
+
+def test_a_model_that_never_stops_calling_ends_at_max_turns_and_tool_messages_past_the_context(
+        ckpt, tmp_path, env_file, monkeypatch):
+    seen = Recorder(monkeypatch)
+    trainer = make_trainer(ckpt(), tmp_path, env=f"{env_file}:Forever", max_turns=3,
+                           eval_size=0)
+    m, _ = rl.rl_step(trainer, 0)
+    eps = seen.rollouts[-1].episodes
+    assert [(len(e.turns), e.status, e.reward) for e in eps] == [(3, "max_turns", 0.0)] * 6
+    assert m["episode/max_turns_frac"] == 1.0
+    # a tool message longer than what --max-model-len leaves ends the episode, counted
+    chosen = rl.step_problems(len(trainer.task.problems), 2, 1, trainer.cfg.seed)
+    longest = max(len(trainer.task.prompt_ids[i]) for i in chosen)
+    trainer.cfg.max_model_len = longest + trainer.cfg.max_new_tokens + 1
+    m, _ = rl.rl_step(trainer, 1)
+    assert m["episode/context_frac"] > 0
+    assert all(len(e.ids()) <= trainer.cfg.max_model_len for e in seen.rollouts[-1].episodes)
+    trainer.writer.close()
+
+
+def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, monkeypatch):
+    """Without --env a step trains on exactly what the engine's rollout samples, as before
+    episodes: the same samples, logprobs, stops and Packed."""
+    seen = Recorder(monkeypatch)
+    trainer = make_trainer(ckpt(), tmp_path, eval_size=0)
+    cfg = trainer.cfg
+    chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
+    want = trainer.engine.rollout([trainer.task.prompt_ids[i] for i in chosen], [0, 1], 0)
+    m, _ = rl.rl_step(trainer, 0)
+    ro = seen.rollouts[-1]
+    assert ro.prompts == want.prompts and ro.completions == want.completions
+    assert torch.equal(ro.logprobs, want.logprobs) and ro.stopped == want.stopped
+    a, b = rl.pack(ro.prompts, ro.completions, ro.model), rl.pack(want.prompts, want.completions)
+    for f in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "sample"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert not any(k.startswith("episode/") for k in m)  # single-turn logs as before
+    trainer.writer.close()
+
+
+# The weights sha256 of the run below, recorded before the episode loop existed (the rollout
+# was then one engine call per step): a single-turn run still trains to exactly these bits.
+BEFORE_EPISODES = {False: "878086fda92ef108ebc2e9d2ae1cf37cc05c42775026c194d27328fa66f0ff50",
+                   True: "f9348fcb8dbeb945576785d77f632e195d2b3479d0e96efcd5693689ca4a5eed"}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_single_turn_run_gives_the_weights_it_gave_before_episodes(ckpt, tmp_path, chat):
+    """Recorded with one thread, on x86 (more threads sum the CPU's matmuls in other orders)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        digest = run_cpu(cpu_argv(ckpt(chat=chat), tmp_path / "runs", steps=3, save_every=0,
+                                  eval_every=2, run_name="r"))
+    finally:
+        torch.set_num_threads(threads)
+    assert digest == BEFORE_EPISODES[chat]
+
+
+def test_the_calculator_answers_and_scores_the_last_turn():
+    env = rl.CalcEnv()
+    assert env.reset(rl.Problem("What is 47 * 83 - 5?", "3896")) == "What is 47 * 83 - 5?"
+    assert env.step("I need <calc>47 * 83 - 5</calc>") == ("3896", None)
+    assert env.step("<calc>(2 + -3) * 4</calc>") == ("-4", None)
+    assert env.step("Answer: 3896") == (None, 1.0)
+    assert env.step("Answer: 3") == (None, 0.0)
+    for bad in ("<calc>2 ** 99</calc>", "<calc>__import__('os')</calc>", "<calc>1 +</calc>",
+                "<calc>" + "1+" * 60 + "1</calc>", "<calc>2 / 3</calc>"):
+        with pytest.raises(rl.ToolError):
+            env.step(bad)
+
+
+BAD_ENVS = '''
+MADE = [0]
+
+
+class LateFailure:
+    """Episodes after the first step's (and check_env's) raise at their second turn."""
+
+    def __init__(self):
+        MADE[0] += 1
+        self.late, self.turn = MADE[0] > 7, 0
+
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion):
+        self.turn += 1
+        if self.turn == 1:
+            return "go on", None
+        if self.late:
+            raise RuntimeError("the tool broke")
+        return None, 1.0
+
+
+class NotText(LateFailure):
+    def step(self, completion):
+        return (["go on"], None) if self.late else (None, 0.0)
+
+
+class NoStep:
+    def reset(self, problem):
+        return problem.question
+
+
+class TwoArgs:
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion, answer):
+        return None, 0.0
+'''
+
+
+@pytest.mark.parametrize("name,says", [
+    ("LateFailure", "raised RuntimeError: the tool broke on sample "),
+    ("NotText", "returned the tool message ['go on'], not text on sample "),
+])
+def test_an_env_that_fails_mid_run_stops_with_exit_7_naming_episode_and_turn(
+        ckpt, tmp_path, capsys, name, says):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD_ENVS)
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=3, save_every=1, eval_size=0,
+                    env=f"{path}:{name}", run_name="r")
+    assert main_cpu(argv) == 7
+    err = capsys.readouterr().err
+    assert f"step 1: the env ({path}:{name}) {says}" in err, err
+    turn = "turn 2" if name == "LateFailure" else "turn 1"
+    assert f"of training problem " in err and f", {turn}, completion " in err
+    assert "Last good checkpoint: " in err and "step_000001" in err
+    assert (tmp_path / "runs" / "r" / "checkpoints" / "step_000001").is_dir()
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("{dir}/missing.py:Env", "--env: {dir}/missing.py is not a file."),
+    ("{dir}/bad.py:Nothing", "--env: {dir}/bad.py has no class 'Nothing'."),
+    ("{dir}/bad.py:NoStep", "--env {dir}/bad.py:NoStep: its env has no method step(completion)."),
+    ("{dir}/bad.py:TwoArgs", "--env {dir}/bad.py:TwoArgs: step(completion, answer) must take "
+                             "(completion)."),
+    ("calc.py", "--env 'calc.py' must be calc or name a Python file and a class in it"),
+])
+def test_a_bad_env_is_refused_before_the_engine_starts(ckpt, tmp_path, capsys, spec, says):
+    from helpers import CountingEngine
+
+    (tmp_path / "bad.py").write_text(BAD_ENVS)
+    CountingEngine.made = 0
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=spec.format(dir=tmp_path))
+    assert main_cpu(argv, CountingEngine) == 2
+    assert says.format(dir=tmp_path) in capsys.readouterr().err
+    assert CountingEngine.made == 0
+
+
+def test_a_tool_stop_of_several_tokens_is_refused(ckpt, tmp_path, capsys):
+    from helpers import CountingEngine
+
+    CountingEngine.made = 0
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", env="calc"), CountingEngine) == 2
+    assert "--tool-stop '</calc>' is " in capsys.readouterr().err  # the test tokenizer splits it
+    assert CountingEngine.made == 0
+
+
+# The learning task: "Q: <3 letters>\nA:", answer a digit that only the tool knows. The model
+# either looks (" look<look>": the env answers " <digit>\n", the model takes it with " ok")
+# or guesses (" guess <digit>"). The warm start looks 3 times in 10, so greedy decoding
+# guesses, right about 1 time in 10; GRPO must learn to look.
+LOOK = '''
+class Look:
+    tool_stop = "<look>"
+
+    def reset(self, problem):
+        self.answer = problem.answer
+        return problem.question
+
+    def step(self, completion):
+        if completion.endswith("<look>"):
+            self.looked = True
+            return f" {self.answer}\\n", None
+        if getattr(self, "looked", False):
+            return None, float(completion.strip() == "ok")
+        return None, float(completion.strip()[-1:] == self.answer)
+'''
+
+
+def look_task(tmp, n: int = 400):
+    import json
+    import random
+
+    from helpers import make_checkpoint
+
+    rng = random.Random(0)
+    rows = [{"question": "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=3)),
+             "answer": str(rng.randrange(10))} for _ in range(n)]
+    (tmp / "look.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "look.py").write_text(LOOK)
+    base = make_checkpoint(tmp / "random", layers=2, hidden=128, heads=4, kv_heads=2,
+                           head_dim=32, inter=256, vocab=384)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_tokens(["<look>"])  # one token, and not a special one: the env reads it as text
+    tok.save_pretrained(base)
+    return base, rows
+
+
+def look_warm_start(src, out, rows, steps: int = 80, look_fraction: float = 0.3):
+    """Supervised steps on both kinds of answer, the loss on the model's tokens only; the
+    tool's message is in the sequence as the episode loop renders it (the text as is)."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = __import__("random").Random(1)
+    eos = tok.eos_token_id
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    for _ in range(steps):
+        seqs, labels = [], []
+        for r in rng.sample(rows, 32):
+            prompt = ids(f"Q: {r['question']}\nA:")
+            if rng.random() < look_fraction:
+                parts = [(ids(" look<look>"), True), (ids(f" {r['answer']}\n"), False),
+                         (ids(" ok") + [eos], True)]
+            else:
+                parts = [(ids(f" guess {rng.randrange(10)}") + [eos], True)]
+            seqs.append(prompt + [t for p, _ in parts for t in p])
+            labels.append([-100] * len(prompt) + [t if own else -100 for p, own in parts
+                                                  for t in p])
+        width = max(map(len, seqs))
+        x = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
+        y = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        model(input_ids=x, labels=y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def tool_token_logprob(path, rows) -> float:
+    """Mean logprob the model gives the tool's '\\n' after ' look<look> <digit>' (the tool's
+    text: never a training target)."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    for r in rows:
+        seq = tok(f"Q: {r['question']}\nA: look<look> {r['answer']}\n",
+                  add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -2].float()
+        out.append(torch.log_softmax(logits, -1)[seq[-1]].item())
+    return sum(out) / len(out)
+
+
+LOOK_RUN = dict(dtype="float32", task="jsonl", chat_template="off", max_turns=2, num_prompts=16,
+                group_size=8, max_new_tokens=6, max_model_len=64, micro_batch_tokens=4096,
+                lr=1e-3, steps=6, eval_every=3, eval_size=24, seed=0, save_every=0)
+
+
+def learn_to_look(model, task_dir, log_dir, name: str) -> str:
+    argv = ["--model", str(model), "--log-dir", str(log_dir), "--run-name", name,
+            "--data-files", str(task_dir / "look.jsonl"), "--env", f"{task_dir / 'look.py'}:Look"]
+    for k, v in LOOK_RUN.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return run_cpu(argv)
+
+
+@pytest.fixture(scope="module")
+def look(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("look")
+    base, rows = look_task(tmp)
+    return look_warm_start(base, tmp / "warm", rows), tmp, rows
+
+
+def test_grpo_learns_to_call_the_tool_on_held_out_problems(look, tmp_path):
+    """Greedy held-out accuracy (tools included) and the tool-call rate rise, and the tool's own
+    tokens are not learned: the test fails if they are trained on, or if each episode's
+    reward is given to another episode."""
+    from helpers import metrics_rows
+
+    model, tmp, rows = look
+    learn_to_look(model, tmp, tmp_path, "look")
+    out = metrics_rows(tmp_path / "look")
+    acc = {r["step"]: r["eval/accuracy"] for r in out if "eval/accuracy" in r}
+    calls = {r["step"]: r["eval/tool_call_frac"] for r in out if "eval/tool_call_frac" in r}
+    print(acc, calls, [r.get("episode/tool_call_frac") for r in out])
+    assert acc[0] < 0.3 and calls[0] < 0.2  # the warm start guesses
+    assert acc[6] >= acc[0] + 0.5 and calls[6] >= 0.8, (acc, calls)
+    steps = [r for r in out if "loss" in r]
+    assert steps[-1]["episode/tool_call_frac"] > steps[0]["episode/tool_call_frac"] + 0.3
+    assert all(r["determinism/tokens"] == r["episode/generated_tokens_mean"] * 128
+               for r in steps)
+    before = tool_token_logprob(model, rows[:50])
+    after = tool_token_logprob(tmp_path / "look" / "final", rows[:50])
+    print("tool token logprob", before, after)
+    assert after < before + 1.0, (before, after)
+
+
+def test_two_ranks_play_the_episodes_one_rank_plays(ckpt, tmp_path, env_file):
+    """N = 2 on gloo: the same episodes (turns, tool calls, ends, tokens, rewards) as N = 1,
+    and the same losses up to the order of fp32 sums."""
+    from test_distributed import launch, metrics
+
+    base = cpu_argv(ckpt(chat=True), tmp_path / "runs", num_prompts=3, steps=2, save_every=0,
+                    env=f"{env_file}:Scripted", max_turns=3, max_model_len=256,
+                    micro_batch_tokens=256)
+    for n in (1, 2):
+        launch(n, "main", *base, "--run-name", f"n{n}")
+    one, two = metrics(tmp_path / "runs" / "n1"), metrics(tmp_path / "runs" / "n2")
+    exact = [k for k in one[0] if k.startswith(("episode/", "reward", "determinism/tokens",
+                                                "completion", "eval/"))]
+    assert any(r["episode/turns_mean"] > 1 for r in one if "loss" in r)
+    assert [[r.get(k) for k in exact] for r in two] == [[r.get(k) for k in exact] for r in one]
+    for a, b in zip(one, two):
+        if "loss" in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_the_tool_warm_start_calls_the_calculator_as_the_episode_loop_renders_it():
+    """examples/warm_start.py --tool: <calc> and </calc> are single tokens the env reads, and
+    a tool answer's sequence is the prompt, the call, the tool's message as simple_rl appends
+    it (not a target) and the answer: what an episode of `--env calc` holds."""
+    import sys
+
+    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
+    import warm_start as ws
+
+    tok = ws.make_tokenizer(512, 0, tool=True)
+    assert len(tok.encode("</calc>", add_special_tokens=False)) == 1
+    problem = rl.Problem("What is 47 * 83 - 5? End with 'Answer: <number>'.", "3896")
+    ids, _, labels = ws.batch_of([problem], [False], tok, torch.device("cpu"), tool=True)
+    call = tok("<calc>47 * 83 - 5</calc>", add_special_tokens=False)["input_ids"]
+    prompt = rl.format_prompts([problem], tok, rl.Config())[0]
+    tool = rl.tool_message_ids(tok, ["3896"], rl.Config())[0]
+    assert ids[0].tolist()[:len(prompt) + len(call) + len(tool)] == prompt + call + tool
+    trained = [t for t in labels[0].tolist() if t != -100]
+    assert tok.decode(trained) == "<calc>47 * 83 - 5</calc>Answer: 3896<|im_end|>"
+    env = rl.CalcEnv()
+    env.reset(problem)
+    assert env.step(tok.decode(call, skip_special_tokens=True)) == ("3896", None)
