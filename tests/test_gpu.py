@@ -302,16 +302,19 @@ def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
 
 # ---------------------------------------------------------------- episodes of several turns
 
-# The env answers after every turn until turn K (3 or 4, by the question's length), whatever
-# the model wrote, so every episode has 3+ turns and a prompt's episodes end at different turns.
+# The env answers after every turn until turn K (3 or 4, by the length of the episode's first
+# turn), whatever the model wrote: every episode has 3+ turns, and a prompt's episodes end at
+# different turns.
 SCRIPTED_ENV = '''
 class Scripted:
     def reset(self, problem):
-        self.turns, self.last = 0, 3 + len(problem.question) % 2
+        self.turns = 0
         return problem.question
 
     def step(self, completion):
         self.turns += 1
+        if self.turns == 1:  # 3 or 4 turns, by what this episode sampled first
+            self.last = 3 + len(completion) % 2
         if self.turns < self.last:
             return f"result {self.turns}: {len(completion)}", None
         return None, float(len(completion) % 2)
@@ -398,12 +401,13 @@ def test_grpo_learns_to_call_the_calculator(tmp_path_factory):
                       "tool_call_frac": [round(r["episode/tool_call_frac"], 3) for r in steps],
                       "turns": [round(r["episode/turns_mean"], 2) for r in steps],
                       "tokens": [r["determinism/tokens"] for r in steps],
+                      "mismatched": [r["determinism/mismatched_tokens"] for r in steps],
                       "rollout_s": [round(r["time/rollout_s"], 2) for r in steps]}))
     assert sorted(acc) == [0, 20, 40, 60]
     assert acc[60] >= acc[0] + 0.20, acc
     assert calls[60] > calls[0], calls
     assert steps[-1]["episode/tool_call_frac"] > steps[0]["episode/tool_call_frac"]
     assert len(steps) == 60
-    assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 5000
-               for r in steps)
+    assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 4000
+               for r in steps), [r["determinism/mismatched_tokens"] for r in steps]
     assert digests["uncached"] == digests["cached"]
