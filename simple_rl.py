@@ -3866,8 +3866,8 @@ PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume", "allow
 
 # The flags that name what a run reads: the reward's code, the model's config and tokenizer,
 # the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A resume
-# imports only the command line's --reward; --model and --data-files it takes from the command
-# line, or from the checkpoint when their files still have the recorded sha256.
+# imports only the command line's --reward and --env files; --model and --data-files it takes
+# from the command line, or from the checkpoint when their files still have the recorded sha256.
 INPUTS = ("reward", "env", "model", "data_files")
 
 
@@ -3960,9 +3960,11 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         validate(dataclasses.replace(resumed, resume=""))
     except ConfigError as e:
         raise ConfigError(f"{file} holds an invalid config: {e}") from e
-    need(not resumed.reward or "reward" in passed, f"{ckpt}'s run used --reward "
-         f"{resumed.reward}; a resume imports no code its checkpoint names: pass --reward "
-         "FILE.py:FUNCTION again.")
+    for name in ("reward", "env"):  # FILE.py:NAME is code: never imported from a checkpoint
+        spec = getattr(resumed, name)
+        need(":" not in spec or name in passed, f"{ckpt}'s run used {flag(name)} {spec}; a "
+             f"resume imports no code its checkpoint names: pass {flag(name)} FILE.py:NAME "
+             "again.")
     ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS)
                      if getattr(cfg, n) != saved.get(n))
     if ignored:

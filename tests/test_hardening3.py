@@ -55,7 +55,7 @@ def test_1_a_checkpoints_reward_is_never_imported(saved, tmp_path, capsys, given
     argv = latest(tmp_path)
     if given == "nothing":
         err = refuse(argv, capsys)
-        assert "a resume imports no code its checkpoint names: pass --reward FILE.py:FUNCTION " \
+        assert "a resume imports no code its checkpoint names: pass --reward FILE.py:NAME " \
                "again." in err
     elif given == "mine":  # the run used another reward (none): a change, refused
         err = refuse(argv + ["--reward", f"{mine}:f"], capsys)
@@ -65,6 +65,23 @@ def test_1_a_checkpoints_reward_is_never_imported(saved, tmp_path, capsys, given
         assert main_cpu(argv + ["--reward", f"{mine}:f", "--allow-changed-files"]) == 0
         assert "resuming with it (--allow-changed-files)" in capsys.readouterr().out
         assert metrics_rows(ckpt.parent.parent)[-2]["reward_mean"] == 1.0  # mine ran
+    assert not marker.exists()
+
+
+def test_1_a_checkpoints_env_is_never_imported_even_with_its_sha256_recorded(saved, tmp_path,
+                                                                           capsys):
+    """The checkpoint names an env file and records that file's own sha256 (both files are the
+    checkpoint's to craft): the resume is refused before anything is imported."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.py"
+    evil.write_text(EVIL.format(marker=str(marker)))
+    edit_json(ckpt / "run_config.json", env=f"{evil}:f")
+    state = json.loads((ckpt / "state.json").read_text())
+    state["inputs"]["env"] = {"f": rl.sha256_file(evil)}
+    (ckpt / "state.json").write_text(json.dumps(state))
+    err = refuse(latest(tmp_path), capsys)
+    assert "a resume imports no code its checkpoint names: pass --env FILE.py:NAME again." in err
     assert not marker.exists()
 
 
