@@ -1540,14 +1540,15 @@ def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Te
     return torch.tensor(out, dtype=torch.float32)
 
 
-def finite_advantages(rewards: torch.Tensor, cfg: Config, texts: list[str]) -> None:
+def finite_advantages(rewards: torch.Tensor, cfg: Config, text: Callable[[int], str]) -> None:
     """RewardError on the first sample whose group's advantages are not finite: rewards so
-    large that the group's mean or std overflows fp32."""
+    large that the group's mean or std overflows fp32. text(i): sample i's completion, read
+    only for the message."""
     adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize, cfg.adv_eps)  # (B*G,)
     bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
     if bad:
         raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
-                          "advantages are not finite", bad[0], texts[bad[0]])
+                          "advantages are not finite", bad[0], text(bad[0]))
 
 
 @contextlib.contextmanager
@@ -2193,8 +2194,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
              where)
         rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
         try:  # rewards so large that a group's advantages overflow fp32
-            finite_advantages(rewards, cfg, decode(trainer.tokenizer,
-                                                   [e.turns[-1].out.ids for e in played]))
+            finite_advantages(rewards, cfg, lambda i: decode(trainer.tokenizer,
+                                                             [played[i].turns[-1].out.ids])[0])
         except RewardError as e:
             e.where = where(e.sample)
             raise

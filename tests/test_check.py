@@ -8,7 +8,6 @@ import torch
 
 import simple_rl as rl
 from helpers import copy_checkpoint, cpu_argv, main_cpu
-from test_hardening2 import one_sentence
 
 NO_GPU = "no CUDA GPU found"
 
