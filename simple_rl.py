@@ -193,8 +193,8 @@ class Config:
     parity_every: int = opt("logging", 10, "print the parity table every N steps (always when "
                             "a token differs)")
     strict_parity: bool = opt("logging", False, "stop at the first step with a differing token")
-    debug_parity: bool = opt("logging", False, "compare trainer and vLLM op by op on one "
-                             "sequence, print where they diverge, exit")
+    debug_parity: bool = opt("logging", False, "compare trainer and vLLM op by op on step 0's "
+                             "first episode, every turn, print where they diverge, exit")
     log_param_deltas: bool = opt("logging", False, "log weight deltas per parameter, not only "
                                  "per layer")
     verbose: bool = opt("logging", False, "show vLLM's and the libraries' INFO logs and warnings")
@@ -2839,12 +2839,11 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
             return ""
         trainer, start, run_dir, path = built
         if trainer.cfg.debug_parity:
-            cfg = trainer.cfg
-            first = step_problems(len(trainer.task.problems), 1, 0, cfg.seed)[0]
-            prompt = trainer.task.prompt_ids[first]
-            rows, n_bad = debug_parity(trainer.engine.llm, trainer.model, prompt,
-                                       cfg.max_new_tokens, cfg.temperature, cfg.seed)
+            rows, n_bad, turns = debug_parity(trainer.engine, trainer.model,
+                                              lambda: first_episode(trainer))
             print0(format_debug(rows))
+            print0(f"{len(turns)} turn(s); rows vLLM computed (prefix-cache hits) per turn: "
+                   + ", ".join(f"{n} ({c})" for n, c in turns))
             print0(f"generated-token logprobs that differ: {n_bad}")
             return ""
         return train(trainer, start, run_dir, path)
@@ -4504,7 +4503,7 @@ def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
 
 
 # ==========================================================================
-# Parity debugger: trainer vs vLLM's own model, op by op, on one sequence
+# Parity debugger: trainer vs vLLM's own model, op by op, on one episode
 # ==========================================================================
 # Trainer module (per layer) -> the vLLM module of the same role, in execution order. Both
 # sides are recorded by forward hooks. vLLM shares one rotary module across layers, so the
@@ -4606,44 +4605,82 @@ def first_divergence(rows: list[dict]) -> str | None:
     return next((r["op"] for r in rows if r["n_diff"] != 0), None)
 
 
-def debug_parity(llm, model: Qwen3, prompt: list[int], max_tokens: int, temperature: float,
-                 seed: int) -> tuple[list[dict], int]:
-    """Trainer vs vLLM on one generated sequence, op by op over prefill and decode rows.
+def first_episode(trainer: Trainer) -> Episode:
+    """Step 0's first episode (its first problem's sample 0), played as the run plays it."""
+    cfg = trainer.cfg
+    j = step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)[0]
 
-    Returns the per-op rows (print with `format_debug`) and how many generated tokens'
-    logprobs differ.
+    def where(_):
+        return f"sample 0 of training problem {j}"
+
+    envs, prompts = new_episodes(trainer, [trainer.task.problems[j]], [trainer.task.prompt_ids[j]],
+                                 1, where)
+    (out,), = trainer.engine.generate(prompts, 1, [sample_seed(cfg, 0, 0)], [cfg.max_new_tokens],
+                                      cfg.temperature)
+    episode = Episode(envs[0], [Turn(prompts[0], out)])
+    play(trainer.engine, trainer.tokenizer, cfg, [episode],
+         lambda _, turn: turn_seed(cfg, 0, 0, 0, turn), cfg.temperature, where)
+    return episode
+
+
+def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episode]
+                 ) -> tuple[list[dict], int, list[tuple[int, int]]]:
+    """Trainer vs vLLM on one episode, op by op, over every row vLLM computed in every turn.
+
+    play_one plays the episode through `engine`, a turn per engine.generate. vLLM computes a
+    turn's rows as a prefill of what its prefix cache lacks, then a row per decode step; the
+    trainer computes the whole episode in one forward. So turn k's rows are the trainer's at
+    positions c_k .. P_k + g_k - 2 (c_k: prefix-cache hits, P_k: the prefix's length, g_k: the
+    turn's ids; its last id is never fed). Returns the per-op rows (print with `format_debug`),
+    how many generated tokens' logprobs differ, and per turn (rows computed, cached tokens).
     """
-    from vllm import SamplingParams, TokensPrompt
-
+    llm = engine.llm
     names = trace_names(model.args.n_layers, sparse_layers(model.args))
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                            logprobs=0, flat_logprobs=True, detokenize=False)
-    llm.reset_prefix_cache()  # a cached prefix would skip rows of the prefill
+    llm.reset_prefix_cache()  # turn 1 prefills its whole prompt
     theirs_by_module = {v: k for k, v in names}
     stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
     calls = llm.apply_model(lambda m: stack.enter_context(recording(m, theirs_by_module)))[0]
+    starts, cached = [], []  # per turn: forward calls recorded before it; its cache hits
+
+    def turn_hook(_module, _args, outs):
+        cached.append(outs[0].num_cached_tokens or 0)
+
+    def counted(*args, **kwargs):
+        starts.append(max(map(len, calls.values()), default=0))
+        return generate(*args, **kwargs)
+    generate = recorded_call(llm.generate, turn_hook)
+    llm.generate = counted
     try:
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                           use_tqdm=False)[0].outputs[0]
+        episode = play_one()
     finally:
         stack.close()
-    vllm_lp = completion_logprobs(out)
-    full = pack([prompt], [list(out.token_ids)])
-    # vLLM's async scheduling (its default) runs one decode step past a stop token it has not
-    # seen yet: that step's rows come after the sequence's and have no trainer counterpart
-    n_rows = len(full.tokens) - 1
-    theirs = {k: [t[:n_rows] for t in v] for k, v in concat_calls(calls).items()}
+        del llm.generate  # the class's method again
+    starts.append(max(map(len, calls.values())))
+    rollout = episodes_rollout([episode], moe=False)
+    full = pack(rollout.prompts, rollout.completions, rollout.model)
     # vLLM never feeds the last sampled token: drop it from the trainer's input too
     fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],
                               cu_seqlens=full.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32),
                               max_seqlen=full.max_seqlen - 1)
-    fed = fed.to(model.norm.weight.device)
     with recording(model, {ours: ours for ours, _ in names}) as ours_calls, torch.no_grad():
-        logp, _ = model(fed, temperature)
-    ours = concat_calls(ours_calls)
-    want = torch.tensor(vllm_lp, dtype=torch.float32).view(torch.int32)
+        logp, _ = model(fed.to(model.norm.weight.device), engine.cfg.temperature)
+    rows, turns, end = [], [], 0
+    for k, turn in enumerate(episode.turns):
+        first, end = cached[k], end + len(turn.context) + len(turn.out.ids)
+        rows.append(torch.arange(first, end - 1))
+        turns.append((end - 1 - first, first))
+    # a turn's calls: its prefill and decode steps, then (async scheduling, vLLM's default) one
+    # step past a stop it had not seen yet, whose rows have no trainer counterpart
+    theirs = {}
+    for key, v in calls.items():
+        per_turn = [[torch.cat(parts)[:n] for parts in zip(*v[a:b])]
+                    for (n, _), a, b in zip(turns, starts, starts[1:])]
+        theirs[key] = [torch.cat(outs) for outs in zip(*per_turn)]
+    at = torch.cat(rows)
+    ours = {key: [t[at.to(t.device)] for t in ts] for key, ts in concat_calls(ours_calls).items()}
+    want = rollout.logprobs.view(torch.int32)
     n_bad = int((want != logp.cpu().view(torch.int32)).sum())
-    return compare_traces(ours, theirs, [n for n, _ in names]), n_bad
+    return compare_traces(ours, theirs, [n for n, _ in names]), n_bad, turns
 
 
 def format_debug(rows: list[dict]) -> str:

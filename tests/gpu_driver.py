@@ -220,10 +220,14 @@ def parity(args) -> dict:
 
 
 def debug(args, engine, model, prompts, cfg, out) -> None:
+    def one_turn(prompt: list[int], max_tokens: int):
+        def play():
+            (out,), = engine.generate([prompt], 1, [1], [max_tokens], cfg.temperature)
+            return rl.Episode(rl.RewardEnv(), [rl.Turn(prompt, out)])
+        return play
+
     for plen in (5, 120, 300):
-        rows, n_bad = rl.debug_parity(
-            engine.llm, model, prompts[0][:1] * plen, 40, cfg.temperature, 1
-        )
+        rows, n_bad, _ = rl.debug_parity(engine, model, one_turn(prompts[0][:1] * plen, 40))
         print(f"--- debug: prompt {plen} tokens, 40 generated, {n_bad} logprobs differ")
         print(rl.format_debug(rows))
         out[f"debug_{plen}"] = dict(first=rl.first_divergence(rows), n_bad=n_bad)
@@ -240,7 +244,7 @@ def debug(args, engine, model, prompts, cfg, out) -> None:
 
     handle = model.layers[1].feed_forward.act_fn.register_forward_hook(bump)
     try:
-        rows, _ = rl.debug_parity(engine.llm, model, [5] * 10, 5, cfg.temperature, 1)
+        rows, _, _ = rl.debug_parity(engine, model, one_turn([5] * 10, 5))
     finally:
         handle.remove()
     print(rl.format_debug(rows))

@@ -451,3 +451,114 @@ def test_the_tool_warm_start_calls_the_calculator_as_the_episode_loop_renders_it
     env = rl.CalcEnv()
     env.reset(problem)
     assert env.step(tok.decode(call, skip_special_tokens=True)) == ("3896", None)
+
+
+class TracedLLM:
+    """vLLM's LLM as the parity debugger reaches it, on CPU. Its model is modules under vLLM's
+    names that return their inputs; generate runs an episode's turn by feeding them rows of a
+    trace made beforehand (the trainer's, on the whole episode), as vLLM computes a turn: a
+    prefill of what its prefix cache (blocks of 16 tokens) lacks, in chunks of 8 rows, then a
+    row per decode step, then one row of junk past the end (async scheduling's extra step)."""
+
+    class Echo(torch.nn.Module):
+        def forward(self, *xs):
+            return xs if len(xs) > 1 else xs[0]
+
+    class Model(torch.nn.Module):
+        def __init__(self, names):
+            super().__init__()
+            self.named = {theirs: TracedLLM.Echo() for _, theirs in names}
+
+        def named_modules(self, *args, **kwargs):
+            return iter(self.named.items())
+
+    def __init__(self, names, trace, script, logprobs):
+        self.ours = dict(names)
+        self.model, self.trace, self.script, self.logprobs = self.Model(names), trace, script, logprobs
+        self.fed = 0  # positions whose KV the cache holds
+
+    def apply_model(self, fn):
+        return [fn(self.model)]
+
+    def reset_prefix_cache(self):
+        self.fed = 0
+
+    def feed(self, rows: slice):
+        for ours, theirs in self.ours.items():
+            self.model.named[theirs](*[t[rows] for t in self.trace[ours]])
+
+    def generate(self, prompts):
+        from types import SimpleNamespace
+
+        (prefix,) = prompts
+        k = next(k for k in range(len(self.script))
+                 if sum(len(c) + len(g) for c, g in self.script[:k + 1]) > len(prefix))
+        ids = self.script[k][1]
+        cached = min(self.fed // 16 * 16, len(prefix))
+        for start in range(cached, len(prefix), 8):
+            self.feed(slice(start, min(start + 8, len(prefix))))
+        for row in range(len(prefix), len(prefix) + len(ids) - 1):
+            self.feed(slice(row, row + 1))
+        self.feed(slice(0, 1))  # the step past the end: no trainer row is its counterpart
+        self.fed = len(prefix) + len(ids) - 1
+        return [SimpleNamespace(num_cached_tokens=cached, ids=ids, logprobs=self.logprobs[k])]
+
+
+def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(ckpt):
+    """debug_parity on a 3-turn episode: vLLM's rows of turns 2 and 3 start where its prefix
+    cache ends (32 cached tokens each) and are laid against the trainer's rows at the same
+    positions: nothing differs; a one-ulp change in one row of turn 3 is named, op and row."""
+    from test_model import trainer
+
+    model = trainer(ckpt())
+    g = torch.Generator().manual_seed(0)
+    script = [(torch.randint(1, 300, (n,), generator=g).tolist(),
+               torch.randint(1, 300, (m,), generator=g).tolist()) for n, m in ((21, 13), (5, 9),
+                                                                                 (7, 6))]
+    episode = rl.Episode(rl.RewardEnv(), [rl.Turn(c, rl.Completion(ids, [], True))
+                                          for c, ids in script])
+    names = rl.trace_names(model.args.n_layers)
+    rollout = rl.episodes_rollout([episode], moe=False)
+    packed = rl.pack(rollout.prompts, rollout.completions, rollout.model)
+    fed = rl.pack([episode.ids()[:-1]], [[]])
+    with rl.recording(model, {n: n for n, _ in names}) as calls, torch.no_grad():
+        model.hidden(fed)
+        logp, _ = model(packed, 1.0)
+    trace = rl.concat_calls({k: v[:1] for k, v in calls.items()})
+    logprobs = logp.split([len(ids) for _, ids in script])
+    llm = TracedLLM(names, trace, script, [lp.tolist() for lp in logprobs])
+
+    class Engine:
+        cfg = rl.Config(temperature=1.0)
+
+        def __init__(self):
+            self.llm = llm
+
+        def generate(self, prompts, n, seeds, max_tokens, temperature):
+            return [[rl.Completion(o.ids, o.logprobs, True)] for o in self.llm.generate(prompts)]
+
+    def play_one():
+        played = rl.Episode(rl.RewardEnv(), [])
+        for context, _ in script:
+            (out,), = Engine.generate(engine, [played.ids() + context], 1, [None], [99], 1.0)
+            played.turns.append(rl.Turn(context, out))
+        return played
+
+    engine = Engine()
+    rows, n_bad, turns = rl.debug_parity(engine, model, play_one)
+    assert turns == [(33, 0), (15, 32), (28, 32)]
+    assert rl.first_divergence(rows) is None and n_bad == 0
+    assert all(r["numel"] > 0 for r in rows) and len(rows) == len(names)
+
+    def bump(module, inputs, output):  # position 59: turn 3's last fed row
+        output = output.clone()
+        output[59].view(torch.int32)[3] += 1
+        return output
+
+    handle = model.layers[1].feed_forward.act_fn.register_forward_hook(bump)
+    try:
+        rows, _, _ = rl.debug_parity(engine, model, play_one)
+    finally:
+        handle.remove()
+    first = next(r for r in rows if r["n_diff"])
+    assert first["op"] == "layers.1.feed_forward.act_fn" and first["rows"] == [33 + 15 + 28 - 1]

@@ -324,6 +324,14 @@ class Scripted:
 def episode_run(tmp, name, *extra):
     """simple_rl.py on a tiny random Qwen3 with a chat template and the scripted env: metrics
     rows and the weights sha256."""
+    out = episode_console(tmp, name, *extra)
+    from helpers import metrics_rows
+
+    return metrics_rows(tmp / "runs" / name), re.search(r"weights sha256 ([0-9a-f]{64})",
+                                                       out).group(1)
+
+
+def episode_console(tmp, name, *extra) -> str:
     if not (tmp / "ckpt" / "config.json").is_file():
         from helpers import make_checkpoint as tiny
 
@@ -335,12 +343,8 @@ def episode_run(tmp, name, *extra):
            "--max-model-len", "512", "--lr", "1e-4", "--entropy-coef", "0.01",
            "--eval-size", "16", "--save-every", "0", "--log-dir", str(tmp / "runs"),
            "--run-name", name, *extra]
-    out = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
-                         timeout=900).stdout
-    from helpers import metrics_rows
-
-    return metrics_rows(tmp / "runs" / name), re.search(r"weights sha256 ([0-9a-f]{64})",
-                                                       out).group(1)
+    return subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
+                          timeout=900).stdout
 
 
 @pytest.mark.parametrize("temperature", ["1.0", "0.7"])
@@ -366,6 +370,20 @@ def test_every_token_of_every_turn_bitwise_equal_with_prefix_caching(tmp_path_fa
         _, uncached = episode_run(tmp, "uncached", "--temperature", temperature,
                                   "--no-prefix-caching")
         assert uncached == digest
+
+
+def test_debugger_follows_every_turn_through_the_prefix_cache(tmp_path_factory):
+    """--debug-parity with the scripted env: step 0's first episode, 3-4 turns, each later turn
+    prefilled from vLLM's prefix cache; every traced op of every row vLLM computed in every
+    turn equals the trainer's at the same position, bit for bit."""
+    _need_gpu_stack()
+    out = episode_console(tmp_path_factory.mktemp("episodes_debug"), "debug", "--debug-parity")
+    print(out)
+    turns = re.search(r"^(\d) turn\(s\); .* per turn: (.*)$", out, re.M)
+    cached = [int(c) for c in re.findall(r"\((\d+)\)", turns.group(2))]
+    assert int(turns.group(1)) >= 3 and cached[0] == 0 and min(cached[1:]) > 0, turns.group(0)
+    assert re.search(r"^layers\.1\.feed_forward\.w2 +0 +[1-9]", out, re.M)
+    assert "no divergence" in out and "generated-token logprobs that differ: 0" in out
 
 
 CALC_RUN = ["--env", "calc", "--max-turns", "3", *LEARNING_RUN, "--steps", "60",
