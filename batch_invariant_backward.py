@@ -14,8 +14,9 @@ here. Every op below has
     forwards and the Triton backwards it is the GPU training path; with the reference
     forwards it lets CPU tests check every backward against autograd.
 
-The MoE experts' backward has no Triton version: it is per-expert PyTorch GEMMs over the (token,
-slot) pairs sorted by expert, deterministic on CUDA as on CPU, and serves both sets.
+The MoE experts' backward sorts the (token, slot) pairs by expert once; in PyTorch it then loops
+over the experts (the CPU path and the reference), in Triton it runs each of its GEMMs as one
+grouped launch over every expert (the GPU path).
 
 One forward is our own: the logprob head's. vLLM's log_softmax writes the whole (N, V) fp32
 lp; the loss needs only lp[target] and the entropy, so `_logprobs_entropy_kernel` computes
@@ -70,7 +71,8 @@ class Kernels:
     # (router_logits (T, E), top_k, renormalize) -> (weights (T, k) fp32, ids (T, k) int32)
     moe_topk: Callable
     # (x (T, D), w13 (E, 2I, D), w2 (E, D, I), weights (T, k) fp32, ids (T, k) int32) -> (T, D),
-    # computed in x's dtype (w13 rows: gate, then up); w13 and w2 get gradients in their dtypes
+    # computed in x's dtype (w13 rows: gate, then up); w13 and w2 get gradients in their dtypes;
+    # casts=(w13, w2) already in x's dtype, if made once for many calls
     moe_experts: Callable
 
 
@@ -866,13 +868,175 @@ def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, id
     return dx, dw13, dw2, dw_slots.view(T, k).to(weights.dtype)
 
 
+# The experts' backward as grouped GEMMs: the (token, slot) pairs sorted by expert once, then
+# one Triton launch per GEMM over every expert. A program owns one output tile and sums its K
+# in a fixed order, with no atomics: the bits do not depend on the run or on the other experts.
+GROUPED_BLOCK = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _grouped_rows_mm_kernel(A, A_ROWS, B, OUT, OUT_ROWS, TILE_E, TILE_START, BOUNDS, E, K, N,
+                            s_am, s_ak, s_be, s_bk, s_bn, s_om, s_on,
+                            GATHER: tl.constexpr, SCATTER: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr):
+    """OUT[r] = A[A_ROWS[r]] @ B[e] for the BM sorted rows r of tile program_id(0), all of expert
+    e; B[e] (K, N) by strides. A tile past the last expert's (the grid is an upper bound) has
+    no rows."""
+    t = tl.program_id(0)
+    e = tl.load(TILE_E + t)
+    live = e < E
+    e = tl.minimum(e, E - 1).to(tl.int64)
+    start = tl.load(TILE_START + t)
+    end = tl.where(live, tl.load(BOUNDS + e + 1), start)
+    rows = start + tl.arange(0, BM)
+    r_ok = rows < end
+    src = tl.load(A_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER else rows.to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    c_ok = cols < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        a = tl.load(A + src[:, None] * s_am + ks[None, :] * s_ak,
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(B + e * s_be + ks[:, None] * s_bk + cols[None, :] * s_bn,
+                    mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        acc += tl.dot(a, b)
+    dst = tl.load(OUT_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if SCATTER else rows
+    tl.store(OUT + dst[:, None] * s_om + cols[None, :] * s_on, acc.to(OUT.dtype.element_ty),
+             mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _grouped_wgrad_kernel(L, L_ROWS, L_SCALE, R, R_ROWS, OUT, BOUNDS, M, N,
+                          s_lr, s_lm, s_rr, s_rn, s_oe, s_om, s_on,
+                          GATHER_L: tl.constexpr, SCALE_L: tl.constexpr, GATHER_R: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """OUT[e] = sum over expert e's sorted rows r of L[r]^T R[r] (M, N), the rows in order, BK
+    at a time; L's row scaled by L_SCALE[r] and rounded to L's dtype first if SCALE_L. An
+    expert without rows gets zeros."""
+    e = tl.program_id(0).to(tl.int64)
+    lo, hi = tl.load(BOUNDS + e), tl.load(BOUNDS + e + 1)
+    ms = tl.program_id(1) * BM + tl.arange(0, BM)
+    ns = tl.program_id(2) * BN + tl.arange(0, BN)
+    m_ok, n_ok = ms < M, ns < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range(lo, hi, BK):
+        rows = r0 + tl.arange(0, BK)
+        r_ok = rows < hi
+        lr = tl.load(L_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER_L else rows
+        rr = tl.load(R_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER_R else rows
+        lt = tl.load(L + lr[:, None] * s_lr + ms[None, :] * s_lm,
+                     mask=r_ok[:, None] & m_ok[None, :], other=0.0)  # (BK, BM)
+        if SCALE_L:
+            scale = tl.load(L_SCALE + rows, mask=r_ok, other=0.0)
+            lt = (lt.to(tl.float32) * scale[:, None]).to(L.dtype.element_ty)
+        rt = tl.load(R + rr[:, None] * s_rr + ns[None, :] * s_rn,
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # (BK, BN)
+        acc += tl.dot(tl.trans(lt), rt)
+    tl.store(OUT + e * s_oe + ms[:, None] * s_om + ns[None, :] * s_on,
+             acc.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def grouped_rows_mm(a: Tensor, b: Tensor, tiles: tuple[Tensor, Tensor, Tensor], out_dtype,
+                    a_rows: Tensor | None = None, out_rows: Tensor | None = None) -> Tensor:
+    """out[out_rows[r]] = a[a_rows[r]] @ b[e_r] for the S sorted rows r (expert e_r's).
+
+    a (., K); b (E, K, N), any strides; tiles from `expert_tiles`; a_rows/out_rows None: r.
+    -> (S, N) in out_dtype, fp32 sums.
+    """
+    tile_e, tile_start, bounds = tiles
+    E, K, N = b.shape
+    S = int(a_rows.numel() if a_rows is not None else a.shape[0])
+    out = torch.empty(S, N, dtype=out_dtype, device=a.device)
+    blk = GROUPED_BLOCK
+    grid = (tile_e.numel(), triton.cdiv(N, blk["BN"]))
+    _grouped_rows_mm_kernel[grid](
+        a, a_rows if a_rows is not None else bounds, b, out,
+        out_rows if out_rows is not None else bounds, tile_e, tile_start, bounds, E, K, N,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        out.stride(1), GATHER=a_rows is not None, SCATTER=out_rows is not None, **blk)
+    return out
+
+
+def grouped_wgrad(left: Tensor, right: Tensor, bounds: Tensor, out_dtype,
+                  left_rows: Tensor | None = None, left_scale: Tensor | None = None,
+                  right_rows: Tensor | None = None) -> Tensor:
+    """out[e] = sum over expert e's sorted rows r of (s_r left[left_rows[r]])^T right[right_rows
+    [r]]: (E, M, N) in out_dtype, each expert's rows summed in order in fp32."""
+    E = bounds.numel() - 1
+    M, N = left.shape[1], right.shape[1]
+    out = torch.empty(E, M, N, dtype=out_dtype, device=left.device)
+    blk = GROUPED_BLOCK
+    grid = (E, triton.cdiv(M, blk["BM"]), triton.cdiv(N, blk["BN"]))
+    _grouped_wgrad_kernel[grid](
+        left, left_rows if left_rows is not None else bounds,
+        left_scale if left_scale is not None else bounds, right,
+        right_rows if right_rows is not None else bounds, out, bounds, M, N,
+        left.stride(0), left.stride(1), right.stride(0), right.stride(1), out.stride(0),
+        out.stride(1), out.stride(2), GATHER_L=left_rows is not None,
+        SCALE_L=left_scale is not None, GATHER_R=right_rows is not None, **blk)
+    return out
+
+
+def expert_tiles(bounds: Tensor, n_rows: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The row tiles of a grouped GEMM, made on the device (no host sync): expert e's sorted
+    rows [bounds[e], bounds[e+1]) in tiles of `block`. Returns (expert, first row) per tile and
+    the bounds; the grid is the upper bound n_rows / block + E tiles, and the ones past the
+    last expert's get expert E (no rows)."""
+    E = bounds.numel() - 1
+    n_tiles = (bounds[1:] - bounds[:-1] + block - 1) // block  # (E,)
+    ends = torch.cumsum(n_tiles, 0)  # (E,) one past each expert's last tile
+    t = torch.arange(triton.cdiv(n_rows, block) + E, device=bounds.device)
+    tile_e = torch.searchsorted(ends, t, right=True)  # (tiles,) in 0..E
+    e = tile_e.clamp(max=E - 1)
+    tile_start = bounds[e] + (t - (ends - n_tiles)[e]) * block
+    return tile_e.int(), tile_start.int(), bounds.int()
+
+
+def moe_experts_backward_grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
+                                 ids: Tensor, gy: Tensor, w13_dtype: torch.dtype,
+                                 w2_dtype: torch.dtype):
+    """`moe_experts_backward`'s gradients, rounded where it rounds, in five grouped GEMMs
+    over the S = T k slots sorted by expert (r: a sorted slot, t_r its token, e_r its expert):
+        h_r = W13[e_r] x_t,  a_r = silu_and_mul(h_r),  g_r = W2[e_r]^T gy_t (fp32),
+        dw_r = <g_r, a_r>,  dh_r = silu_and_mul'(h_r) (w_r g_r),
+        dx_slot = W13[e_r]^T dh_r,  dW2[e] = sum_r (w_r gy_t) a_r^T,  dW13[e] = sum_r dh_r x_t^T.
+    Every sum has one order (a program per output tile; the weight gradients sum an expert's
+    rows in token order), so two calls give the same bits. Same arguments and results as
+    `moe_experts_backward`; no host sync.
+    """
+    T, k = ids.shape
+    S = T * k
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (S,) slots grouped by expert, token order within
+    E = w13.shape[0]
+    bounds = torch.searchsorted(flat[order].long(), torch.arange(E + 1, device=x.device))
+    tiles = expert_tiles(bounds, S, GROUPED_BLOCK["BM"])
+    bounds = tiles[2]
+    tok = (order // k).int()  # (S,) each sorted slot's token
+    ws = _wide(weights).reshape(-1)[order]  # (S,)
+    wide = ws.dtype
+    h = grouped_rows_mm(x, w13.transpose(1, 2), tiles, x.dtype, a_rows=tok)  # (S, 2I)
+    a = ref_silu_and_mul(h)  # (S, I): the forward's values, rounded where it rounds
+    g = grouped_rows_mm(gy, w2, tiles, wide, a_rows=tok)  # (S, I) W2^T gy, fp32
+    dw = torch.empty(S, dtype=wide, device=x.device).index_put_(
+        (order,), (g * _wide(a)).sum(dim=-1))  # (S,) in slot order; each written once
+    dh = silu_and_mul_backward_triton(h, (g * ws[:, None]).to(x.dtype))  # (S, 2I)
+    dx_slots = grouped_rows_mm(dh, w13, tiles, x.dtype, out_rows=order.int())  # (S, D) by slot
+    dx = dx_slots.view(T, k, -1).sum(dim=1, dtype=wide).to(x.dtype)
+    dw2 = grouped_wgrad(gy, a, bounds, w2_dtype, left_rows=tok, left_scale=ws)  # (E, D, I)
+    dw13 = grouped_wgrad(dh, x, bounds, w13_dtype, right_rows=tok)  # (E, 2I, D)
+    return dx, dw13, dw2, dw.view(T, k).to(weights.dtype)
+
+
 class MoEExpertsFn(torch.autograd.Function):
-    """The experts with the weights cast to x's dtype (a no-op for bf16 weights); w13's and
-    w2's gradients come back in their own dtypes."""
+    """The experts with the weights cast to x's dtype (a no-op for bf16 weights), or the given
+    casts; w13's and w2's gradients come back in their own dtypes."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, weights, ids, fwd, bwd):
-        w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
+    def forward(ctx, x, w13, w2, weights, ids, fwd, bwd, casts=None):
+        w13c, w2c = casts or (w13.to(x.dtype), w2.to(x.dtype))
         ctx.save_for_backward(x, w13c, w2c, weights, ids)
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.bwd = bwd
@@ -882,7 +1046,7 @@ class MoEExpertsFn(torch.autograd.Function):
     def backward(ctx, gy):
         x, w13, w2, weights, ids = ctx.saved_tensors
         dx, dw13, dw2, dw = ctx.bwd(x, w13, w2, weights, ids, gy, *ctx.w_dtypes)
-        return dx, dw13, dw2, dw, None, None, None
+        return dx, dw13, dw2, dw, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -898,7 +1062,7 @@ TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backwar
                         silu_and_mul=silu_and_mul_backward_triton,
                         attention=attention_backward_tiled,
                         logprobs_entropy=logprobs_entropy_backward_triton,
-                        moe_experts=moe_experts_backward)  # plain GEMMs; deterministic on CUDA
+                        moe_experts=moe_experts_backward_grouped)
 
 
 def reference_kernels() -> Kernels:
@@ -913,7 +1077,7 @@ def reference_kernels() -> Kernels:
         attention=lambda *a: ref_attention(*a)[0],
         logprobs_entropy=ref_logprobs_entropy,
         moe_topk=ref_moe_topk,
-        moe_experts=ref_moe_experts,
+        moe_experts=lambda x, w13, w2, w, ids, casts=None: ref_moe_experts(x, w13, w2, w, ids),
     )
 
 
@@ -933,9 +1097,8 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
                                                                     fwd.logprobs_entropy,
                                                                     bwd["logprobs_entropy"]),
         moe_topk=lambda z, top_k, renorm: MoETopkFn.apply(z, top_k, renorm, fwd.moe_topk),
-        moe_experts=lambda x, w13, w2, w, ids: MoEExpertsFn.apply(x, w13, w2, w, ids,
-                                                                  fwd.moe_experts,
-                                                                  bwd["moe_experts"]),
+        moe_experts=lambda x, w13, w2, w, ids, casts=None: MoEExpertsFn.apply(
+            x, w13, w2, w, ids, fwd.moe_experts, bwd["moe_experts"], casts),
     )
 
 

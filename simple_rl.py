@@ -366,11 +366,12 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
         self.ops = ops
+        self.compute_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # weights_cast_once
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # The op casts the fp32 masters to x's dtype itself, so their gradient stays fp32. (Not
-        # in weights_cast_once: the op takes no pre-made cast; under FSDP2 the gather casts.)
-        return self.ops.moe_experts(x, self.w13, self.w2, weights, ids)  # (T, dim)
+        # casts the fp32 masters to x's dtype (unless given their casts); their gradient is fp32
+        return self.ops.moe_experts(x, self.w13, self.w2, weights, ids,
+                                    self.compute_weights)  # (T, dim)
 
 
 class MoE(nn.Module):
@@ -488,17 +489,22 @@ def weights_cast_once(model: Qwen3):
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
         layers.append(model.tok_embeddings)  # the tied head's weight
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     sharded = hasattr(model.norm.weight, "to_local")  # FSDP2's DTensor, as in local_tensor
     if sharded or model.dtype == torch.float32:
-        layers = []
+        layers, experts = [], []
     with torch.no_grad():
         for m in layers:
             m.compute_weight = m.weight.to(model.dtype)
+        for m in experts:
+            m.compute_weights = (m.w13.to(model.dtype), m.w2.to(model.dtype))
     try:
         yield
     finally:
         for m in layers:
             m.compute_weight = None
+        for m in experts:
+            m.compute_weights = None
 
 
 def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device,

@@ -474,7 +474,8 @@ class TracedLLM:
 
     def __init__(self, names, trace, script, logprobs):
         self.ours = dict(names)
-        self.model, self.trace, self.script, self.logprobs = self.Model(names), trace, script, logprobs
+        self.model, self.trace = self.Model(names), trace
+        self.script, self.logprobs = script, logprobs
         self.fed = 0  # positions whose KV the cache holds
 
     def apply_model(self, fn):

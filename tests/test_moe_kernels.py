@@ -4,6 +4,11 @@ contracts, and bitwise repeatability. The GPU side (vLLM's kernels) is test_moe_
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,7 +204,7 @@ def test_kernel_sets_have_the_moe_ops():
     for ks in (REF, CUSTOM, bib.reference_forwards()):
         assert callable(ks.moe_topk) and callable(ks.moe_experts)
     assert bib.TORCH_BACKWARDS["moe_experts"] is bib.moe_experts_backward
-    assert "moe_experts" in bib.TRITON_BACKWARDS
+    assert bib.TRITON_BACKWARDS["moe_experts"] is bib.moe_experts_backward_grouped
 
 
 def test_moe_experts_backward_uses_the_activations_the_bf16_forward_computed():
@@ -219,3 +224,74 @@ def test_moe_experts_backward_uses_the_activations_the_bf16_forward_computed():
             a = bib.ref_silu_and_mul(F.linear(x[t:t + 1], w13[e]))[0]  # the forward's rounding
             want[t, j] = a.double() @ (w2[e].double().t() @ gy[t].double())
     torch.testing.assert_close(dweights.double(), want, atol=0, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- grouped (Triton)
+
+
+def test_expert_tiles_cover_each_experts_rows_once():
+    """Experts of 0, 5, 32, 0 and 3 sorted rows in tiles of 16: one tile per started block,
+    none for an empty expert; the grid's spare tiles (its upper bound) carry expert E."""
+    bounds = torch.tensor([0, 0, 5, 37, 37, 40])
+    tile_e, start, b = bib.expert_tiles(bounds, 40, 16)
+    live = tile_e < 5
+    assert tile_e[live].tolist() == [1, 2, 2, 4] and start[live].tolist() == [0, 5, 21, 37]
+    assert len(tile_e) == 3 + 5 and (~live).sum() == 4 and torch.equal(b, bounds.int())
+
+
+# Run by Triton's CPU interpreter (fp32; it computes bf16 dots wrongly): every case against the
+# PyTorch loop over experts and the fp64 reference; tiles of 16 so that experts span several.
+GROUPED_CHECK = r"""
+import json, torch
+import batch_invariant_backward as bib
+from test_moe_kernels import moe_inputs, grads_of, REF
+
+bib.GROUPED_BLOCK.update(BM=16, BN=16, BK=16)
+out = []
+for case, (T, k, E) in {"uneven": (37, 3, 6), "one expert in every row": (40, 2, 5),
+                        "one token": (1, 2, 4), "big tiles": (9, 2, 3)}.items():
+    if case == "big tiles":
+        bib.GROUPED_BLOCK.update(BM=128, BN=128, BK=64)
+    g = torch.Generator().manual_seed(T)
+    x, w13, w2 = moe_inputs(T=T, D=24, E=E, inter=10, dtype=torch.float32, seed=T)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)]).int()
+    if case == "one expert in every row":
+        ids[:, 0] = E - 1  # which the other slots never draw
+    w, gy = torch.rand(T, k, generator=g), torch.randn(T, 24, generator=g)
+    grouped = [bib.moe_experts_backward_grouped(x, w13, w2, w, ids, gy, torch.float32,
+                                                torch.float32) for _ in range(2)]
+    loop = bib.moe_experts_backward(x, w13, w2, w, ids, gy, torch.float32, torch.float32)
+    x64, w1364, w264 = (t.double().requires_grad_() for t in (x, w13, w2))
+    w64 = w.double().requires_grad_()
+    y = REF.moe_experts(x64, w1364, w264, w64, ids)
+    exact = torch.autograd.grad((y * gy.double()).sum(), [x64, w1364, w264, w64])
+    out.append(dict(
+        case=case, counts=torch.bincount(ids.flatten().long(), minlength=E).tolist(),
+        vs_loop=[float((a - b).abs().max() / b.abs().max()) for a, b in zip(grouped[0], loop)],
+        vs_fp64=[float((a.double() - b).norm() / b.norm()) for a, b in zip(grouped[0], exact)],
+        loop_vs_fp64=[float((a.double() - b).norm() / b.norm()) for a, b in zip(loop, exact)],
+        dtypes=[str(a.dtype) for a in grouped[0]],
+        empty_zero=all(float(d[e].abs().max()) == 0 for d in grouped[0][1:3] for e in range(E)
+                       if not (ids == e).any()),
+        repeatable=all(torch.equal(a, b) for a, b in zip(*grouped))))
+print(json.dumps(out))
+"""
+
+
+def test_grouped_experts_backward_matches_the_loop_on_uneven_loads():
+    """The GPU's grouped backward (Triton, by its CPU interpreter) against the loop over experts
+    and fp64: an expert without tokens (its gradients exactly 0), one expert in every row,
+    a single token, tiles larger than everything; two calls give the same bits."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
+    run = subprocess.run([sys.executable, "-c", GROUPED_CHECK], env=env, check=True,
+                         capture_output=True, text=True, timeout=300)
+    cases = json.loads(run.stdout.splitlines()[-1])
+    assert [c["case"] for c in cases] == ["uneven", "one expert in every row", "one token",
+                                          "big tiles"]
+    assert cases[0]["counts"][-1] == 0 and cases[1]["counts"][-1] == 40
+    for c in cases:
+        assert c["dtypes"] == ["torch.float32"] * 4, c
+        assert max(c["vs_loop"]) < 1e-5 and max(c["vs_fp64"]) < 1e-5, c
+        assert c["empty_zero"] and c["repeatable"], c

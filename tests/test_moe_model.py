@@ -247,3 +247,36 @@ def test_strict_parity_stops_on_a_token_routed_to_other_experts(tmp_path, moe_ck
     assert main_cpu(argv, type("E", (RoutingEngine,), {"corrupt": True})) == rl.EXIT_PARITY
     err = capsys.readouterr().err
     assert "step 0 has 0 mismatched tokens and 1 routed to other experts" in err
+
+
+def test_the_experts_are_cast_once_and_change_no_bit(moe_ckpt):
+    """A bf16 Qwen3-MoE under weights_cast_once: every sparse layer's experts read the casts
+    made on entry (zeroing one changes the output); two micro-batches give the logprobs and the
+    fp32 gradients of the model that casts in every forward, bit for bit; on exit no cast is
+    left."""
+    args, hf = load(moe_ckpt)
+    state = rl.hf_to_trainer(hf, args)
+    kernels = bib.custom_backward_kernels(bib.reference_forwards())
+    models = [rl.build_model(args, state, kernels, torch.bfloat16, "cpu") for _ in range(2)]
+    parts = [rl.pack([[3, 4, 5, 6], [9, 8]], [[7, 1, 2], [5]]), rl.pack([[11, 12]], [[13, 14]])]
+    logps = []
+    for cached, model in zip((False, True), models):
+        with rl.weights_cast_once(model) if cached else torch.enable_grad():
+            for p in parts:
+                lp, _ = model(p, 0.9)
+                lp.sum().backward()
+                logps.append(lp.detach())
+    for a, b in zip(logps[:2], logps[2:]):
+        assert torch.equal(a, b)
+    for (name, pa), pb in zip(models[0].named_parameters(), models[1].parameters()):
+        assert pa.grad.dtype == torch.float32 and torch.equal(pa.grad, pb.grad), name
+    model = models[1]
+    experts = [b.moe.experts for b in model.layers if b.sparse]
+    assert len(experts) == 2
+    with torch.no_grad(), rl.weights_cast_once(model):
+        assert all(m.compute_weights[0].dtype == torch.bfloat16 for m in experts)
+        assert torch.equal(experts[0].compute_weights[1], experts[0].w2.to(torch.bfloat16))
+        before = model(parts[0], 0.9)[0]
+        experts[1].compute_weights[1].zero_()
+        assert not torch.equal(model(parts[0], 0.9)[0], before)
+    assert all(m.compute_weights is None for m in experts)
