@@ -390,3 +390,66 @@ def test_floor_of_each_phase_by_hand():
     assert f["push_s"] == pytest.approx(6 * params / bw)
     assert f["step_s"] == pytest.approx(f["rollout_s"] + f["fwd_bwd_s"] + f["push_s"])
     assert bench_rl.floors(SimpleNamespace(sparse_layers=(0,)), 6, 3, 2, 1e12) is None
+
+
+TINY_LAYER = ["--device", "cpu", "--dim", "64", "--experts", "8", "--top-k", "2",
+              "--moe-inter", "32", "--repeats", "2"]
+
+
+def test_moe_layer_bench_times_simple_rls_layer_with_each_experts_backward(tmp_path,
+                                                                          monkeypatch):
+    """--backward both on CPU at a tiny shape: simple_rl.MoE's own forward each call; the loop
+    rows run moe_experts_backward, the grouped rows whatever TRITON_BACKWARDS names (here a
+    stand-in whose w2 gradient is twice the loop's: its difference from the loop is 1.0 of the
+    loop's largest), 1 warm-up + 2 repeats a row, each repeat's gradients bit-equal."""
+    import batch_invariant_backward as bib
+    import bench_moe_layer
+
+    calls = {"forward": 0, "loop": 0, "grouped": 0}
+    loop, forward = bib.moe_experts_backward, rl.MoE.forward
+
+    def counted_loop(*a):
+        calls["loop"] += 1
+        return loop(*a)
+
+    def grouped_stand_in(*a):
+        calls["grouped"] += 1
+        dx, dw13, dw2, dw = loop(*a)
+        return dx, dw13, 2 * dw2, dw
+
+    def counted_forward(self, x):
+        calls["forward"] += 1
+        return forward(self, x)
+
+    monkeypatch.setattr(bib, "moe_experts_backward", counted_loop)
+    monkeypatch.setitem(bib.TRITON_BACKWARDS, "moe_experts", grouped_stand_in)
+    monkeypatch.setattr(rl.MoE, "forward", counted_forward)
+    out = tmp_path / "moe.json"
+    rows = bench_moe_layer.main(TINY_LAYER + ["--tokens", "16", "48", "--out", str(out)])
+    assert calls == {"forward": 12, "loop": 6, "grouped": 6}  # 2 kinds x 2 sizes x 3 calls
+    assert [(r["backward"], r["function"], r["tokens"]) for r in rows] == [
+        ("loop", "counted_loop", 16), ("loop", "counted_loop", 48),
+        ("grouped", "grouped_stand_in", 16), ("grouped", "grouped_stand_in", 48)]
+    assert all(r["repeatable"] and r["fwd_ms"] > 0 for r in rows)
+    assert all(r["bwd_over_fwd"] == r["bwd_ms"] / r["fwd_ms"] for r in rows)
+    assert "diff_vs_loop" not in rows[0] and [r["diff_vs_loop"] for r in rows[2:]] == [1.0, 1.0]
+    saved = json.loads(out.read_text())
+    assert saved["shape"] == dict(dim=64, experts=8, top_k=2, moe_inter=32)
+    assert saved["rows"] == rows and saved["device"] == "cpu"
+
+
+def test_moe_layer_bench_table_and_target():
+    import bench_moe_layer
+
+    row = dict(backward="grouped", function="grouped_moe_backward", tokens=8192, fwd_ms=2.7,
+               bwd_ms=6.75, bwd_over_fwd=2.5, saved_gib=1.234, peak_gib=5.0, repeatable=True,
+               diff_vs_loop=3.2e-3)
+    assert bench_moe_layer.table_row(row).split() == [
+        "grouped", "(grouped_moe_backward)", "8192", "2.70", "6.75", "2.5", "1.23", "5.00", "yes",
+        "3.2e-03"]
+    loop = dict(row, backward="loop", bwd_over_fwd=19.0, repeatable=False)
+    del loop["diff_vs_loop"]
+    assert bench_moe_layer.table_row(loop).split()[-2:] == ["NO", "-"]
+    assert bench_moe_layer.summary([loop, row, dict(row, tokens=1024, bwd_over_fwd=9.0)]) == (
+        "backward / forward at 8192 tokens: loop 19.0x, grouped 2.5x (target <= 3x)")
+    assert bench_moe_layer.HEADER.split()[:3] == ["backward", "tokens", "fwd"]
