@@ -1,4 +1,5 @@
-"""The benchmark harness on CPU: FLOPs by hand, a small run of designs a and c (stand-in engine)."""
+"""The benchmark harness on CPU: FLOPs by hand (dense and MoE), small runs of designs a and c,
+and of a and d on a tiny Qwen3-MoE (stand-in engine), the MoE layer bench's CPU path and table."""
 
 import json
 import re
@@ -123,6 +124,10 @@ def test_table_reports_ratios_against_the_users_stack():
     # the warm-up step's 9 s is not part of the spread
     assert "bitwise per measured step, min-max s: step_s 2.00-2.40, rollout_s 1.00-1.20, " \
         "fwd_bwd_s 0.50-0.60" in text
+    moe = [dict(results[0], experts="vllm + moe_experts_backward", optimizer_s=0.1),
+           dict(results[1], experts="transformers grouped_mm")]
+    assert "MoE (a): update 1.00x the rollout (target <= 1.0x; step <= 0.6x (d)'s); experts: " \
+        "bitwise vllm + moe_experts_backward, user transformers grouped_mm" in bench_rl.table(moe)
 
 
 @pytest.fixture(scope="module")
@@ -390,6 +395,71 @@ def test_floor_of_each_phase_by_hand():
     assert f["push_s"] == pytest.approx(6 * params / bw)
     assert f["step_s"] == pytest.approx(f["rollout_s"] + f["fwd_bwd_s"] + f["push_s"])
     assert bench_rl.floors(SimpleNamespace(sparse_layers=(0,)), 6, 3, 2, 1e12) is None
+
+
+def a3b_args(layers: int):
+    """simple_rl's args for Qwen/Qwen3-30B-A3B's config.json with `layers` of its 48."""
+    from transformers import Qwen3MoeConfig
+
+    return rl.model_args_from_hf(Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False))
+
+
+def test_moe_flops_of_qwen3_30b_a3b_count_its_3b_active_parameters_not_its_30b():
+    """Qwen3-30B-A3B (48 layers, 128 experts, top-8): one token's training FLOPs are 6x its
+    3.3B activated parameters less the embedding (a lookup, no GEMM); counting every expert, as
+    count_params does for memory, would make the MFU 10x too high."""
+    args = a3b_args(layers=48)
+    attn = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048  # qkv, o: 18,874,368
+    moe = 8 * 3 * 2048 * 768 + 2048 * 128  # 8 experts' gate/up/down + router: 38,010,880
+    head = 151936 * 2048
+    want = 6 * (48 * (attn + moe) + head) + 6 * 48 * 32 * 128 * 1  # + attention over L = 1
+    assert bench_rl.flops_per_step(args, [1], 1) == want
+    assert abs((48 * (attn + moe) + 2 * head) / 3.3e9 - 1) < 0.02  # the 3.3B activated
+    assert rl.count_params(args) > 30e9
+
+
+def test_user_stack_rule_fits_qwen3_30b_a3b_layers_as_measured():
+    """Design (d) on Qwen3-30B-A3B's 4 layers on an H200: its memory rule picks the full
+    8192-token cap (31 rows of 257 at 16 x 8, 128 new tokens; 21 of 385 at 32 x 8, 256), and
+    its peak at 8085 tokens is within 15% of the 88.9 GiB it measured there (results/h200_moe)."""
+    args, h200, gib = a3b_args(layers=4), 143771 * 2**20, 2**30
+
+    def cfg(prompts, new_tokens):
+        return rl.Config(num_prompts=prompts, group_size=8, max_new_tokens=new_tokens,
+                         max_model_len=128 + new_tokens + 1)
+
+    assert bench_rl.user_micro_batch(cfg(16, 128), args, h200) == 31 * 257
+    assert bench_rl.user_micro_batch(cfg(32, 256), args, h200) == 21 * 385
+    assert abs(bench_rl.user_peak(cfg(32, 256), args, 21 * 385) / gib / 88.9 - 1) < 0.15
+
+
+def test_harness_runs_the_moe_row_on_cpu(tmp_path):
+    """Designs a and d on a tiny Qwen3-MoE (stand-in engine): (d) trains transformers'
+    Qwen3MoeForCausalLM; each row names the experts its trainer ran and its memory rule's
+    estimate, and the table gives the issue's MoE targets."""
+    from helpers import make_moe_checkpoint
+    from test_moe_model import TINY_MOE
+
+    ckpt = make_moe_checkpoint(tmp_path / "moe", **TINY_MOE)
+    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4,
+              micro_batch_tokens=64, engine_factory=TorchEngine, device_type="cpu")
+    a, d = (bench_rl.measure(design, str(ckpt), **kw) for design in "ad")
+    args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt))
+    assert a["experts"] == "reference" and d["experts"].startswith("transformers ")
+    for r in (a, d):
+        assert r["trained_tokens"] == 4 * (6 + 4) and r["fwd_bwd_s"] > 0 and r["mfu"] > 0
+        assert r["flops"] == bench_rl.flops_per_step(args, [10] * 4, r["generated_tokens"])
+    cfg = rl.Config(model=str(ckpt), num_prompts=2, group_size=2, max_new_tokens=4,
+                    max_model_len=11, micro_batch_tokens=64, dtype="float32")
+    assert a["estimate_gib"] == rl.memory_estimate(cfg, args, 1)["peak"] / 2**30
+    assert d["estimate_gib"] == bench_rl.user_peak(cfg, args, 64) / 2**30
+    user = bench_rl.HFTrainer(ckpt, cfg, torch.device("cpu")).model
+    assert type(user).__name__ == "Qwen3MoeForCausalLM" and not user.config.output_router_logits
+    text = bench_rl.table([a, d])
+    assert "MoE (a): update " in text and "experts: bitwise reference, user transformers " in text
 
 
 TINY_LAYER = ["--device", "cpu", "--dim", "64", "--experts", "8", "--top-k", "2",
