@@ -292,6 +292,7 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
                       sleep_s=0.0, generated_tokens=10, trained_tokens=20, samples=2, flops=1e9,
                       peak_gib=1.0, mismatched=0) for w in (True, False)]
         out.write_text(json.dumps(bench_rl.summarize(steps, design, 1, "x")))
+        return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)
     out = tmp_path / "b.json"
@@ -306,6 +307,29 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
     assert len(a["steps"]) == 4 and a["rollout_s"] == 2.0  # median of rounds 1 and 3
     assert d["rollout_s"] == 3.0  # rounds 2 and 4: each design saw the drift alike
     assert "step 0.67x" in capsys.readouterr().out
+
+
+def test_a_failed_design_leaves_the_others_reported(tmp_path, monkeypatch, capsys):
+    """--designs ad where (d)'s worker dies (out of memory, say): (a)'s row is still saved and
+    printed, and the run exits naming (d)."""
+    def worker(cmd, check, env):
+        design, out = cmd[cmd.index("--worker") + 1], Path(cmd[cmd.index("--out") + 1])
+        if design == "d":
+            return SimpleNamespace(returncode=1)
+        steps = [dict(warmup=w, rollout_s=1.0, fwd_bwd_s=1.0, optimizer_s=0.0, push_s=0.0,
+                      step_s=2.0, sleep_s=0.0, generated_tokens=10, trained_tokens=20,
+                      samples=2, flops=1e9, peak_gib=1.0, mismatched=0) for w in (True, False)]
+        out.write_text(json.dumps(bench_rl.summarize(steps, design, 1, "x")))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad", "--out",
+                                      str(out)])
+    with pytest.raises(SystemExit, match=r"\(d\) exited 1"):
+        bench_rl.main()
+    assert [r["design"] for r in json.loads(out.read_text())["results"]] == ["a"]
+    assert "\nbitwise " in capsys.readouterr().out
 
 
 def test_trainer_bench_finds_the_gpus_idle_gaps_and_packs_the_workload():
