@@ -139,32 +139,42 @@ HEADER = (f"{'backward':<30} {'tokens':>6} {'fwd ms':>7} {'bwd ms':>7} {'bwd/fwd
 def table_row(r: dict) -> str:
     """A row of the table; a grouped row run beside the loop shows its gradients' largest
     difference from the loop's, relative to the loop's largest."""
+    name = f"{r['backward'] + ' (' + r['function'] + ')':<30} {r['tokens']:>6}"
+    if "error" in r:
+        return f"{name} failed: {r['error']}"
     diff = f"{r['diff_vs_loop']:.1e}" if "diff_vs_loop" in r else "-"
-    return (f"{r['backward'] + ' (' + r['function'] + ')':<30} {r['tokens']:>6} "
-            f"{r['fwd_ms']:>7.2f} {r['bwd_ms']:>7.2f} {r['bwd_over_fwd']:>7.1f} "
+    return (f"{name} {r['fwd_ms']:>7.2f} {r['bwd_ms']:>7.2f} {r['bwd_over_fwd']:>7.1f} "
             f"{r['saved_gib']:>9.2f} {r['peak_gib']:>8.2f} "
             f"{'yes' if r['repeatable'] else 'NO':>10} {diff:>8}")
 
 
 def summary(rows: list[dict], tokens: int = 8192) -> str:
     """The issue's target at 8192 tokens: a sparse layer's backward at most 3x its forward."""
-    at = [f"{r['backward']} {r['bwd_over_fwd']:.1f}x" for r in rows if r["tokens"] == tokens]
+    at = [f"{r['backward']} {r['bwd_over_fwd']:.1f}x" for r in rows
+          if r["tokens"] == tokens and "error" not in r]
     return f"backward / forward at {tokens} tokens: {', '.join(at) or '-'} (target <= 3x)"
 
 
 def run(a, save) -> list[dict]:
     """Every token count for each backward asked, the loop first (its rows are saved before
-    the grouped one runs), on the same weights and inputs; `save(rows)` after every row."""
+    the grouped one runs), on the same weights and inputs; `save(rows)` after every row. A
+    row that fails (an assert, out of memory) is recorded with its error and the rest run."""
     args = layer_args(a.dim, a.experts, a.top_k, a.moe_inter)
     kinds = ["loop", "grouped"] if a.backward == "both" else [a.backward]
     rows, loop_grads = [], {}  # tokens -> the loop's gradients
     for kind in kinds:
         moe = build_layer(args, kind, a.device)
+        fn = experts_backward(kind)
+        named = dict(backward=kind, function=getattr(fn, "__name__", repr(fn)))  # partial: repr
         for tokens in a.tokens:
-            row, grads = time_layer(moe, tokens, a.repeats, a.device, loop_grads.get(tokens))
-            if kind == "loop" and len(kinds) > 1:
+            try:
+                row, grads = time_layer(moe, tokens, a.repeats, a.device, loop_grads.get(tokens))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}".splitlines()[0][:300]  # one line
+                row, grads = dict(tokens=tokens, error=error), None
+            if kind == "loop" and len(kinds) > 1 and grads:
                 loop_grads[tokens] = grads
-            rows.append(dict(row, backward=kind, function=experts_backward(kind).__name__))
+            rows.append(dict(row, **named))
             print(table_row(rows[-1]), flush=True)
             save(rows)
         del moe
@@ -196,6 +206,9 @@ def main(argv=None):
     print(HEADER, flush=True)
     rows = run(a, save)
     print(summary(rows))
+    failed = [f"{r['backward']} at {r['tokens']}" for r in rows if "error" in r]
+    if failed:
+        sys.exit(f"bench_moe_layer: failed: {', '.join(failed)}; the other rows are in {a.out}")
     return rows
 
 

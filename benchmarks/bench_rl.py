@@ -359,7 +359,8 @@ def measure(
         )
         experts = kernels.name  # the experts' forward, and on vLLM's kernels their backward
         if kernels.name == "vllm":
-            experts += f" + {bib.TRITON_BACKWARDS['moe_experts'].__name__}"
+            backward = bib.TRITON_BACKWARDS["moe_experts"]
+            experts += f" + {getattr(backward, '__name__', repr(backward))}"
         engine.push(rl.hf_weights(model))
         optimizer = rl.make_optimizer(model, cfg)
         hf_trainer = None

@@ -532,6 +532,27 @@ def test_moe_layer_bench_times_simple_rls_layer_with_each_experts_backward(tmp_p
     assert saved["rows"] == rows and saved["device"] == "cpu"
 
 
+def test_moe_layer_bench_records_a_failing_row_and_runs_the_rest(tmp_path, monkeypatch, capsys):
+    """A grouped backward that fails at one token count (an assert, out of memory): that row
+    holds the error, every other row is timed and saved, and the run exits naming it."""
+    import batch_invariant_backward as bib
+    import bench_moe_layer
+
+    def fails_at_48(x, *a):
+        assert x.shape[0] != 48, "no tile for 48 rows"
+        return bib.moe_experts_backward(x, *a)
+
+    monkeypatch.setitem(bib.TRITON_BACKWARDS, "moe_experts", fails_at_48)
+    out = tmp_path / "moe.json"
+    with pytest.raises(SystemExit, match="failed: grouped at 48; the other rows are in"):
+        bench_moe_layer.main(TINY_LAYER + ["--tokens", "16", "48", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert ["error" in r for r in rows] == [False, False, False, True]
+    assert rows[3]["error"].startswith("AssertionError: no tile for 48 rows")
+    assert rows[2]["diff_vs_loop"] == 0.0 and rows[2]["repeatable"]
+    assert "grouped (fails_at_48)" in capsys.readouterr().out.splitlines()[-2]
+
+
 def test_moe_layer_bench_table_and_target():
     import bench_moe_layer
 
