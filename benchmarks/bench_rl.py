@@ -22,12 +22,21 @@ Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is i
     python benchmarks/bench_rl.py --model CKPT --out bench_n2.json --designs a --nproc 2
     python benchmarks/bench_rl.py --model CKPT --out bench_2048.json --new-tokens 2048
 
+Qwen3-MoE: Qwen3-30B-A3B's layers (4 of its 48, random weights, 3.1B parameters), 16 prompts
+x 8, 128 new tokens, (a) against (d) (vLLM's default MoE path, transformers'
+Qwen3MoeForCausalLM as AutoModelForCausalLM loads it); about 4 minutes on one H200:
+
+    python tests/test_moe_gpu.py CKPT --preset qwen3-30b-a3b-4l
+    python benchmarks/bench_rl.py --model CKPT --designs ad --prompts 16 --group 8 \
+        --new-tokens 128 --out bench_moe.json
+
 Workload: 32 prompts x 8 samples, prompts of 128 random tokens, 256 new tokens, 1 warm-up
 step and 3 measured steps; a timing is the median over the measured steps (of every round,
 with `--rounds`, which runs the designs in turn that many times). MFU counts
 6 * params * tokens for the GEMMs (the LM head only at generated positions, where the trainer
-computes it) plus 6 * layers * heads * head_dim * sum(L^2) for causal attention, over
-N GPUs x 989 TFLOP/s (H100/H200 SXM dense bf16).
+computes it; for Qwen3-MoE the router and the k experts a token runs, not all E) plus
+6 * layers * heads * head_dim * sum(L^2) for causal attention, over N GPUs x 989 TFLOP/s
+(H100/H200 SXM dense bf16).
 """
 
 from __future__ import annotations
@@ -217,7 +226,9 @@ def user_micro_batch(cfg, args, total: float) -> int:
 
 class HFTrainer:
     """(d)'s trainer: transformers' Qwen3 in fp32 with bf16 autocast, right-padded micro-batches,
-    the same GRPO loss, fused AdamW."""
+    the same GRPO loss, fused AdamW. A Qwen3-MoE checkpoint loads as Qwen3MoeForCausalLM with
+    transformers' default experts (`experts`: grouped_mm where torch has it, else a loop) and no
+    router logits or load-balancing loss (output_router_logits is false in Qwen3-MoE's config)."""
 
     def __init__(self, path, cfg, device):
         import importlib.util
@@ -230,6 +241,7 @@ class HFTrainer:
             path, dtype=torch.float32, attn_implementation=self.attn
         ).to(device)
         self.model.gradient_checkpointing_disable()
+        self.experts = getattr(self.model.config, "_experts_implementation", None)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, fused=True)
         self.cfg, self.device = cfg, device
 
@@ -332,6 +344,7 @@ def measure(
         hf_trainer = HFTrainer(files.path, cfg, ranks.device)
         engine.push(hf_trainer.weights())
         model = optimizer = None
+        experts = f"transformers {hf_trainer.experts}"
     else:
         kernels = (
             plain_kernels()
@@ -344,6 +357,10 @@ def measure(
         model = rl.build_model(
             files.args, state, kernels, rl.DTYPES[cfg.dtype], ranks.device, ranks.world
         )
+        experts = kernels.name  # the experts' forward, and on vLLM's kernels their backward
+        if kernels.name == "vllm":
+            backward = bib.TRITON_BACKWARDS["moe_experts"]
+            experts += f" + {getattr(backward, '__name__', repr(backward))}"
         engine.push(rl.hf_weights(model))
         optimizer = rl.make_optimizer(model, cfg)
         hf_trainer = None
@@ -369,6 +386,11 @@ def measure(
         rl.micro_batches = packed_micro_batches
     out = summarize(rows, design, ranks.world, hf_trainer.attn if hf_trainer else "fa3-varlen")
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
+    estimate = (user_peak(cfg, files.args, cfg.micro_batch_tokens) if design == "d"
+                else rl.memory_estimate(cfg, files.args, ranks.world)["peak"])
+    out["estimate_gib"] = estimate / 2**30  # what the design's memory rule expects
+    if rl.sparse_layers(files.args):
+        out["experts"] = experts
     out["floor"] = floors(files.args, prompts_n * group, prompt_len, new_tokens, out["flops"],
                           ranks.world)
     if ranks.world > 1:
@@ -411,8 +433,9 @@ def pool(rounds: list[dict]) -> dict:
     out = summarize(steps, first["design"], first["nproc"], first["attention"])
     out["micro_batch_tokens"] = first.get("micro_batch_tokens", 0)
     out["floor"] = first.get("floor")
-    if "all_gather_gb_s" in first:
-        out["all_gather_gb_s"] = first["all_gather_gb_s"]
+    for key in ("all_gather_gb_s", "estimate_gib", "experts"):
+        if key in first:
+            out[key] = first[key]
     return out
 
 
@@ -656,7 +679,7 @@ def table(results: list[dict]) -> str:
     head = (
         f"{'design':<9} {'GPUs':>4} {'micro-b':>7} {'step s':>7} {'rollout s':>9} {'fwd+bwd s':>9} "
         f"{'optim s':>7} {'push s':>6} {'samples/s':>9} {'roll tok/s':>10} "
-        f"{'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'mismatch':>8}"
+        f"{'train tok/s':>11} {'MFU':>6} {'peak GiB':>8} {'est GiB':>7} {'mismatch':>8}"
     )
     lines = [head]
     for r in results:
@@ -666,7 +689,7 @@ def table(results: list[dict]) -> str:
             f"{r['fwd_bwd_s']:>9.2f} {r['optimizer_s']:>7.3f} {r['push_s']:>6.3f} "
             f"{r['samples_s']:>9.1f} {r['rollout_tok_s']:>10.0f} "
             f"{r['trainer_tok_s']:>11.0f} {r['mfu']:>6.1%} {r['peak_gib']:>8.1f} "
-            f"{r['mismatched']:>8}"
+            f"{r.get('estimate_gib', 0):>7.1f} {r['mismatched']:>8}"
         )
     by = {(r["design"], r["nproc"]): r for r in results}
     a, d = by.get(("a", 1)), by.get(("d", 1))
@@ -682,6 +705,12 @@ def table(results: list[dict]) -> str:
             f"{a['push_s']:.3f} s; the engine's sleep within (a)'s rollout: "
             f"{a.get('sleep_s', 0):.3f} s"
         )
+    if a and a.get("experts"):  # Qwen3-MoE: the issue's targets, and which experts ran
+        update = a["fwd_bwd_s"] + a["optimizer_s"]
+        ran = {r["name"]: r["experts"] for r in results if "experts" in r}
+        lines.append(f"MoE (a): update {update / a['rollout_s']:.2f}x the rollout (target <= "
+                     "1.0x; step <= 0.6x (d)'s); experts: "
+                     + ", ".join(f"{k} {v}" for k, v in ran.items()))
     if a and a.get("floor"):
         f = a["floor"]
         lines.append("floor (the H200's peak FLOP/s and bytes/s, kernel by kernel): " + ", ".join(
@@ -746,7 +775,7 @@ def main():
             Path(a.out).write_text(json.dumps(result))
         return
     assert a.nproc == 1 or a.designs == "a", "--nproc > 1 runs design a only"
-    runs = {d: [] for d in a.designs}
+    runs, failed = {d: [] for d in a.designs}, []
     for k, d in ((k, d) for k in range(a.rounds) for d in a.designs):
         out = Path(a.out).with_suffix(f".{d}{a.nproc}{f'.r{k}' if k else ''}.json")
         env = dict(
@@ -766,7 +795,7 @@ def main():
             for k, v in vars(a).items()
             if k not in ("nproc", "designs", "out", "worker", "profile", "rounds")
         ]
-        subprocess.run(
+        done = subprocess.run(
             [
                 *launch,
                 __file__,
@@ -777,16 +806,21 @@ def main():
                 "--out",
                 str(out),
             ],
-            check=True,
+            check=False,
             env=env,
         )
+        if done.returncode:  # the other designs still run, and are reported
+            failed.append(f"({d}) exited {done.returncode}")
+            continue
         runs[d].append(json.loads(out.read_text()))
-    results = [pool(runs[d]) for d in a.designs]
+    results = [pool(runs[d]) for d in a.designs if runs[d]]
     workload = {**knobs, "rounds": a.rounds}
     Path(a.out).write_text(
         json.dumps({"workload": workload, "peak_flops": PEAK_FLOPS, "results": results}, indent=1)
     )
     print(table(results))
+    if failed:
+        sys.exit(f"bench_rl: {', '.join(failed)} (its output is above); the table has the rest")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The benchmark harness on CPU: FLOPs by hand, a small run of designs a and c (stand-in engine)."""
+"""The benchmark harness on CPU: FLOPs by hand (dense and MoE), small runs of designs a and c,
+and of a and d on a tiny Qwen3-MoE (stand-in engine), the MoE layer bench's CPU path and table."""
 
 import json
 import re
@@ -123,6 +124,10 @@ def test_table_reports_ratios_against_the_users_stack():
     # the warm-up step's 9 s is not part of the spread
     assert "bitwise per measured step, min-max s: step_s 2.00-2.40, rollout_s 1.00-1.20, " \
         "fwd_bwd_s 0.50-0.60" in text
+    moe = [dict(results[0], experts="vllm + moe_experts_backward", optimizer_s=0.1),
+           dict(results[1], experts="transformers grouped_mm")]
+    assert "MoE (a): update 1.00x the rollout (target <= 1.0x; step <= 0.6x (d)'s); experts: " \
+        "bitwise vllm + moe_experts_backward, user transformers grouped_mm" in bench_rl.table(moe)
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +292,7 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
                       sleep_s=0.0, generated_tokens=10, trained_tokens=20, samples=2, flops=1e9,
                       peak_gib=1.0, mismatched=0) for w in (True, False)]
         out.write_text(json.dumps(bench_rl.summarize(steps, design, 1, "x")))
+        return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)
     out = tmp_path / "b.json"
@@ -301,6 +307,29 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
     assert len(a["steps"]) == 4 and a["rollout_s"] == 2.0  # median of rounds 1 and 3
     assert d["rollout_s"] == 3.0  # rounds 2 and 4: each design saw the drift alike
     assert "step 0.67x" in capsys.readouterr().out
+
+
+def test_a_failed_design_leaves_the_others_reported(tmp_path, monkeypatch, capsys):
+    """--designs ad where (d)'s worker dies (out of memory, say): (a)'s row is still saved and
+    printed, and the run exits naming (d)."""
+    def worker(cmd, check, env):
+        design, out = cmd[cmd.index("--worker") + 1], Path(cmd[cmd.index("--out") + 1])
+        if design == "d":
+            return SimpleNamespace(returncode=1)
+        steps = [dict(warmup=w, rollout_s=1.0, fwd_bwd_s=1.0, optimizer_s=0.0, push_s=0.0,
+                      step_s=2.0, sleep_s=0.0, generated_tokens=10, trained_tokens=20,
+                      samples=2, flops=1e9, peak_gib=1.0, mismatched=0) for w in (True, False)]
+        out.write_text(json.dumps(bench_rl.summarize(steps, design, 1, "x")))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad", "--out",
+                                      str(out)])
+    with pytest.raises(SystemExit, match=r"\(d\) exited 1"):
+        bench_rl.main()
+    assert [r["design"] for r in json.loads(out.read_text())["results"]] == ["a"]
+    assert "\nbitwise " in capsys.readouterr().out
 
 
 def test_trainer_bench_finds_the_gpus_idle_gaps_and_packs_the_workload():
@@ -390,3 +419,152 @@ def test_floor_of_each_phase_by_hand():
     assert f["push_s"] == pytest.approx(6 * params / bw)
     assert f["step_s"] == pytest.approx(f["rollout_s"] + f["fwd_bwd_s"] + f["push_s"])
     assert bench_rl.floors(SimpleNamespace(sparse_layers=(0,)), 6, 3, 2, 1e12) is None
+
+
+def a3b_args(layers: int):
+    """simple_rl's args for Qwen/Qwen3-30B-A3B's config.json with `layers` of its 48."""
+    from transformers import Qwen3MoeConfig
+
+    return rl.model_args_from_hf(Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False))
+
+
+def test_moe_flops_of_qwen3_30b_a3b_count_its_3b_active_parameters_not_its_30b():
+    """Qwen3-30B-A3B (48 layers, 128 experts, top-8): one token's training FLOPs are 6x its
+    3.3B activated parameters less the embedding (a lookup, no GEMM); counting every expert, as
+    count_params does for memory, would make the MFU 10x too high."""
+    args = a3b_args(layers=48)
+    attn = 2048 * (32 + 2 * 4) * 128 + 32 * 128 * 2048  # qkv, o: 18,874,368
+    moe = 8 * 3 * 2048 * 768 + 2048 * 128  # 8 experts' gate/up/down + router: 38,010,880
+    head = 151936 * 2048
+    want = 6 * (48 * (attn + moe) + head) + 6 * 48 * 32 * 128 * 1  # + attention over L = 1
+    assert bench_rl.flops_per_step(args, [1], 1) == want
+    assert abs((48 * (attn + moe) + 2 * head) / 3.3e9 - 1) < 0.02  # the 3.3B activated
+    assert rl.count_params(args) > 30e9
+
+
+def test_user_stack_rule_fits_qwen3_30b_a3b_layers_as_measured():
+    """Design (d) on Qwen3-30B-A3B's 4 layers on an H200: its memory rule picks the full
+    8192-token cap (31 rows of 257 at 16 x 8, 128 new tokens; 21 of 385 at 32 x 8, 256), and
+    its peak at 8085 tokens is within 15% of the 88.9 GiB it measured there (results/h200_moe)."""
+    args, h200, gib = a3b_args(layers=4), 143771 * 2**20, 2**30
+
+    def cfg(prompts, new_tokens):
+        return rl.Config(num_prompts=prompts, group_size=8, max_new_tokens=new_tokens,
+                         max_model_len=128 + new_tokens + 1)
+
+    assert bench_rl.user_micro_batch(cfg(16, 128), args, h200) == 31 * 257
+    assert bench_rl.user_micro_batch(cfg(32, 256), args, h200) == 21 * 385
+    assert abs(bench_rl.user_peak(cfg(32, 256), args, 21 * 385) / gib / 88.9 - 1) < 0.15
+
+
+def test_harness_runs_the_moe_row_on_cpu(tmp_path):
+    """Designs a and d on a tiny Qwen3-MoE (stand-in engine): (d) trains transformers'
+    Qwen3MoeForCausalLM; each row names the experts its trainer ran and its memory rule's
+    estimate, and the table gives the issue's MoE targets."""
+    from helpers import make_moe_checkpoint
+    from test_moe_model import TINY_MOE
+
+    ckpt = make_moe_checkpoint(tmp_path / "moe", **TINY_MOE)
+    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4,
+              micro_batch_tokens=64, engine_factory=TorchEngine, device_type="cpu")
+    a, d = (bench_rl.measure(design, str(ckpt), **kw) for design in "ad")
+    args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt))
+    assert a["experts"] == "reference" and d["experts"].startswith("transformers ")
+    for r in (a, d):
+        assert r["trained_tokens"] == 4 * (6 + 4) and r["fwd_bwd_s"] > 0 and r["mfu"] > 0
+        assert r["flops"] == bench_rl.flops_per_step(args, [10] * 4, r["generated_tokens"])
+    cfg = rl.Config(model=str(ckpt), num_prompts=2, group_size=2, max_new_tokens=4,
+                    max_model_len=11, micro_batch_tokens=64, dtype="float32")
+    assert a["estimate_gib"] == rl.memory_estimate(cfg, args, 1)["peak"] / 2**30
+    assert d["estimate_gib"] == bench_rl.user_peak(cfg, args, 64) / 2**30
+    user = bench_rl.HFTrainer(ckpt, cfg, torch.device("cpu")).model
+    assert type(user).__name__ == "Qwen3MoeForCausalLM" and not user.config.output_router_logits
+    text = bench_rl.table([a, d])
+    assert "MoE (a): update " in text and "experts: bitwise reference, user transformers " in text
+
+
+TINY_LAYER = ["--device", "cpu", "--dim", "64", "--experts", "8", "--top-k", "2",
+              "--moe-inter", "32", "--repeats", "2"]
+
+
+def test_moe_layer_bench_times_simple_rls_layer_with_each_experts_backward(tmp_path,
+                                                                          monkeypatch):
+    """--backward both on CPU at a tiny shape: simple_rl.MoE's own forward each call; the loop
+    rows run moe_experts_backward, the grouped rows whatever TRITON_BACKWARDS names (here a
+    stand-in whose w2 gradient is twice the loop's: its difference from the loop is 1.0 of the
+    loop's largest), 1 warm-up + 2 repeats a row, each repeat's gradients bit-equal."""
+    import batch_invariant_backward as bib
+    import bench_moe_layer
+
+    calls = {"forward": 0, "loop": 0, "grouped": 0}
+    loop, forward = bib.moe_experts_backward, rl.MoE.forward
+
+    def counted_loop(*a):
+        calls["loop"] += 1
+        return loop(*a)
+
+    def grouped_stand_in(*a):
+        calls["grouped"] += 1
+        dx, dw13, dw2, dw = loop(*a)
+        return dx, dw13, 2 * dw2, dw
+
+    def counted_forward(self, x):
+        calls["forward"] += 1
+        return forward(self, x)
+
+    monkeypatch.setattr(bib, "moe_experts_backward", counted_loop)
+    monkeypatch.setitem(bib.TRITON_BACKWARDS, "moe_experts", grouped_stand_in)
+    monkeypatch.setattr(rl.MoE, "forward", counted_forward)
+    out = tmp_path / "moe.json"
+    rows = bench_moe_layer.main(TINY_LAYER + ["--tokens", "16", "48", "--out", str(out)])
+    assert calls == {"forward": 12, "loop": 6, "grouped": 6}  # 2 kinds x 2 sizes x 3 calls
+    assert [(r["backward"], r["function"], r["tokens"]) for r in rows] == [
+        ("loop", "counted_loop", 16), ("loop", "counted_loop", 48),
+        ("grouped", "grouped_stand_in", 16), ("grouped", "grouped_stand_in", 48)]
+    assert all(r["repeatable"] and r["fwd_ms"] > 0 for r in rows)
+    assert all(r["bwd_over_fwd"] == r["bwd_ms"] / r["fwd_ms"] for r in rows)
+    assert "diff_vs_loop" not in rows[0] and [r["diff_vs_loop"] for r in rows[2:]] == [1.0, 1.0]
+    saved = json.loads(out.read_text())
+    assert saved["shape"] == dict(dim=64, experts=8, top_k=2, moe_inter=32)
+    assert saved["rows"] == rows and saved["device"] == "cpu"
+
+
+def test_moe_layer_bench_records_a_failing_row_and_runs_the_rest(tmp_path, monkeypatch, capsys):
+    """A grouped backward that fails at one token count (an assert, out of memory): that row
+    holds the error, every other row is timed and saved, and the run exits naming it."""
+    import batch_invariant_backward as bib
+    import bench_moe_layer
+
+    def fails_at_48(x, *a):
+        assert x.shape[0] != 48, "no tile for 48 rows"
+        return bib.moe_experts_backward(x, *a)
+
+    monkeypatch.setitem(bib.TRITON_BACKWARDS, "moe_experts", fails_at_48)
+    out = tmp_path / "moe.json"
+    with pytest.raises(SystemExit, match="failed: grouped at 48; the other rows are in"):
+        bench_moe_layer.main(TINY_LAYER + ["--tokens", "16", "48", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert ["error" in r for r in rows] == [False, False, False, True]
+    assert rows[3]["error"].startswith("AssertionError: no tile for 48 rows")
+    assert rows[2]["diff_vs_loop"] == 0.0 and rows[2]["repeatable"]
+    assert "grouped (fails_at_48)" in capsys.readouterr().out.splitlines()[-2]
+
+
+def test_moe_layer_bench_table_and_target():
+    import bench_moe_layer
+
+    row = dict(backward="grouped", function="grouped_moe_backward", tokens=8192, fwd_ms=2.7,
+               bwd_ms=6.75, bwd_over_fwd=2.5, saved_gib=1.234, peak_gib=5.0, repeatable=True,
+               diff_vs_loop=3.2e-3)
+    assert bench_moe_layer.table_row(row).split() == [
+        "grouped", "(grouped_moe_backward)", "8192", "2.70", "6.75", "2.5", "1.23", "5.00", "yes",
+        "3.2e-03"]
+    loop = dict(row, backward="loop", bwd_over_fwd=19.0, repeatable=False)
+    del loop["diff_vs_loop"]
+    assert bench_moe_layer.table_row(loop).split()[-2:] == ["NO", "-"]
+    assert bench_moe_layer.summary([loop, row, dict(row, tokens=1024, bwd_over_fwd=9.0)]) == (
+        "backward / forward at 8192 tokens: loop 19.0x, grouped 2.5x (target <= 3x)")
+    assert bench_moe_layer.HEADER.split()[:3] == ["backward", "tokens", "fwd"]
