@@ -5,8 +5,12 @@ them with NCCL (docs/tensor_parallel.md). Four gloo processes, launched once, do
 with gloo's bf16 all_reduce (for two ranks every algorithm gives fl(p0 + p1)), all four as the
 chain NCCL's tree runs inside one host (rank 3's partial passed down to rank 0, each rank adding
 its own in bf16), and ranks 0-1 as the vocab-parallel embedding (masked lookups all-reduced).
+On 2-4 GPUs (pytest -m gpu) vLLM's own NCCL communicator sums the partials.
 """
 
+import itertools
+import json
+import os
 import socket
 from functools import partial
 
@@ -88,14 +92,18 @@ def _ranks(rank: int, port: int, threads: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def rank_sums(tmp_path_factory):
     """The sums the four gloo ranks computed, from one launch."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("tp") / "sums.pt"
-    mp.spawn(_ranks, args=(port, torch.get_num_threads(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_ranks, args=(free_port(), torch.get_num_threads(), str(out)), nprocs=WORLD,
+             join=True)
     return torch.load(out, weights_only=True)
 
 
@@ -137,3 +145,63 @@ def test_row_parallel_gradient_is_a_linear_layers():
     rx, rw = torch.autograd.grad(ref, (x, w), gy)
     torch.testing.assert_close(dx, rx, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dw, rw, rtol=1e-12, atol=1e-12)
+
+
+# o_proj and down_proj of Qwen3-1.7B and 8B: (hidden, K); and batch sizes from one decode row to a
+# full prefill (the all-reduce's message from 4 KB to 64 MB)
+GPU_SHAPES = {"1.7b/o": (2048, 2048), "1.7b/down": (2048, 6144), "8b/o": (4096, 4096),
+              "8b/down": (4096, 12288)}
+GPU_ROWS = [1, 7, 64, 255, 256, 1031, 4096, 8192]
+
+
+def _nccl_ranks(rank: int, world: int, port: int, out: str) -> None:
+    """One GPU as a TP engine's rank inside simple_rl: the trainer's NCCL group first, then
+    vLLM's batch-invariant settings and its pynccl communicator, which sums each rank's partial
+    GEMM. Rank 0 writes, for every shape and batch size, the chain orders that give its sum."""
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=device)
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()  # NCCL's knobs, split-K off: after the trainer's communicator
+    comm = PyNcclCommunicator(dist.new_group(backend="gloo"), device)
+    report = {}
+    for name, (hidden, K) in GPU_SHAPES.items():
+        g = torch.Generator(device=device).manual_seed(K)  # the same x, w on every rank
+        x = torch.randn(max(GPU_ROWS), K, device=device, generator=g).to(torch.bfloat16)
+        w = (torch.randn(hidden, K, device=device, generator=g) * 0.02).to(torch.bfloat16)
+        k = K // world
+        for T in GPU_ROWS:
+            parts = torch.stack([F.linear(x[:T, r * k:(r + 1) * k].contiguous(),
+                                          w[:, r * k:(r + 1) * k].contiguous())
+                                 for r in range(world)])  # (world, T, hidden)
+            y = comm.all_reduce(parts[rank].contiguous())  # (T, hidden)
+            report[f"{name}/{T}"] = dict(
+                orders=[o for o in itertools.permutations(range(world))
+                        if torch.equal(bits(bib.tensor_parallel_sum(parts, o)), bits(y))],
+                one_gemm_differs=bool((F.linear(x[:T], w) != y).any()))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_vllm_nccl_all_reduce_equals_the_emulation_at_every_batch_size(tmp_path):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    pytest.importorskip("vllm")
+    world = min(torch.cuda.device_count(), 4)
+    out = tmp_path / "nccl.json"
+    mp.spawn(_nccl_ranks, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    report = json.loads(out.read_text())
+    assert len(report) == len(GPU_SHAPES) * len(GPU_ROWS)
+    assert all(r["one_gemm_differs"] for r in report.values())
+    fits = set.intersection(*(set(map(tuple, r["orders"])) for r in report.values()))
+    # TP = 2: both orders, always; TP > 2: the chain order NCCL ran, if one fits every case
+    print(f"TP = {world}: the chain orders that fit every shape and batch size: {sorted(fits)}")
+    assert fits, {k: r["orders"] for k, r in report.items()}
