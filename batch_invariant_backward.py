@@ -282,7 +282,7 @@ def tensor_parallel_sum(parts: Tensor, order: Sequence[int] | None = None) -> Te
 
     What the all-reduce of a batch-invariant vLLM engine computes from its n ranks' partials
     parts (n, ...): vLLM turns its custom and symmetric-memory all-reduces off, so NCCL sums,
-    with NCCL_ALGO=allreduce:tree on one channel: a chain in which each rank adds the sum it
+    with NCCL_ALGO=allreduce:tree: inside one host a chain in which each rank adds the sum it
     receives to its own partial in the partials' dtype (bf16: one rounded add per hop) and
     passes it on. For n = 2 every order gives fl(p0 + p1), the same bits; for n > 2 `order`
     (the ranks from the chain's tail to its root) must be given: it is NCCL's topology's, to be
@@ -305,7 +305,7 @@ def row_parallel_linear(x: Tensor, w: Tensor, n: int, linear: Callable = F.linea
     Rank r holds the K columns K_r = [r K/n, (r+1) K/n) (its heads' attention output, its
     slice of the MLP's intermediate), and its GEMM writes p_r = x[:, K_r] W[:, K_r]^T, summed
     over K_r in fp32 and rounded to x's dtype; then y = tensor_parallel_sum(p, order). One GEMM
-    over all of K rounds once; this rounds n times, so the bits differ. x (T, K), w (D, K) in
+    over all of K rounds once; this rounds every partial and every add, so the bits differ. x (T, K), w (D, K) in
     x's dtype, `linear` the GEMM each rank calls. Its gradient is a plain linear layer's
     (dx = gy W, dW = gy^T x): LinearFn.apply(x, w, partial(row_parallel_linear, n=n), ...)
     trains it.

@@ -4,8 +4,9 @@ A TP = N vLLM engine computes o_proj and down_proj as N partial GEMMs over slice
 them with NCCL (docs/tensor_parallel.md). Four gloo processes, launched once, do that: ranks 0-1
 with gloo's bf16 all_reduce (for two ranks every algorithm gives fl(p0 + p1)), all four as the
 chain NCCL's tree runs inside one host (rank 3's partial passed down to rank 0, each rank adding
-its own in bf16), and ranks 0-1 as the vocab-parallel embedding (masked lookups all-reduced).
-On 2-4 GPUs (pytest -m gpu) vLLM's own NCCL communicator sums the partials.
+its own in bf16; gloo's own 4-rank all_reduce sums in its ring's order, which is not NCCL's),
+and ranks 0-1 as the vocab-parallel embedding (masked lookups all-reduced). On 2-4 GPUs
+(pytest -m gpu) vLLM's own NCCL communicator sums the partials.
 """
 
 import itertools
