@@ -305,10 +305,10 @@ def row_parallel_linear(x: Tensor, w: Tensor, n: int, linear: Callable = F.linea
     Rank r holds the K columns K_r = [r K/n, (r+1) K/n) (its heads' attention output, its
     slice of the MLP's intermediate), and its GEMM writes p_r = x[:, K_r] W[:, K_r]^T, summed
     over K_r in fp32 and rounded to x's dtype; then y = tensor_parallel_sum(p, order). One GEMM
-    over all of K rounds once; this rounds every partial and every add, so the bits differ. x (T, K), w (D, K) in
-    x's dtype, `linear` the GEMM each rank calls. Its gradient is a plain linear layer's
-    (dx = gy W, dW = gy^T x): LinearFn.apply(x, w, partial(row_parallel_linear, n=n), ...)
-    trains it.
+    over all of K rounds once; this rounds every partial and every add, so the bits differ.
+    x (T, K), w (D, K) in x's dtype, `linear` the GEMM each rank calls. Its gradient is a plain
+    linear layer's (dx = gy W, dW = gy^T x): LinearFn.apply(x, w, partial(row_parallel_linear,
+    n=n), ...) trains it.
     """
     K = x.shape[-1]
     assert K % n == 0, f"K = {K} does not split over {n} ranks"
