@@ -30,7 +30,7 @@ Triton backwards).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +271,52 @@ class LinearFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx, dw = linear_backward(x, w, gy, ctx.w_dtype)
         return dx, dw, None, None
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallelism (vLLM: RowParallelLinear's partial GEMMs, summed by NCCL; see
+# docs/tensor_parallel.md)
+# ---------------------------------------------------------------------------
+
+
+def tensor_parallel_sum(parts: Tensor, order: Sequence[int] | None = None) -> Tensor:
+    """s = (((p[o_0] + p[o_1]) + p[o_2]) + ... ) + p[o_{n-1}], each + rounded to parts' dtype.
+
+    What the all-reduce of a batch-invariant vLLM engine computes from its n ranks' partials
+    parts (n, ...): vLLM turns its custom and symmetric-memory all-reduces off, so NCCL sums,
+    with NCCL_ALGO=allreduce:tree: inside one host a chain in which each rank adds the sum it
+    receives to its own partial in the partials' dtype (bf16: one rounded add per hop) and
+    passes it on. For n = 2 every order gives fl(p0 + p1), the same bits; for n > 2 `order`
+    (the ranks from the chain's tail to its root) must be given: it is NCCL's topology's, to be
+    measured on the GPUs, not assumed.
+    """
+    n = parts.shape[0]
+    assert order is not None or n <= 2, "n > 2 partials: pass the chain order measured on GPUs"
+    order = list(range(n)) if order is None else list(order)
+    assert sorted(order) == list(range(n)), f"order {order} is not a permutation of {n} ranks"
+    s = parts[order[0]]
+    for r in order[1:]:
+        s = s + parts[r]  # in parts' dtype: rounded at every hop, as NCCL's bf16 __hadd
+    return s
+
+
+def row_parallel_linear(x: Tensor, w: Tensor, n: int, linear: Callable = F.linear,
+                        order: Sequence[int] | None = None) -> Tensor:
+    """y = x W^T as a TP = n engine computes o_proj and down_proj (RowParallelLinear).
+
+    Rank r holds the K columns K_r = [r K/n, (r+1) K/n) (its heads' attention output, its
+    slice of the MLP's intermediate), and its GEMM writes p_r = x[:, K_r] W[:, K_r]^T, summed
+    over K_r in fp32 and rounded to x's dtype; then y = tensor_parallel_sum(p, order). One GEMM
+    over all of K rounds once; this rounds every partial and every add, so the bits differ.
+    x (T, K), w (D, K) in x's dtype, `linear` the GEMM each rank calls. Its gradient is a plain
+    linear layer's (dx = gy W, dW = gy^T x): LinearFn.apply(x, w, partial(row_parallel_linear,
+    n=n), ...) trains it.
+    """
+    K = x.shape[-1]
+    assert K % n == 0, f"K = {K} does not split over {n} ranks"
+    parts = [linear(xr.contiguous(), wr.contiguous())  # each (T, D): what rank r holds
+             for xr, wr in zip(x.split(K // n, dim=-1), w.split(K // n, dim=-1))]
+    return tensor_parallel_sum(torch.stack(parts), order)  # (T, D)
 
 
 # ---------------------------------------------------------------------------

@@ -5,8 +5,10 @@ off by batch-invariant mode) instead of vLLM's Triton persistent matmul. That is
 every output row is bitwise what the Triton kernel gives, whatever the number of rows. This
 checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and two of the
 trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
-Qwen3 models (q/k/v, o, gate/up, down, LM head) and of Qwen3-30B-A3B (attention, router),
-against Triton calls of 8192 rows.
+Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention, router) and of
+the shards a TP = 2 engine's ranks hold for Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
+The Triton kernel's tiles do not depend on N, so a column slice of its GEMM has the full GEMM's
+bits; with the shards checked, so does cuBLASLt's (docs/tensor_parallel.md).
 
 cuBLASLt reads its workspace size once per process, so the check runs in a fresh process
 (`python tests/test_gemm_gpu.py` prints its JSON) in which batch-invariant mode is set before
@@ -44,6 +46,12 @@ def shapes() -> list[tuple[str, int, int, bool]]:
     out += [(f"{m}/lm_head", VOCAB, h, False) for m, (h, *_) in MODELS.items() if m != "32b"]
     out += [("30b-a3b/qkv", 4096 + 2 * 512, 2048, True), ("30b-a3b/o", 2048, 4096, True),
             ("30b-a3b/router", 128, 2048, True)]
+    for m in ("1.7b", "8b"):  # a TP = 2 rank's shards: half the rows, or half of K
+        hidden, q, kv, ffn = MODELS[m]
+        out += [(f"{m}/tp2/qkv", (q + 2 * kv) // 2, hidden, True),
+                (f"{m}/tp2/o", hidden, q // 2, True), (f"{m}/tp2/gate_up", ffn, hidden, True),
+                (f"{m}/tp2/down", hidden, ffn // 2, True),
+                (f"{m}/tp2/lm_head", VOCAB // 2, hidden, False)]
     assert len({name for name, *_ in out}) == len(out)
     return out
 
