@@ -228,7 +228,7 @@ def debug(args, engine, model, prompts, cfg, out) -> None:
 
     for plen in (5, 120, 300):
         rows, n_bad, _ = rl.debug_parity(engine, model, one_turn(prompts[0][:1] * plen, 40))
-        print(f"--- debug: prompt {plen} tokens, 40 generated, {n_bad} logprobs differ")
+        print(f"--- debug: prompt {plen} tokens, up to 40 generated, {n_bad} logprobs differ")
         print(rl.format_debug(rows))
         out[f"debug_{plen}"] = dict(first=rl.first_divergence(rows), n_bad=n_bad)
     # a one-ulp error in layer 1's SiluAndMul (a forward hook changes its first output): the
