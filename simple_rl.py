@@ -4245,20 +4245,23 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
     n_sparse = len(sparse_layers(args))
     moe_transient = 0
+    rows = cfg.micro_batch_tokens
     if n_sparse:  # a sparse layer keeps its input and fp32 routing; the experts' inner
-        m = args.moe_args  # activations are recomputed by the backward, k copies at a time
+        m = args.moe_args  # activations are recomputed by the backward, k slots per token
         sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv) + 4 * m.num_experts + 8 * m.top_k
         per_token_layer = (per_token_layer * (args.n_layers - n_sparse)
                            + sparse_token * n_sparse) / args.n_layers
-        moe_transient = cfg.micro_batch_tokens * m.top_k * args.dim * 12  # one layer's backward
-    rows = cfg.micro_batch_tokens
+        # one layer's grouped backward: h, a, W2^T g (fp32) and its scaled copy, dh per slot
+        # (measured at Qwen3-30B-A3B's shape: 15.5 kB a slot, 20 I = 15.4)
+        moe_transient = rows * m.top_k * 20 * args.moe_inter_dim
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
     est = {
         "trainer state": 16 * n / world,
         "bf16 weights": 2 * n if world == 1 else gathered,
-        "activations": rows * args.n_layers * per_token_layer + rows * args.vocab_size * 4
-        + bib.LOGPROB_ROWS * args.vocab_size * 4 + moe_transient,
+        # the head's logits and their gradient are freed before a sparse layer's backward
+        "activations": rows * args.n_layers * per_token_layer
+        + max(rows * args.vocab_size * 4, moe_transient) + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
     if cfg.kl_coef > 0:
