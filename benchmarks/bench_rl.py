@@ -4,7 +4,8 @@ prompts and token counts.
     (a) bitwise  simple_rl as it is: batch-invariant vLLM, the trainer on vLLM's kernels,
                  packed micro-batches, engine asleep while the trainer runs, in-memory push
     (b) plain    the same engine settings with VLLM_BATCH_INVARIANT=0 (vLLM's default kernels),
-                 the trainer on plain PyTorch kernels (cuBLAS, SDPA on a padded batch, autograd)
+                 the trainer on plain PyTorch kernels (cuBLAS, SDPA on a padded batch, autograd),
+                 at most 8192 tokens a micro-batch (`plain_micro_batch`)
     (c) seed     the seed's design: bitwise kernels, one training forward per sample, weights
                  synced by writing safetensors and calling vLLM's reload_weights
     (d) user     what users run without bitwise parity: vLLM with its defaults (torch.compile,
@@ -224,6 +225,13 @@ def user_micro_batch(cfg, args, total: float) -> int:
     return max(rows, default=1) * seq
 
 
+def plain_micro_batch(cfg) -> int:
+    """(b)'s micro-batch: what simple_rl picks, at most USER_MICRO_BATCH tokens (or one row).
+    Its padded batches hold more per token than simple_rl's packed ones: at 2048 new tokens on
+    an H200 the 24576 tokens simple_rl picks at 1.7B ran out of memory, 8192 peaked at 137 GiB."""
+    return min(cfg.micro_batch_tokens, max(USER_MICRO_BATCH, cfg.max_model_len))
+
+
 class HFTrainer:
     """(d)'s trainer: transformers' Qwen3 in fp32 with bf16 autocast, right-padded micro-batches,
     the same GRPO loss, fused AdamW. A Qwen3-MoE checkpoint loads as Qwen3MoeForCausalLM with
@@ -332,6 +340,8 @@ def measure(
         mbt = user_micro_batch(cfg, files.args, total)
         cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=mbt)
     cfg = rl.with_micro_batch(cfg, files.args, ranks)  # 0: what simple_rl picks on this GPU
+    if design == "b" and not micro_batch_tokens:
+        cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=plain_micro_batch(cfg))
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
         engine_factory = {
             "a": rl.VLLMEngine,

@@ -253,6 +253,17 @@ def test_user_stack_picks_the_rows_that_fit_beside_its_awake_engine():
     assert bench_rl.user_micro_batch(cfg(4096), args, h200) == 4225  # nothing fits: one row
 
 
+def test_plain_trainer_takes_at_most_8192_tokens_or_one_row():
+    import simple_rl as rl
+
+    def cfg(mbt, seq):
+        return rl.Config(micro_batch_tokens=mbt, max_model_len=seq)
+
+    assert bench_rl.plain_micro_batch(cfg(24576, 2177)) == 8192  # ran out of memory at 24576
+    assert bench_rl.plain_micro_batch(cfg(4096, 385)) == 4096
+    assert bench_rl.plain_micro_batch(cfg(16384, 12000)) == 12000
+
+
 def test_rounds_pool_into_medians_over_every_measured_step():
     """Two rounds of one design: one row over all 4 measured steps (warm-ups left out), each
     timing their median, so one slow step of a noisy host does not move it."""
