@@ -91,6 +91,26 @@ def make_checkpoint(
     return out
 
 
+def cast_once_changes_no_bit(args, state, parts: list) -> "rl.Qwen3":
+    """Two bf16 models (reference forwards, custom backwards) train on the micro-batches
+    `parts`, one under weights_cast_once: the same logprobs and fp32 gradients, bit for bit.
+    Returns the model that cast once."""
+    kernels = bib.custom_backward_kernels(bib.reference_forwards())
+    models = [rl.build_model(args, state, kernels, torch.bfloat16, "cpu") for _ in range(2)]
+    logps = []
+    for cached, model in zip((False, True), models):
+        with rl.weights_cast_once(model) if cached else torch.enable_grad():
+            for p in parts:
+                lp, ent = model(p, 0.8)
+                (lp.sum() + 0.1 * ent.sum()).backward()
+                logps.append(lp.detach())
+    for a, b in zip(logps[:len(parts)], logps[len(parts):]):
+        assert torch.equal(a, b)
+    for (name, pa), pb in zip(models[0].named_parameters(), models[1].parameters()):
+        assert pa.grad.dtype == torch.float32 and torch.equal(pa.grad, pb.grad), name
+    return models[1]
+
+
 def random_model(cls, cfg, dtype, device, router_std: float = 0.0):
     """transformers' `cls(cfg)` with random norms (HF inits them to 1: random ones make the
     tests see every weight) and, if router_std, random MoE routers (HF inits them to 0)."""

@@ -5,6 +5,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
+from helpers import cast_once_changes_no_bit
 
 
 def trainer(path, kernels=None):
@@ -109,23 +110,10 @@ def test_weights_cast_once_is_what_the_gemms_use_and_changes_no_bit(ckpt, tied):
     path = ckpt(tied=tied)
     args = rl.model_args_from_hf(rl.read_qwen3_config(path))
     state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
-    kernels = bib.custom_backward_kernels(bib.reference_forwards())
-    models = [rl.build_model(args, state, kernels, torch.bfloat16, "cpu") for _ in range(2)]
     ids = seqs([11, 6, 23])
     parts = [rl.pack([x[:4] for x in ids[s]], [x[4:] for x in ids[s]]) for s in (slice(0, 2),
                                                                                 slice(2, 3))]
-    logps = []
-    for cached, model in zip((False, True), models):
-        with rl.weights_cast_once(model) if cached else torch.enable_grad():
-            for p in parts:
-                lp, ent = model(p, 0.8)
-                (lp.sum() + 0.1 * ent.sum()).backward()
-                logps.append(lp.detach())
-    for a, b in zip(logps[:2], logps[2:]):
-        assert torch.equal(a, b)
-    for (name, pa), pb in zip(models[0].named_parameters(), models[1].parameters()):
-        assert pa.grad.dtype == torch.float32 and torch.equal(pa.grad, pb.grad), name
-    model = models[1]
+    model = cast_once_changes_no_bit(args, state, parts)
     casts = [m for m in model.modules() if hasattr(m, "compute_weight")]  # embedding first
     head = model.tok_embeddings if tied else model.output
     with torch.no_grad(), rl.weights_cast_once(model):

@@ -13,7 +13,8 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import ExactEngine, cpu_argv, main_cpu, make_moe_checkpoint, metrics_rows
+from helpers import (ExactEngine, cast_once_changes_no_bit, cpu_argv, main_cpu,
+                     make_moe_checkpoint, metrics_rows)
 
 TINY_MOE = dict(vocab=384, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96,
                 moe_inter=32, experts=8, top_k=2, mlp_only=(1,), norm_topk=True, tied=False)
@@ -261,22 +262,8 @@ def test_the_experts_are_cast_once_and_change_no_bit(moe_ckpt):
     fp32 gradients of the model that casts in every forward, bit for bit; on exit no cast is
     left."""
     args, hf = load(moe_ckpt)
-    state = rl.hf_to_trainer(hf, args)
-    kernels = bib.custom_backward_kernels(bib.reference_forwards())
-    models = [rl.build_model(args, state, kernels, torch.bfloat16, "cpu") for _ in range(2)]
     parts = [rl.pack([[3, 4, 5, 6], [9, 8]], [[7, 1, 2], [5]]), rl.pack([[11, 12]], [[13, 14]])]
-    logps = []
-    for cached, model in zip((False, True), models):
-        with rl.weights_cast_once(model) if cached else torch.enable_grad():
-            for p in parts:
-                lp, _ = model(p, 0.9)
-                lp.sum().backward()
-                logps.append(lp.detach())
-    for a, b in zip(logps[:2], logps[2:]):
-        assert torch.equal(a, b)
-    for (name, pa), pb in zip(models[0].named_parameters(), models[1].parameters()):
-        assert pa.grad.dtype == torch.float32 and torch.equal(pa.grad, pb.grad), name
-    model = models[1]
+    model = cast_once_changes_no_bit(args, rl.hf_to_trainer(hf, args), parts)
     experts = [b.moe.experts for b in model.layers if b.sparse]
     assert len(experts) == 2
     with torch.no_grad(), rl.weights_cast_once(model):
