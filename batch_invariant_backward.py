@@ -277,6 +277,9 @@ class LinearFn(torch.autograd.Function):
 # Tensor parallelism (vLLM: RowParallelLinear's partial GEMMs, summed by NCCL; see
 # docs/tensor_parallel.md)
 # ---------------------------------------------------------------------------
+# What a trainer must compute to match a TP = n engine, proved on gloo ranks
+# (tests/test_tensor_parallel.py). No run uses it yet: rollouts with tensor parallelism need
+# two GPUs to be measured first.
 
 
 def tensor_parallel_sum(parts: Tensor, order: Sequence[int] | None = None) -> Tensor:
@@ -934,9 +937,9 @@ def _grouped_rows_mm_kernel(A, A_ROWS, B, OUT, OUT_ROWS, TILE_E, TILE_START, BOU
     e = tl.minimum(e, E - 1).to(tl.int64)
     start = tl.load(TILE_START + t)
     end = tl.where(live, tl.load(BOUNDS + e + 1), start)
-    rows = start + tl.arange(0, BM)
+    rows = (start + tl.arange(0, BM)).to(tl.int64)  # row * stride passes 2^31 at large shapes
     r_ok = rows < end
-    src = tl.load(A_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER else rows.to(tl.int64)
+    src = tl.load(A_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER else rows
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     c_ok = cols < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -968,7 +971,7 @@ def _grouped_wgrad_kernel(L, L_ROWS, L_SCALE, R, R_ROWS, OUT, BOUNDS, M, N,
     m_ok, n_ok = ms < M, ns < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(lo, hi, BK):
-        rows = r0 + tl.arange(0, BK)
+        rows = (r0 + tl.arange(0, BK)).to(tl.int64)
         r_ok = rows < hi
         lr = tl.load(L_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER_L else rows
         rr = tl.load(R_ROWS + rows, mask=r_ok, other=0).to(tl.int64) if GATHER_R else rows

@@ -4236,8 +4236,8 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
     blocks at a time and the root (embeddings, head) whole, with its bf16 and fp32 gradients;
     activations: what the backward keeps per token and layer, plus the head's bf16 logits and
-    their gradient; engine: bf16 weights + KV cache, released while the trainer runs when it
-    sleeps.
+    their gradient or one sparse layer's backward, whichever is larger (the head's are freed
+    first); engine: bf16 weights + KV cache, released while the trainer runs when it sleeps.
     """
     n = count_params(args)
     q = args.n_heads * args.head_dim
@@ -4251,9 +4251,10 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
         sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv) + 4 * m.num_experts + 8 * m.top_k
         per_token_layer = (per_token_layer * (args.n_layers - n_sparse)
                            + sparse_token * n_sparse) / args.n_layers
-        # one layer's grouped backward: h, a, W2^T g (fp32) and its scaled copy, dh per slot
-        # (measured at Qwen3-30B-A3B's shape: 15.5 kB a slot, 20 I = 15.4)
-        moe_transient = rows * m.top_k * 20 * args.moe_inter_dim
+        # one layer's grouped backward at its peak: h, a, W2^T g (fp32), dh and dx per slot,
+        # the fp32 sum of dx per token (measured at Qwen3-30B-A3B's shape: 15.5 KiB a slot)
+        moe_transient = rows * (m.top_k * (14 * args.moe_inter_dim + 2 * args.dim)
+                                + 4 * args.dim)
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
     est = {
@@ -4664,6 +4665,7 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     finally:
         stack.close()
         del llm.generate  # the class's method again
+    need(calls, "--debug-parity: no vLLM module has a name it traces (has vLLM's model changed?)")
     starts.append(max(map(len, calls.values())))
     rollout = episodes_rollout([episode], moe=False)
     full = pack(rollout.prompts, rollout.completions, rollout.model)
@@ -4680,6 +4682,11 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
         turns.append((end - 1 - first, first))
     # a turn's calls: its prefill and decode steps, then (async scheduling, vLLM's default) one
     # step past a stop it had not seen yet, whose rows have no trainer counterpart
+    first_op = calls[names[0][1]] if names[0][1] in calls else next(iter(calls.values()))
+    got = [sum(len(c[0]) for c in first_op[a:b]) for a, b in zip(starts, starts[1:])]
+    need(all(n <= r <= n + 1 for r, (n, _) in zip(got, turns)),
+         f"--debug-parity: vLLM computed {got} rows in the episode's turns where "
+         f"{[n for n, _ in turns]} (or one more) were expected; it scheduled them otherwise.")
     theirs = {}
     for key, v in calls.items():
         per_turn = [[torch.cat(parts)[:n] for parts in zip(*v[a:b])]

@@ -1,7 +1,8 @@
 """Time simple_rl's own Qwen3-MoE sparse layer (`simple_rl.MoE`: router GEMM, top-k, experts)
-as the trainer runs it: fp32 master weights, bf16 activations, the kernels simple_rl.build_model
-gets on CUDA (vLLM's forwards, the Triton backwards), forward and backward timed apart, at
-1k-32k tokens, for each backward of the experts:
+as the trainer runs it: fp32 master weights cast to bf16 once (weights_cast_once does it once a
+step), bf16 activations, the kernels simple_rl.build_model gets on CUDA (vLLM's forwards, the
+Triton backwards), forward and backward timed apart, at 1k-32k tokens, for each backward of
+the experts:
 
     python benchmarks/bench_moe_layer.py --backward both --out moe.json
 
@@ -99,6 +100,8 @@ def time_layer(moe, tokens: int, repeats: int, device: str, reference=None) -> t
     dim = moe.router.gate.weight.shape[1]
     x = torch.randn(tokens, dim, device=device, generator=g).bfloat16().requires_grad_()
     gy = torch.randn(tokens, dim, device=device, generator=g).bfloat16()  # dL/d out
+    e = moe.experts  # the trainer casts the experts once a step (weights_cast_once), not per call
+    e.compute_weights = (e.w13.detach().to(x.dtype), e.w2.detach().to(x.dtype))
     fwd_s, bwd_s, first, repeatable, saved, peak = [], [], None, True, 0, 0
     for r in range(repeats + 1):  # r = 0: the warm-up
         x.grad = None

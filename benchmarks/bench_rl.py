@@ -228,7 +228,8 @@ def user_micro_batch(cfg, args, total: float) -> int:
 def plain_micro_batch(cfg) -> int:
     """(b)'s micro-batch: what simple_rl picks, at most USER_MICRO_BATCH tokens (or one row).
     Its padded batches hold more per token than simple_rl's packed ones: at 2048 new tokens on
-    an H200 the 24576 tokens simple_rl picks at 1.7B ran out of memory, 8192 peaked at 137 GiB."""
+    an H200 the 24576 tokens simple_rl picks at 1.7B ran out of memory, 8192 peaked at 137 of
+    its 140 GiB (a smaller GPU needs --micro-batch-tokens)."""
     return min(cfg.micro_batch_tokens, max(USER_MICRO_BATCH, cfg.max_model_len))
 
 

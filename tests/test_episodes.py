@@ -506,16 +506,17 @@ class TracedLLM:
 
 
 def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(ckpt):
-    """debug_parity on a 3-turn episode: vLLM's rows of turns 2 and 3 start where its prefix
-    cache ends (32 cached tokens each) and are laid against the trainer's rows at the same
-    positions: nothing differs; a one-ulp change in one row of turn 3 is named, op and row."""
+    """debug_parity on a 4-turn episode (the last of one token): vLLM's rows of turns 2-4
+    start where its prefix cache ends (32, 32, 48 cached tokens) and are laid against the
+    trainer's rows at the same positions: nothing differs; a one-ulp change at one position is
+    named, op and rows (turn 3 computed it, and turn 4 again: it was past the cached blocks)."""
     from test_model import trainer
 
     model = trainer(ckpt())
     g = torch.Generator().manual_seed(0)
     script = [(torch.randint(1, 300, (n,), generator=g).tolist(),
                torch.randint(1, 300, (m,), generator=g).tolist()) for n, m in ((21, 13), (5, 9),
-                                                                                 (7, 6))]
+                                                                                 (7, 6), (5, 1))]
     episode = rl.Episode(rl.RewardEnv(), [rl.Turn(c, rl.Completion(ids, [], True))
                                           for c, ids in script])
     names = rl.trace_names(model.args.n_layers)
@@ -547,7 +548,7 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
 
     engine = Engine()
     rows, n_bad, turns = rl.debug_parity(engine, model, play_one)
-    assert turns == [(33, 0), (15, 32), (28, 32)]
+    assert turns == [(33, 0), (15, 32), (28, 32), (18, 48)]  # turn 4: 1 token generated
     assert rl.first_divergence(rows) is None and n_bad == 0
     assert all(r["numel"] > 0 for r in rows) and len(rows) == len(names)
 
@@ -562,4 +563,5 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
     finally:
         handle.remove()
     first = next(r for r in rows if r["n_diff"])
-    assert first["op"] == "layers.1.feed_forward.act_fn" and first["rows"] == [33 + 15 + 28 - 1]
+    assert first["op"] == "layers.1.feed_forward.act_fn"
+    assert first["rows"] == [33 + 15 + 59 - 32, 33 + 15 + 28 + 59 - 48]

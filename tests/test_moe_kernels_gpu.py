@@ -194,5 +194,7 @@ def test_gpu_grouped_backward_on_uneven_loads(layer, load):
         err = ((a.double() - b.double()).norm() / b.double().norm()).item()
         print(f"{load}: d{name} grouped vs loop {err:.2e}")
         assert err < 1e-2, (name, err)
+        if name in ("w2", "weights"):  # the same roundings of the same products: measured equal
+            assert torch.equal(a, b), _diff(f"d{name} vs the loop", a, b)
     for d in got[1:3]:
         assert torch.all(d[~used] == 0) and d[used].abs().amax(dim=(1, 2)).min() > 0
