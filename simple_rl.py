@@ -4682,7 +4682,7 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
         turns.append((end - 1 - first, first))
     # a turn's calls: its prefill and decode steps, then (async scheduling, vLLM's default) one
     # step past a stop it had not seen yet, whose rows have no trainer counterpart
-    first_op = calls[names[0][1]] if names[0][1] in calls else next(iter(calls.values()))
+    first_op = next(iter(calls.values()))  # the first op vLLM ran: every call's row count
     got = [sum(len(c[0]) for c in first_op[a:b]) for a, b in zip(starts, starts[1:])]
     need(all(n <= r <= n + 1 for r, (n, _) in zip(got, turns)),
          f"--debug-parity: vLLM computed {got} rows in the episode's turns where "
