@@ -477,6 +477,7 @@ class TracedLLM:
         self.model, self.trace = self.Model(names), trace
         self.script, self.logprobs = script, logprobs
         self.fed = 0  # positions whose KV the cache holds
+        self.extra = 1  # decode steps past a turn's end (async scheduling: one)
 
     def apply_model(self, fn):
         return [fn(self.model)]
@@ -500,7 +501,8 @@ class TracedLLM:
             self.feed(slice(start, min(start + 8, len(prefix))))
         for row in range(len(prefix), len(prefix) + len(ids) - 1):
             self.feed(slice(row, row + 1))
-        self.feed(slice(0, 1))  # the step past the end: no trainer row is its counterpart
+        for _ in range(self.extra):  # the step past the end: no trainer row is its counterpart
+            self.feed(slice(0, 1))
         self.fed = len(prefix) + len(ids) - 1
         return [SimpleNamespace(num_cached_tokens=cached, ids=ids, logprobs=self.logprobs[k])]
 
@@ -509,7 +511,8 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
     """debug_parity on a 4-turn episode (the last of one token): vLLM's rows of turns 2-4
     start where its prefix cache ends (32, 32, 48 cached tokens) and are laid against the
     trainer's rows at the same positions: nothing differs; a one-ulp change at one position is
-    named, op and rows (turn 3 computed it, and turn 4 again: it was past the cached blocks)."""
+    named, op and rows (turn 3 computed it, and turn 4 again: it was past the cached blocks);
+    rows it cannot place are refused."""
     from test_model import trainer
 
     model = trainer(ckpt())
@@ -565,3 +568,6 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
     first = next(r for r in rows if r["n_diff"])
     assert first["op"] == "layers.1.feed_forward.act_fn"
     assert first["rows"] == [33 + 15 + 59 - 32, 33 + 15 + 28 + 59 - 48]
+    llm.extra = 2  # rows the debugger cannot place: refused, not compared out of line
+    with pytest.raises(rl.ConfigError, match=r"computed \[35, 17, 30, 20\] rows"):
+        rl.debug_parity(engine, model, play_one)
