@@ -91,6 +91,33 @@ def make_checkpoint(
     return out
 
 
+def supervised_warm_start(src: Path, out: Path, steps: int, batch) -> Path:
+    """`steps` AdamW steps (lr 3e-3) of next-token loss on the Qwen3 at src (fp32), saved with
+    its tokenizer at out. batch(tok, rng) gives a step's (sequences, labels) as id lists, label
+    -100 where there is no loss; they are right-padded with eos (labels with -100)."""
+    import random
+
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(1)
+    eos = tok.eos_token_id
+    for _ in range(steps):
+        seqs, labels = batch(tok, rng)
+        width = max(map(len, seqs))
+        x = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
+        y = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        model(input_ids=x, labels=y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def cast_once_changes_no_bit(args, state, parts: list) -> "rl.Qwen3":
     """Two bf16 models (reference forwards, custom backwards) train on the micro-batches
     `parts`, one under weights_cast_once: the same logprobs and fp32 gradients, bit for bit.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
+from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu, supervised_warm_start
 
 # A turn-1 text of c characters makes the episode call the tool c % 3 times: 1 to 3 turns,
 # mixed within a prompt's group, the same on any number of ranks.
@@ -313,39 +313,24 @@ def look_task(tmp, n: int = 400):
 def look_warm_start(src, out, rows, steps: int = 80, look_fraction: float = 0.3):
     """Supervised steps on both kinds of answer, the loss on the model's tokens only; the
     tool's message is in the sequence as the episode loop renders it (the text as is)."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    def batch(tok, rng):
+        def ids(text):
+            return tok(text, add_special_tokens=False)["input_ids"]
 
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(src)
-    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rng = __import__("random").Random(1)
-    eos = tok.eos_token_id
-
-    def ids(text):
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    for _ in range(steps):
         seqs, labels = [], []
         for r in rng.sample(rows, 32):
             prompt = ids(f"Q: {r['question']}\nA:")
             if rng.random() < look_fraction:
                 parts = [(ids(" look<look>"), True), (ids(f" {r['answer']}\n"), False),
-                         (ids(" ok") + [eos], True)]
+                         (ids(" ok") + [tok.eos_token_id], True)]
             else:
-                parts = [(ids(f" guess {rng.randrange(10)}") + [eos], True)]
+                parts = [(ids(f" guess {rng.randrange(10)}") + [tok.eos_token_id], True)]
             seqs.append(prompt + [t for p, _ in parts for t in p])
             labels.append([-100] * len(prompt) + [t if own else -100 for p, own in parts
                                                   for t in p])
-        width = max(map(len, seqs))
-        x = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
-        y = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
-        model(input_ids=x, labels=y).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+        return seqs, labels
+
+    return supervised_warm_start(src, out, steps, batch)
 
 
 def tool_token_logprob(path, rows) -> float:

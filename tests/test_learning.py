@@ -13,10 +13,9 @@ import json
 import random
 
 import pytest
-import torch
 
 import simple_rl as rl
-from helpers import cpu_argv, make_checkpoint, metrics_rows, run_cpu
+from helpers import cpu_argv, make_checkpoint, metrics_rows, run_cpu, supervised_warm_start
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -34,30 +33,16 @@ def write_copy_task(path, n: int, seed: int = 0) -> list[dict]:
 def warm_start(src, out, rows: list[dict], steps: int = 150, copy_fraction: float = 0.3):
     """Supervised steps on "Q: <question>\nA: copy <its digit>" (30%) or "... guess <a random
     digit>" (70%): the warm start can copy, but mostly guesses."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(src)
-    model = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rng = random.Random(1)
-    for _ in range(steps):
-        batch = rng.sample(rows, 32)
-        prompts = tok([f"Q: {r['question']}\nA:" for r in batch])["input_ids"]
+    def batch(tok, rng):
+        chosen = rng.sample(rows, 32)
+        prompts = tok([f"Q: {r['question']}\nA:" for r in chosen])["input_ids"]
         texts = [f" copy {r['answer']}" if rng.random() < copy_fraction else
-                 f" guess {rng.randrange(10)}" for r in batch]
-        answers = tok(texts)["input_ids"]
-        seqs = [p + a + [tok.eos_token_id] for p, a in zip(prompts, answers)]
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.eos_token_id] * (width - len(s)) for s in seqs])
-        labels = torch.tensor([[-100] * len(p) + a + [tok.eos_token_id] + [-100] * (width - len(s))
-                               for p, a, s in zip(prompts, answers, seqs)])
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+                 f" guess {rng.randrange(10)}" for r in chosen]
+        answers = [a + [tok.eos_token_id] for a in tok(texts)["input_ids"]]
+        return ([p + a for p, a in zip(prompts, answers)],
+                [[-100] * len(p) + a for p, a in zip(prompts, answers)])
+
+    return supervised_warm_start(src, out, steps, batch)
 
 
 @pytest.fixture(scope="module")
