@@ -1546,15 +1546,17 @@ def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Te
     return torch.tensor(out, dtype=torch.float32)
 
 
-def finite_advantages(rewards: torch.Tensor, cfg: Config, text: Callable[[int], str]) -> None:
-    """RewardError on the first sample whose group's advantages are not finite: rewards so
-    large that the group's mean or std overflows fp32. text(i): sample i's completion, read
-    only for the message."""
+def finite_advantages(rewards: torch.Tensor, cfg: Config,
+                      text: Callable[[int], str]) -> torch.Tensor:
+    """group_advantages of the rewards (B*G,); RewardError on the first sample whose group's
+    advantages are not finite (rewards so large that its mean or std overflows fp32).
+    text(i): sample i's completion, read only for the message."""
     adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize, cfg.adv_eps)  # (B*G,)
     bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
     if bad:
         raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
                           "advantages are not finite", bad[0], text(bad[0]))
+    return adv
 
 
 @contextlib.contextmanager
@@ -2189,7 +2191,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     def where(s: int) -> str:
         return f"sample {s % G} of training problem {chosen[mine[s // G]]}"
 
-    def episodes() -> Rollout:
+    def episodes() -> tuple[Rollout, torch.Tensor, torch.Tensor]:
         envs, prompts = new_episodes(trainer, problems, [trainer.task.prompt_ids[chosen[i]]
                                                          for i in mine], G, where)
         first = trainer.engine.rollout(prompts, mine, step)
@@ -2198,25 +2200,24 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         play(trainer.engine, trainer.tokenizer, cfg, played,
              lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn), cfg.temperature,
              where)
-        rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
-        try:  # rewards so large that a group's advantages overflow fp32
-            finite_advantages(rewards, cfg, lambda i: decode(trainer.tokenizer,
-                                                             [played[i].turns[-1].out.ids])[0])
+        # 2. Advantages from each episode's reward: a prompt's G episodes are all on this rank.
+        # Here, so that rewards whose group's advantages overflow fp32 stop every rank.
+        rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)  # (B*G,)
+        try:
+            adv = finite_advantages(rewards, cfg, lambda i: decode(
+                trainer.tokenizer, [played[i].turns[-1].out.ids])[0])
         except RewardError as e:
             e.where = where(e.sample)
             raise
-        return episodes_rollout(played, first.routed is not None)
+        return episodes_rollout(played, first.routed is not None), rewards, adv
 
     t0 = time.perf_counter()
-    rollout = on_every_rank(trainer, episodes)
+    rollout, rewards, adv = on_every_rank(trainer, episodes)
+    adv = adv.to(device)
     in_use = [device_in_use(device)]  # the engine's peak: weights and a full KV cache
     t_sleep = time.perf_counter()
     trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
     t1 = time.perf_counter()
-
-    # 2. Advantages from each episode's reward: a prompt's G episodes are all on this rank.
-    rewards = torch.tensor([e.reward for e in rollout.episodes], dtype=torch.float32)  # (B*G,)
-    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps).to(device)
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
     sums, grad_norm, n_tokens, parity = update_with_parity(trainer, rollout, adv, step, mine)
