@@ -2951,13 +2951,16 @@ def absolute_paths(cfg: Config) -> Config:
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().absolute()) if path else path
 
-    reward = cfg.reward
-    if ":" in reward:
-        file, name = reward.rsplit(":", 1)
-        reward = f"{absolute(file)}:{name}"
+    def absolute_spec(spec: str) -> str:  # FILE.py:NAME (--reward, --env; not --env calc)
+        if ":" not in spec:
+            return spec
+        file, name = spec.rsplit(":", 1)
+        return f"{absolute(file)}:{name}"
+
     return dataclasses.replace(
         cfg, log_dir=absolute(cfg.log_dir), output_dir=absolute(cfg.output_dir),
-        data_files=absolute(cfg.data_files), reward=reward,
+        data_files=absolute(cfg.data_files), reward=absolute_spec(cfg.reward),
+        env=absolute_spec(cfg.env),
         resume=cfg.resume if cfg.resume == "latest" else absolute(cfg.resume),
         model=absolute(cfg.model) if looks_like_path(cfg.model) else cfg.model)
 

@@ -400,6 +400,10 @@ def test_7_a_reward_that_changes_directory_does_not_move_the_run(ckpt, tmp_path,
                          "run_config.json").read_text())
     assert config["reward"] == f"{tmp_path / 'work' / 'r.py'}:f"
     assert config["log_dir"] == str(tmp_path / "work" / "runs")
+    monkeypatch.chdir(tmp_path / "work")  # the reward left the process in away/
+    cfg, _ = rl.parse_config(["--env", "e.py:E"])  # an env file too; the calculator is no file
+    assert cfg.env == f"{tmp_path / 'work' / 'e.py'}:E"
+    assert rl.parse_config(["--env", "calc"])[0].env == "calc"
 
 
 OPENED: list = []  # while not empty: every path opened since
