@@ -4656,14 +4656,13 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     calls = llm.apply_model(lambda m: stack.enter_context(recording(m, theirs_by_module)))[0]
     starts, cached = [], []  # per turn: forward calls recorded before it; its cache hits
 
-    def turn_hook(_module, _args, outs):
-        cached.append(outs[0].num_cached_tokens or 0)
-
-    def counted(*args, **kwargs):
+    def counted(*args, **kwargs):  # llm.generate, noting each turn's calls and cache hits
         starts.append(max(map(len, calls.values()), default=0))
-        return generate(*args, **kwargs)
-    generate = recorded_call(llm.generate, turn_hook)
-    llm.generate = counted
+        outs = generate(*args, **kwargs)
+        cached.append(outs[0].num_cached_tokens or 0)
+        return outs
+
+    generate, llm.generate = llm.generate, counted
     try:
         episode = play_one()
     finally:
