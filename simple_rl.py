@@ -2217,6 +2217,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     in_use = [device_in_use(device)]  # the engine's peak: weights and a full KV cache
     t_sleep = time.perf_counter()
     trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the peaks below are this update's
     t1 = time.perf_counter()
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
@@ -2609,12 +2611,17 @@ def device_in_use(device: torch.device) -> int:
 
 
 def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
-    """GiB per GPU, the largest over ranks: in use after the rollout and after the update, and
-    the PyTorch allocator's peak (trainer tensors; vLLM's sleep-mode pool is not in it)."""
-    peak = torch.cuda.max_memory_allocated(device)
-    gib = all_reduce(torch.tensor([*in_use, peak], dtype=torch.float64, device=device),
+    """GiB per GPU, the largest over ranks: in use after the rollout (the engine awake beside
+    the blocks the trainer's allocator keeps cached) and after the update, and the update's
+    PyTorch peaks, allocated (the trainer's tensors) and reserved (with the allocator's
+    fragmentation; what it held at the peak may be released before the update ends)."""
+    peaks = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
+    gib = all_reduce(torch.tensor([*in_use, *peaks], dtype=torch.float64, device=device),
                      dist.ReduceOp.MAX) / 2**30
-    return {"memory/in_use_gib": gib[:-1].max().item(), "memory/peak_allocated_gib": gib[-1].item()}
+    rollout, update, allocated, reserved = gib.tolist()
+    return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
+            "memory/update_gib": update, "memory/peak_allocated_gib": allocated,
+            "memory/peak_reserved_gib": reserved}
 
 
 def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -2660,8 +2667,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         if not gpu_first:
             prepare_environment(cfg)
         engine_factory = VLLMEngine
-    cfg = with_micro_batch(cfg, files.args, ranks)  # the run's config keeps the choice
-    memory = check_memory(cfg, files.args, ranks) if device_type == "cuda" else ""
+    prompts = prompt_range(task)
+    cfg = with_micro_batch(cfg, files.args, ranks, prompts)  # the run's config keeps the choice
+    memory = check_memory(cfg, files.args, ranks, prompts) if device_type == "cuda" else ""
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
     print0(f"reading the weights of {files.path} (each checked finite)")
     on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
@@ -4226,22 +4234,55 @@ def count_params(args) -> int:
     return args.vocab_size * args.dim + head + blocks + args.dim
 
 
-# Measured on H200s, the device memory in use peaks at up to 1.25x the terms below plus 4 GiB
-# (the caching allocator's slack, CUDA context, NCCL buffers, CUDA graph pools). Estimated vs
-# measured GiB (README): 1.7B on one GPU, 70 vs 67 at 8192 tokens a micro-batch and 127 vs 108
-# at 24576; 4B on one, 137 vs 115 at 8192; 8B on two, 125 vs 132 at 4096.
+def expert_params(args) -> int:
+    """The routed experts' parameters: 3 dim I per expert (w13, w2), E per sparse layer."""
+    n_sparse = len(sparse_layers(args))
+    return n_sparse * args.moe_args.num_experts * 3 * args.dim * args.moe_inter_dim if n_sparse \
+        else 0
+
+
+def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int, int]:
+    """(tokens, generated tokens) in one micro-batch at most, for prompts of prompts[0] to
+    prompts[1] tokens. With g the model's tokens an episode may hold (every turn's):
+        T <= min(micro-batch, samples per rank x longest sample),
+        N <= min(T, samples per rank x g, T g / (P_min + g)),
+    the last as each sample's generated share g_b / (P_b + g_b) is at most g / (P_min + g).
+    Only the N rows go through the head (`Qwen3.forward`), whose logits are the largest tensor."""
+    shortest, longest = prompts
+    g = min(cfg.max_new_tokens * (cfg.max_turns if cfg.env else 1), cfg.max_model_len - shortest)
+    sample = cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)  # tool tokens
+    samples = samples_per_rank(cfg, world)
+    rows = min(cfg.micro_batch_tokens, samples * sample)
+    return rows, min(rows, samples * g, -(-rows * g // (shortest + g)))
+
+
+def prompt_range(task: Task) -> tuple[int, int]:
+    """(shortest, longest) training prompt in tokens."""
+    lengths = [len(p) for p in task.prompt_ids]
+    return min(lengths), max(lengths)
+
+
+# Measured on one H200 (results/h200_memory/): PyTorch's peak allocation during the update is
+# 1.16x (1.7B, 24576 tokens a micro-batch) to 1.62x (4B, 8192) what the terms below count for
+# a dense model's activations, and the GPU's use adds the CUDA context and the allocator's
+# fragmentation: so every term gets the slack, but the experts' fp32 masters, gradients, AdamW
+# state and bf16 casts, a few large tensors made once, which Qwen3-30B-A3B's layers fill
+# exactly (estimated 79.7 GiB against 70.0 in use; 101.4 with the slack on them).
 MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
+ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 
 
-def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
+def memory_estimate(cfg: Config, args, world: int,
+                    prompts: tuple[int, int] = ANY_PROMPT) -> dict[str, float]:
     """Peak bytes per GPU, by holder, and the peak as measured peaks relate to their sum.
 
     trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks;
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
     blocks at a time and the root (embeddings, head) whole, with its bf16 and fp32 gradients;
     activations: what the backward keeps per token and layer, plus the head's bf16 logits and
-    their gradient or one sparse layer's backward, whichever is larger (the head's are freed
-    first); engine: bf16 weights + KV cache, released while the trainer runs when it sleeps.
+    their gradient on the generated rows or one sparse layer's backward, whichever is larger
+    (the head's are freed first); engine: bf16 weights + KV cache, released while the trainer
+    runs when it sleeps. `trained_rows` bounds the rows from the prompts' lengths.
     """
     n = count_params(args)
     q = args.n_heads * args.head_dim
@@ -4249,7 +4290,7 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
     per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
     n_sparse = len(sparse_layers(args))
     moe_transient = 0
-    rows = cfg.micro_batch_tokens
+    rows, generated = trained_rows(cfg, world, prompts)
     if n_sparse:  # a sparse layer keeps its input and fp32 routing; the experts' inner
         m = args.moe_args  # activations are recomputed by the backward, k slots per token
         sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv) + 4 * m.num_experts + 8 * m.top_k
@@ -4266,18 +4307,25 @@ def memory_estimate(cfg: Config, args, world: int) -> dict[str, float]:
         "bf16 weights": 2 * n if world == 1 else gathered,
         # the head's logits and their gradient are freed before a sparse layer's backward
         "activations": rows * args.n_layers * per_token_layer
-        + max(rows * args.vocab_size * 4, moe_transient) + bib.LOGPROB_ROWS * args.vocab_size * 4,
+        + max(generated * args.vocab_size * 4, moe_transient)
+        + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
     if cfg.kl_coef > 0:
         est["reference model"] = 4 * n / world
     train_phase = sum(v for k, v in est.items() if k != "engine" or not cfg.engine_sleep)
     rollout_phase = 12 * n / world + est["engine"] + est.get("reference model", 0)
-    est["peak"] = MEMORY_SLACK * max(train_phase, rollout_phase) + MEMORY_FIXED
+    e = expert_params(args)  # their bytes in each phase get no slack (see MEMORY_SLACK)
+    train_exact = e * (16 / world + (2 if world == 1 else 0))  # + the bf16 casts on one GPU
+    rollout_exact = e * (12 / world + 2)  # masters and AdamW state + the engine's bf16 copy
+    est["peak"] = max(MEMORY_SLACK * (train_phase - train_exact) + train_exact,
+                      MEMORY_SLACK * (rollout_phase - rollout_exact) + rollout_exact) \
+        + MEMORY_FIXED
     return est
 
 
-def auto_micro_batch(cfg: Config, args, world: int, total: float) -> int:
+def auto_micro_batch(cfg: Config, args, world: int, total: float,
+                     prompts: tuple[int, int] = ANY_PROMPT) -> int:
     """--micro-batch-tokens 0: the largest multiple of 4096 tokens, up to 32768, that holds one
     full sequence, is no larger than a step's tokens need, and whose memory estimate fits
     `total` bytes per GPU; else the smallest (check_memory then names what would fit).
@@ -4289,31 +4337,32 @@ def auto_micro_batch(cfg: Config, args, world: int, total: float) -> int:
     need_at_most = samples_per_rank(cfg, world) * cfg.max_model_len
     sizes = [m for m in sizes if m < need_at_most + 4096] or sizes[:1]
     fits = [m for m in sizes if memory_estimate(dataclasses.replace(cfg, micro_batch_tokens=m),
-                                                args, world)["peak"] <= total]
+                                                args, world, prompts)["peak"] <= total]
     return fits[-1] if fits else sizes[0]
 
 
-def with_micro_batch(cfg: Config, args, ranks: Ranks) -> Config:
+def with_micro_batch(cfg: Config, args, ranks: Ranks,
+                     prompts: tuple[int, int] = ANY_PROMPT) -> Config:
     """cfg with --micro-batch-tokens 0 resolved by `auto_micro_batch`, the same on every rank
     (on CPU memory sets no bound)."""
     if cfg.micro_batch_tokens:
         return cfg
     cuda = ranks.device.type == "cuda"
     total = torch.cuda.get_device_properties(ranks.device).total_memory if cuda else math.inf
-    mbt = on_rank0(lambda: auto_micro_batch(cfg, args, ranks.world, total))
+    mbt = on_rank0(lambda: auto_micro_batch(cfg, args, ranks.world, total, prompts))
     return dataclasses.replace(cfg, micro_batch_tokens=mbt)
 
 
-def check_memory(cfg: Config, args, ranks: Ranks) -> str:
+def check_memory(cfg: Config, args, ranks: Ranks, prompts: tuple[int, int] = ANY_PROMPT) -> str:
     """Stop before anything slow when the estimate cannot fit this GPU, naming what would;
     else say how much of the GPU the run should fill (for the banner)."""
     total = torch.cuda.get_device_properties(ranks.device).total_memory
-    est = memory_estimate(cfg, args, ranks.world)
+    est = memory_estimate(cfg, args, ranks.world, prompts)
     if est["peak"] <= total:
         return f"~{est['peak'] / 2**30:.0f} of {total / 2**30:.0f} GiB per GPU"
 
     def peak(world=ranks.world, **change):
-        return memory_estimate(dataclasses.replace(cfg, **change), args, world)["peak"]
+        return memory_estimate(dataclasses.replace(cfg, **change), args, world, prompts)["peak"]
 
     options = []
     smaller = [m for m in (cfg.micro_batch_tokens // 2**k for k in range(1, 6))
@@ -4510,7 +4559,8 @@ def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
 
 
 def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
-    est = memory_estimate(trainer.cfg, trainer.model.args, trainer.ranks.world)["peak"] / 2**30
+    est = memory_estimate(trainer.cfg, trainer.model.args, trainer.ranks.world,
+                          prompt_range(trainer.task))["peak"] / 2**30
     return RunStopped(f"out of GPU memory at step {step} (estimate {est:.0f} GiB per GPU); "
                       "add GPUs with torchrun --nproc-per-node N or lower --micro-batch-tokens. "
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)

@@ -340,7 +340,8 @@ def measure(
         total = float("inf") if cpu else cuda.get_device_properties(ranks.device).total_memory
         mbt = user_micro_batch(cfg, files.args, total)
         cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=mbt)
-    cfg = rl.with_micro_batch(cfg, files.args, ranks)  # 0: what simple_rl picks on this GPU
+    lengths = (prompt_len, prompt_len)  # every prompt is prompt_len tokens
+    cfg = rl.with_micro_batch(cfg, files.args, ranks, lengths)  # 0: what simple_rl picks here
     if design == "b" and not micro_batch_tokens:
         cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=plain_micro_batch(cfg))
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
@@ -398,7 +399,7 @@ def measure(
     out = summarize(rows, design, ranks.world, hf_trainer.attn if hf_trainer else "fa3-varlen")
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
     estimate = (user_peak(cfg, files.args, cfg.micro_batch_tokens) if design == "d"
-                else rl.memory_estimate(cfg, files.args, ranks.world)["peak"])
+                else rl.memory_estimate(cfg, files.args, ranks.world, lengths)["peak"])
     out["estimate_gib"] = estimate / 2**30  # what the design's memory rule expects
     if rl.sparse_layers(files.args):
         out["experts"] = experts
@@ -509,9 +510,11 @@ def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
     rollout_s, train_s, push_s = (metrics[f"time/{k}_s"] for k in ("rollout", "train", "push"))
     local = torch.tensor([rollout_s, train_s - spent["s"], spent["s"], push_s,
                           metrics["time/step_s"], metrics["time/engine_sleep_s"]], device=dev)
-    return step_row(step, warmup, local, lens, sum(map(len, ro.completions)), parity, args,
-                    trainer.ranks, trainer.cfg.num_prompts * trainer.cfg.group_size,
-                    metrics.get("memory/in_use_gib", 0.0))
+    row = step_row(step, warmup, local, lens, sum(map(len, ro.completions)), parity, args,
+                   trainer.ranks, trainer.cfg.num_prompts * trainer.cfg.group_size,
+                   metrics.get("memory/in_use_gib", 0.0))
+    row.update({k: v for k, v in metrics.items() if k.startswith("memory/")})  # by phase
+    return row
 
 
 def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict:

@@ -489,7 +489,7 @@ def test_harness_runs_the_moe_row_on_cpu(tmp_path):
         assert r["flops"] == bench_rl.flops_per_step(args, [10] * 4, r["generated_tokens"])
     cfg = rl.Config(model=str(ckpt), num_prompts=2, group_size=2, max_new_tokens=4,
                     max_model_len=11, micro_batch_tokens=64, dtype="float32")
-    assert a["estimate_gib"] == rl.memory_estimate(cfg, args, 1)["peak"] / 2**30
+    assert a["estimate_gib"] == rl.memory_estimate(cfg, args, 1, (6, 6))["peak"] / 2**30
     assert d["estimate_gib"] == bench_rl.user_peak(cfg, args, 64) / 2**30
     user = bench_rl.HFTrainer(ckpt, cfg, torch.device("cpu")).model
     assert type(user).__name__ == "Qwen3MoeForCausalLM" and not user.config.output_router_logits

@@ -75,7 +75,7 @@ def check_moe_run(out: str, rows: list[dict], steps: int = 5) -> None:
                           "rollout_s": round(r["time/rollout_s"], 2),
                           "train_s": round(r["time/train_s"], 2),
                           "push_s": round(r["time/push_s"], 2),
-                          "memory_gib": r.get("memory/in_use_gib")}), flush=True)
+                          **{k: r[k] for k in r if k.startswith("memory/")}}), flush=True)
     for r in rows:
         assert r["determinism/tokens"] > 1000, r
         assert r["determinism/mismatched_tokens"] == 0 and r["determinism/max_abs_diff"] == 0, r
@@ -94,9 +94,18 @@ def a3b(tmp_path_factory):
     return make(tmp_path_factory.mktemp("a3b") / "ckpt", "qwen3-30b-a3b-4l")
 
 
+def check_memory_estimate(out: str, rows: list[dict]) -> None:
+    """The banner's memory estimate within 15% of the most the GPU had in use (measured on one
+    H200: 76 against 69.3 GiB; results/h200_memory/)."""
+    estimate = float(re.search(r"~(\d+) of \d+ GiB per GPU", out).group(1))
+    used = max(r["memory/in_use_gib"] for r in rows)
+    assert 0.85 * used <= estimate <= 1.15 * used, (estimate, used)
+
+
 def test_qwen3_30b_a3b_layers_every_token_and_route_equal(a3b, tmp_path):
     out, rows = simple_rl(tmp_path, a3b, "a3b")
     check_moe_run(out, rows)
+    check_memory_estimate(out, rows)
 
 
 def test_qwen3_30b_a3b_layers_on_two_gpus(a3b, tmp_path):
@@ -104,6 +113,7 @@ def test_qwen3_30b_a3b_layers_on_two_gpus(a3b, tmp_path):
     out, rows = simple_rl(tmp_path, a3b, "a3b2", nproc=2)
     assert "2 rank(s)" in out
     check_moe_run(out, rows)
+    check_memory_estimate(out, rows)
 
 
 def test_mixed_dense_and_moe_layers(tmp_path_factory):
