@@ -2214,21 +2214,22 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t0 = time.perf_counter()
     rollout, rewards, adv = on_every_rank(trainer, episodes)
     adv = adv.to(device)
-    in_use = [device_in_use(device)]  # the engine's peak: weights and a full KV cache
+    cuda = device.type == "cuda"
+    rollout_in_use = device_in_use(device)  # the engine's peak: weights and a full KV cache
     t_sleep = time.perf_counter()
     trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # the peaks below are this update's
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)  # memory_metrics reads the update's peaks
     t1 = time.perf_counter()
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
     sums, grad_norm, n_tokens, parity = update_with_parity(trainer, rollout, adv, step, mine)
-    in_use.append(device_in_use(device))  # the trainer's peak: the allocator keeps what it took
+    memory = memory_metrics(device, rollout_in_use) if cuda else {}
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
     trainer.engine.push(hf_weights(trainer.model))
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
     t3 = time.perf_counter()
 
@@ -2240,8 +2241,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
     named = dict(trainer.model.named_parameters())
     metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
-    if device.type == "cuda":
-        metrics.update(memory_metrics(device, in_use))
+    metrics.update(memory)
     write_scalars(trainer.writer, metrics, step)
     return metrics, parity
 
@@ -2610,14 +2610,18 @@ def device_in_use(device: torch.device) -> int:
     return total - free
 
 
-def memory_metrics(device: torch.device, in_use: list[int]) -> dict[str, float]:
-    """GiB per GPU, the largest over ranks: in use after the rollout (the engine awake beside
-    the blocks the trainer's allocator keeps cached) and after the update, and the update's
-    PyTorch peaks, allocated (the trainer's tensors) and reserved (with the allocator's
-    fragmentation; what it held at the peak may be released before the update ends)."""
-    peaks = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
-    gib = all_reduce(torch.tensor([*in_use, *peaks], dtype=torch.float64, device=device),
-                     dist.ReduceOp.MAX) / 2**30
+def memory_metrics(device: torch.device, rollout_in_use: int) -> dict[str, float]:
+    """GiB per GPU, the largest over ranks, read right after the update: the GPU in use after
+    the rollout (the engine awake beside the blocks the trainer's allocator keeps cached, which
+    a push frees if the engine needs them) and at the update's peak: in use now plus what
+    PyTorch's allocator has released since its reserved peak. Also PyTorch's peaks in the
+    update, allocated and reserved; both count the sleeping engine's weights and KV cache too
+    (vLLM's sleep mode takes them from a PyTorch memory pool and unmaps them while asleep)."""
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    update = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
+    gib = all_reduce(torch.tensor([rollout_in_use, update, allocated, reserved],
+                                  dtype=torch.float64, device=device), dist.ReduceOp.MAX) / 2**30
     rollout, update, allocated, reserved = gib.tolist()
     return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
             "memory/update_gib": update, "memory/peak_allocated_gib": allocated,
@@ -2667,7 +2671,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         if not gpu_first:
             prepare_environment(cfg)
         engine_factory = VLLMEngine
-    prompts = prompt_range(task)
+    prompts = prompt_range(task, cfg)
     cfg = with_micro_batch(cfg, files.args, ranks, prompts)  # the run's config keeps the choice
     memory = check_memory(cfg, files.args, ranks, prompts) if device_type == "cuda" else ""
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
@@ -4237,44 +4241,54 @@ def count_params(args) -> int:
 def expert_params(args) -> int:
     """The routed experts' parameters: 3 dim I per expert (w13, w2), E per sparse layer."""
     n_sparse = len(sparse_layers(args))
-    return n_sparse * args.moe_args.num_experts * 3 * args.dim * args.moe_inter_dim if n_sparse \
-        else 0
+    if not n_sparse:
+        return 0
+    return n_sparse * args.moe_args.num_experts * 3 * args.dim * args.moe_inter_dim
 
 
 def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int, int]:
-    """(tokens, generated tokens) in one micro-batch at most, for prompts of prompts[0] to
-    prompts[1] tokens. With g the model's tokens an episode may hold (every turn's):
+    """(tokens, generated tokens) in one micro-batch at most, for first prompts of prompts[0]
+    to prompts[1] tokens. With g the model's tokens an episode may hold (every turn's):
         T <= min(micro-batch, samples per rank x longest sample),
         N <= min(T, samples per rank x g, T g / (P_min + g)),
     the last as each sample's generated share g_b / (P_b + g_b) is at most g / (P_min + g).
     Only the N rows go through the head (`Qwen3.forward`), whose logits are the largest tensor."""
     shortest, longest = prompts
     g = min(cfg.max_new_tokens * (cfg.max_turns if cfg.env else 1), cfg.max_model_len - shortest)
-    sample = cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)  # tool tokens
+    # an episode's tool messages lengthen it (not its generated tokens) up to --max-model-len
+    sample = cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)
     samples = samples_per_rank(cfg, world)
     rows = min(cfg.micro_batch_tokens, samples * sample)
     return rows, min(rows, samples * g, -(-rows * g // (shortest + g)))
 
 
-def prompt_range(task: Task) -> tuple[int, int]:
-    """(shortest, longest) training prompt in tokens."""
+def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
+    """(shortest, longest) first prompt in tokens: the task's training prompts, unless the
+    user's env writes its own first message (`new_episodes`), of any length."""
+    if cfg.env not in ("", "calc"):
+        return ANY_PROMPT
     lengths = [len(p) for p in task.prompt_ids]
     return min(lengths), max(lengths)
 
 
-# Measured on one H200 (results/h200_memory/): PyTorch's peak allocation during the update is
-# 1.16x (1.7B, 24576 tokens a micro-batch) to 1.62x (4B, 8192) what the terms below count for
-# a dense model's activations, and the GPU's use adds the CUDA context and the allocator's
-# fragmentation: so every term gets the slack, but the experts' fp32 masters, gradients, AdamW
-# state and bf16 casts, a few large tensors made once, which Qwen3-30B-A3B's layers fill
-# exactly (estimated 79.7 GiB against 70.0 in use; 101.4 with the slack on them).
+# Measured on H200s (results/h200_memory/): the GPU's use peaks in the rollout, when the awake
+# engine sits beside the blocks the trainer's allocator keeps cached from its update: 1.16x the
+# terms below at 1.7B (24576 tokens a micro-batch), 1.08x at 4B (8192), 1.05x at Qwen3-30B-A3B's
+# 4 layers. The slack covers that cache and the allocator's fragmentation, which grow with the
+# activations; the experts' fp32 masters, gradients, AdamW state, bf16 casts and the engine's
+# bf16 copy, a few large tensors made once, get none (their 4 layers: 76 GiB estimated against
+# 69.3 in use; 101 with the slack on them). Dense 8B on two GPUs is the known low one: 124.5
+# against 132 in use.
 MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
 ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 
 
 def memory_estimate(cfg: Config, args, world: int,
                     prompts: tuple[int, int] = ANY_PROMPT) -> dict[str, float]:
-    """Peak bytes per GPU, by holder, and the peak as measured peaks relate to their sum.
+    """Peak bytes per GPU, by holder, and the peak:
+        max(s (train - x_train) + x_train, s (rollout - x_rollout) + x_rollout) + fixed,
+    train and rollout the sums of each phase's holders, x the experts' bytes in them (which
+    get no slack s: see MEMORY_SLACK).
 
     trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks;
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
@@ -4560,7 +4574,7 @@ def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
 
 def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
     est = memory_estimate(trainer.cfg, trainer.model.args, trainer.ranks.world,
-                          prompt_range(trainer.task))["peak"] / 2**30
+                          prompt_range(trainer.task, trainer.cfg))["peak"] / 2**30
     return RunStopped(f"out of GPU memory at step {step} (estimate {est:.0f} GiB per GPU); "
                       "add GPUs with torchrun --nproc-per-node N or lower --micro-batch-tokens. "
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)

@@ -208,6 +208,7 @@ def user_peak(cfg, args, tokens: int) -> float:
     activations simple_rl's estimate counts for that many tokens."""
     import simple_rl as rl
 
+    # any prompt lengths: (d)'s padded rows all go through its head
     est = rl.memory_estimate(rl.dataclasses.replace(cfg, micro_batch_tokens=tokens,
                                                     engine_sleep=False), args, 1)
     resident = est["engine"] + est["trainer state"] + est["bf16 weights"]

@@ -92,7 +92,8 @@ def run(args) -> list[dict]:
                         max_new_tokens=args.new_tokens, max_model_len=max(lens),
                         micro_batch_tokens=mbt)
         rl.validate(cfg)  # a size below one sequence: a clear error
-        cfg = rl.with_micro_batch(cfg, hf_args, ranks)  # 0: what simple_rl picks on this GPU
+        lengths = (args.prompt_len, args.prompt_len)
+        cfg = rl.with_micro_batch(cfg, hf_args, ranks, lengths)  # 0: what simple_rl picks here
         mbt = cfg.micro_batch_tokens
         optimizer = rl.make_optimizer(model, cfg)
         old = torch.zeros(len(packed.targets), device=dev)

@@ -117,7 +117,7 @@ def setup(args):
     )
     rl.validate(cfg)
     files = rl.load_model_files(cfg)
-    cfg = rl.with_micro_batch(cfg, files.args, ranks)  # 0: what simple_rl picks
+    cfg = rl.with_micro_batch(cfg, files.args, ranks, (1, args.max_prompt))  # prompts_for's
     t0 = time.perf_counter()
     engine = rl.VLLMEngine(cfg, files, ranks)
     engine_s = time.perf_counter() - t0

@@ -95,11 +95,13 @@ def a3b(tmp_path_factory):
 
 
 def check_memory_estimate(out: str, rows: list[dict]) -> None:
-    """The banner's memory estimate within 15% of the most the GPU had in use (measured on one
-    H200: 76 against 69.3 GiB; results/h200_memory/)."""
+    """The banner's memory estimate covers the update's peak on the GPU and is within 15% of
+    the step's peak, after the rollout (measured on one H200: 63.0, 76 and 69.3 GiB;
+    results/h200_memory/)."""
     estimate = float(re.search(r"~(\d+) of \d+ GiB per GPU", out).group(1))
+    update = max(r["memory/update_gib"] for r in rows)
     used = max(r["memory/in_use_gib"] for r in rows)
-    assert 0.85 * used <= estimate <= 1.15 * used, (estimate, used)
+    assert update <= estimate <= 1.15 * used, (update, estimate, used)
 
 
 def test_qwen3_30b_a3b_layers_every_token_and_route_equal(a3b, tmp_path):
