@@ -2619,8 +2619,8 @@ def memory_metrics(device: torch.device, rollout_in_use: int) -> dict[str, float
     (vLLM's sleep mode takes them from a PyTorch memory pool and unmaps them while asleep)."""
     allocated = torch.cuda.max_memory_allocated(device)
     reserved = torch.cuda.max_memory_reserved(device)
-    update = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
-    gib = all_reduce(torch.tensor([rollout_in_use, update, allocated, reserved],
+    update_peak = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
+    gib = all_reduce(torch.tensor([rollout_in_use, update_peak, allocated, reserved],
                                   dtype=torch.float64, device=device), dist.ReduceOp.MAX) / 2**30
     rollout, update, allocated, reserved = gib.tolist()
     return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
@@ -4219,6 +4219,14 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 # ==========================================================================
 
 
+def expert_params(args) -> int:
+    """The routed experts' parameters: 3 dim I per expert (w13, w2), E per sparse layer."""
+    n_sparse = len(sparse_layers(args))
+    if not n_sparse:
+        return 0
+    return n_sparse * args.moe_args.num_experts * 3 * args.dim * args.moe_inter_dim
+
+
 def count_params(args) -> int:
     """Parameters of a Qwen3 (the tied head counted once); for Qwen3-MoE every expert counts
     (each has an fp32 master, AdamW state and a bf16 copy in the engine):
@@ -4228,22 +4236,11 @@ def count_params(args) -> int:
     block = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.hidden_dim \
         + 2 * args.dim + 2 * args.head_dim
     n_sparse = len(sparse_layers(args))
-    if n_sparse:
-        sparse = args.moe_args.num_experts * args.dim * (1 + 3 * args.moe_inter_dim)
-        block_mlp = 3 * args.dim * args.hidden_dim
-        blocks = args.n_layers * block + n_sparse * (sparse - block_mlp)
-    else:
-        blocks = args.n_layers * block
+    blocks = args.n_layers * block + expert_params(args)
+    if n_sparse:  # in a sparse layer the router (E x dim) and the experts replace the dense MLP
+        blocks += n_sparse * (args.moe_args.num_experts * args.dim - 3 * args.dim * args.hidden_dim)
     head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
     return args.vocab_size * args.dim + head + blocks + args.dim
-
-
-def expert_params(args) -> int:
-    """The routed experts' parameters: 3 dim I per expert (w13, w2), E per sparse layer."""
-    n_sparse = len(sparse_layers(args))
-    if not n_sparse:
-        return 0
-    return n_sparse * args.moe_args.num_experts * 3 * args.dim * args.moe_inter_dim
 
 
 def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int, int]:
