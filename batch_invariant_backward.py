@@ -869,6 +869,16 @@ def ref_moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
     return _wide(y.view(T, k, -1)).sum(dim=1).to(dt)
 
 
+def slots_by_expert(ids: Tensor, weights: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The T k (token, slot) pairs sorted by expert, token order within: the flat slot index of
+    each (S,), expert e's run [bounds[e], bounds[e+1]) (E+1,) on the device, and each sorted
+    slot's routing weight, widened (S,)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    bounds = torch.searchsorted(flat[order].long(), torch.arange(E + 1, device=ids.device))
+    return order, bounds, _wide(weights).reshape(-1)[order]
+
+
 def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
                          gy: Tensor, w13_dtype: torch.dtype, w2_dtype: torch.dtype):
     """Gradients of out_t = sum_j w_tj W2[e] silu_and_mul(h_tj), h_tj = W13[e] x_t, e = ids[t, j].
@@ -890,11 +900,9 @@ def moe_experts_backward(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, id
     T, k = ids.shape
     E, D = w13.shape[0], x.shape[1]
     wide = _wide(x).dtype  # fp32 for bf16 compute, fp64 in the fp64 tests
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (T k,) slots grouped by expert
-    bounds = torch.searchsorted(flat[order].long(),
-                                torch.arange(E + 1, device=x.device)).tolist()
-    ws = _wide(weights).reshape(-1)[order, None]  # (T k, 1), sorted slot order
+    order, bounds, ws = slots_by_expert(ids, weights, E)
+    bounds = bounds.tolist()
+    ws = ws[:, None]  # (T k, 1), sorted slot order
     dx_slots = torch.empty(T * k, D, dtype=x.dtype, device=x.device)  # slot order
     dw_slots = torch.empty(T * k, dtype=wide, device=x.device)
     dw13 = torch.zeros(w13.shape, dtype=w13_dtype, device=x.device)
@@ -1057,14 +1065,10 @@ def moe_experts_backward_grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Te
     """
     T, k = ids.shape
     S = T * k
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (S,) slots grouped by expert, token order within
-    E = w13.shape[0]
-    bounds = torch.searchsorted(flat[order].long(), torch.arange(E + 1, device=x.device))
+    order, bounds, ws = slots_by_expert(ids, weights, w13.shape[0])
     tiles = expert_tiles(bounds, S, GROUPED_BLOCK["BM"])
     bounds = tiles[2]
     tok = (order // k).int()  # (S,) each sorted slot's token
-    ws = _wide(weights).reshape(-1)[order]  # (S,)
     wide = ws.dtype
     h = grouped_rows_mm(x, w13.transpose(1, 2), tiles, x.dtype, a_rows=tok)  # (S, 2I)
     a = ref_silu_and_mul(h)  # (S, I): the forward's values, rounded where it rounds

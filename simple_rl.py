@@ -368,6 +368,11 @@ class GroupedExperts(nn.Module):
         self.ops = ops
         self.compute_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # weights_cast_once
 
+    def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in the compute dtype, outside autograd: what weights_cast_once holds."""
+        with torch.no_grad():
+            return self.w13.to(dtype), self.w2.to(dtype)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # casts the fp32 masters to x's dtype (unless given their casts); their gradient is fp32
         return self.ops.moe_experts(x, self.w13, self.w2, weights, ids,
@@ -497,7 +502,7 @@ def weights_cast_once(model: Qwen3):
         for m in layers:
             m.compute_weight = m.weight.to(model.dtype)
         for m in experts:
-            m.compute_weights = (m.w13.to(model.dtype), m.w2.to(model.dtype))
+            m.compute_weights = m.cast(model.dtype)
     try:
         yield
     finally:

@@ -304,6 +304,15 @@ def main_cpu(argv, engine=None) -> int:
     return rl.main(argv, engine or TorchEngine, "cpu")
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback (another process could take it before it is used)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_two_hosts(script: Path, args, env: dict, per_host_env=None,
                      timeout: float = 900) -> list[str]:
     """`script args` under the README's multi-host command, as two "hosts" of one process each
@@ -312,13 +321,10 @@ def launch_two_hosts(script: Path, args, env: dict, per_host_env=None,
     output; a launcher left running at the end is stopped with its workers."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:  # a free port (another process could take it before torchrun)
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     hosts = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(i), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",

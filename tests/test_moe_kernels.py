@@ -244,7 +244,7 @@ def test_expert_tiles_cover_each_experts_rows_once():
 GROUPED_CHECK = r"""
 import json, torch
 import batch_invariant_backward as bib
-from test_moe_kernels import moe_inputs, grads_of, REF
+from test_moe_kernels import moe_inputs, REF
 
 bib.GROUPED_BLOCK.update(BM=16, BN=16, BK=16)
 out = []

@@ -12,7 +12,6 @@ and ranks 0-1 as the vocab-parallel embedding (masked lookups all-reduced). On 2
 import itertools
 import json
 import os
-import socket
 from functools import partial
 
 import pytest
@@ -22,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import batch_invariant_backward as bib
+from helpers import free_port
 
 WORLD = 4
 SHAPES = [(37, 1536, 256), (5, 1200, 96)]  # (T, K, D): K not a power of two, K / 4 neither
@@ -91,12 +91,6 @@ def _ranks(rank: int, port: int, threads: int, out: str) -> None:
         torch.save(sums, out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
