@@ -29,6 +29,7 @@ Triton backwards).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -74,6 +75,10 @@ class Kernels:
     # computed in x's dtype (w13 rows: gate, then up); w13 and w2 get gradients in their dtypes;
     # casts=(w13, w2) already in x's dtype, if made once for many calls
     moe_experts: Callable
+    # (x (T, K), y (T, N), casts (A's, B''s), scale, *masters (A's, then B's)) -> y + LoRA(x),
+    # computed with the casts (see LoRAFn); a forward set's: (x, y, A's, B''s) -> u (S, T, r)
+    # fp32, adding to y in place
+    lora: Callable
 
 
 # ---------------------------------------------------------------------------
@@ -269,8 +274,76 @@ class LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:  # a frozen base (LoRA): no weight gradient, no GEMM
+            return gy @ w, None, None, None
         dx, dw = linear_backward(x, w, gy, ctx.w_dtype)
         return dx, dw, None, None
+
+
+# ---------------------------------------------------------------------------
+# LoRA (vLLM: `lora_shrink` then `lora_expand`, its punica Triton kernels, split-K off)
+# ---------------------------------------------------------------------------
+# A layer whose output is the concatenation of S slices (vLLM's packed qkv_proj: q, k, v;
+# gate_up_proj: gate, up; one slice elsewhere) has one A_s (r, K) and B_s (n_s, r) per slice.
+# The engine holds them as `lora_a_stacked[s]` (1, 1, r, K) and `lora_b_stacked[s]`
+# (1, 1, n_s, r) in the compute dtype, the scale folded into B (B' = scale * B), and computes
+#     u_s = x A_s^T                       (T, r) summed in fp32 (shrink)
+#     y_s <- y_s + rnd(rnd(u_s) B'_s^T)   (T, n_s) summed in fp32, rounded, added (expand)
+# with rnd the rounding to the compute dtype. The trainer calls the same two kernels on the
+# same tensors.
+
+
+def ref_lora(x: Tensor, y: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """The two kernels in PyTorch: y gets every slice's update in place; returns u (S, T, r)
+    fp32."""
+    u = torch.stack([x.float() @ a_s.flatten(0, -2).float().t() for a_s in a])  # (S, T, r)
+    start = 0
+    for u_s, b_s in zip(u, b):
+        b_s = b_s.flatten(0, -2)  # (n_s, r)
+        y[:, start:start + len(b_s)] += (u_s.to(x.dtype).float() @ b_s.float().t()).to(y.dtype)
+        start += len(b_s)
+    return u
+
+
+def lora_backward(x: Tensor, u: Tensor, a: Sequence[Tensor], b: Sequence[Tensor], gy: Tensor,
+                  scale: float) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """y_s = base_s + (u_s B'_s^T), u_s = x A_s^T, B'_s = scale B_s (roundings passed through)
+    =>  g_s = gy_s B'_s,  dA_s = g_s^T x,  dB_s = scale gy_s^T u_s,  dx = sum_s g_s A_s.
+
+    dA and dB in fp32 (the masters' dtype), from GEMMs on compute-dtype operands."""
+    dx = torch.zeros_like(x)
+    da, db = [], []
+    start = 0
+    for u_s, a_s, b_s in zip(u, a, b):
+        a_s, b_s = a_s.flatten(0, -2), b_s.flatten(0, -2)  # (r, K), (n_s, r)
+        g_out = gy[:, start:start + len(b_s)]  # (T, n_s)
+        start += len(b_s)
+        g = g_out @ b_s  # (T, r)
+        db.append(scale * _mm(g_out.t(), u_s.to(x.dtype), torch.float32))  # (n_s, r)
+        da.append(_mm(g.t(), x, torch.float32))  # (r, K)
+        dx += g @ a_s
+    return dx, da, db
+
+
+class LoRAFn(torch.autograd.Function):
+    """y + LoRA(x), in place on y (the base layer's output), computed with the compute-dtype
+    weights `casts` = (A's, B''s) by `fwd`; the gradients go to the fp32 masters (A's, B's)."""
+
+    @staticmethod
+    def forward(ctx, x, y, casts, scale, fwd, *masters):
+        a, b = casts
+        u = fwd(x, y, a, b)  # (S, T, r) fp32
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(x, u, *a, *b)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, u, *ab = ctx.saved_tensors
+        S = len(u)
+        dx, da, db = lora_backward(x, u, ab[:S], ab[S:], gy, ctx.scale)
+        return dx, gy, None, None, None, *da, *db
 
 
 # ---------------------------------------------------------------------------
@@ -1131,7 +1204,16 @@ def reference_kernels() -> Kernels:
         logprobs_entropy=ref_logprobs_entropy,
         moe_topk=ref_moe_topk,
         moe_experts=lambda x, w13, w2, w, ids, casts=None: ref_moe_experts(x, w13, w2, w, ids),
+        lora=ref_lora_autograd,
     )
+
+
+def ref_lora_autograd(x: Tensor, y: Tensor, casts, scale: float, *masters: Tensor) -> Tensor:
+    """y + [x A_s^T (scale B_s)^T]_s on the masters, with autograd (the reference kernels')."""
+    S = len(masters) // 2
+    parts = [(x @ a.to(x.dtype).t()) @ (scale * b).to(x.dtype).t()
+             for a, b in zip(masters[:S], masters[S:])]
+    return y + torch.cat(parts, dim=-1)
 
 
 def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernels:
@@ -1152,6 +1234,7 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
         moe_topk=lambda z, top_k, renorm: MoETopkFn.apply(z, top_k, renorm, fwd.moe_topk),
         moe_experts=lambda x, w13, w2, w, ids, casts=None: MoEExpertsFn.apply(
             x, w13, w2, w, ids, fwd.moe_experts, bwd["moe_experts"], casts),
+        lora=lambda x, y, casts, scale, *m: LoRAFn.apply(x, y, casts, scale, fwd.lora, *m),
     )
 
 
@@ -1160,7 +1243,8 @@ def reference_forwards() -> Kernels:
     the row statistics)."""
     ref = reference_kernels()
     return Kernels(**{**ref.__dict__, "name": "reference+custom-backward",
-                      "attention": ref_attention, "logprobs_entropy": ref_logprobs_entropy_stats})
+                      "attention": ref_attention, "logprobs_entropy": ref_logprobs_entropy_stats,
+                      "lora": ref_lora})
 
 
 # vLLM's CUDA fused_add_rms_norm, which its batch-invariant RMSNorm still calls when there is a
@@ -1244,6 +1328,32 @@ def vllm_moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def lora_meta(T: int, device: torch.device) -> tuple:
+    """The punica kernels' token metadata for T tokens that all use the adapter in slot 0 (the
+    one slot of an engine with max_loras = 1): the arguments vLLM's LoRAKernelMeta.meta_args
+    gives when every token of a batch has that adapter."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return (torch.zeros(T, **i32), torch.arange(T, **i32), torch.tensor([T], **i32),
+            torch.tensor([0, T], **i32), torch.tensor([0], **i32),
+            torch.tensor([False]), torch.tensor([1], dtype=torch.int32))
+
+
+def vllm_lora(x: Tensor, y: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """vLLM's LoRA linear update (`PunicaWrapperGPU.add_lora_linear`): lora_shrink into an fp32
+    buffer u (S, T, r) with scale 1, then lora_expand adding rnd(rnd(u) B'^T) to y in place.
+    a, b: the stacked (1, 1, rows, cols) tensors of slot 0. Returns u. CUDA only."""
+    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
+
+    x = x.contiguous()
+    T = x.shape[0]
+    u = torch.empty(len(a), T, a[0].shape[-2], dtype=torch.float32, device=x.device)
+    meta = lora_meta(T, x.device)
+    lora_shrink(x, list(a), u, *meta, 1.0)
+    lora_expand(u, list(b), y, *meta, offset_start=0, add_inputs=True)
+    return u
+
+
 def vllm_forwards() -> Kernels:
     """The kernels vLLM 0.26's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
     from vllm import _custom_ops as ops
@@ -1290,6 +1400,7 @@ def vllm_forwards() -> Kernels:
         logprobs_entropy=logprobs_entropy_triton,  # ours, with the bits of vLLM's log_softmax
         moe_topk=vllm_moe_topk,
         moe_experts=vllm_moe_experts,
+        lora=vllm_lora,
     )
 
 

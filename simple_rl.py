@@ -130,6 +130,17 @@ class Config:
                      ("bfloat16", "float32"))
     kernels: str = opt("model", "auto", "auto (= vllm), vllm (batch-invariant GPU kernels) or "
                        "reference (plain PyTorch, not bitwise)", ("auto", "vllm", "reference"))
+    # --- lora
+    lora_rank: int = opt("lora", 0, "LoRA rank r: train adapters on a frozen bf16 base that the "
+                         "engine shares (0: full fine-tuning). vLLM serves r in 1, 8, 16, 32, 64, "
+                         "128, 256, 320, 512. LoRA wants about 10x full fine-tuning's --lr")
+    lora_alpha: float = opt("lora", 32.0, "LoRA alpha: a layer adds (alpha / r) B A x")
+    lora_targets: str = opt("lora", "all", "comma-separated layers that get adapters: q_proj, "
+                            "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (all: every "
+                            "one; Qwen3-MoE: attention only)")
+    export: str = opt("lora", "adapter", "the final export of a LoRA run: adapter (PEFT: "
+                      "adapter_config.json + adapter_model.safetensors) or merged (a Hugging "
+                      "Face checkpoint with B A added)", ("adapter", "merged"))
     # --- rollout
     task: str = opt("rollout", "arithmetic", "arithmetic (embedded), gsm8k (hub or --data-files) "
                     "or jsonl (--data-files: your question/answer rows)",
@@ -243,10 +254,49 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops = ops
         self.compute_weight: torch.Tensor | None = None  # set by weights_cast_once
+        self.lora: LoRA | None = None  # set by add_lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # casts the master (unless given its cast); the gradient comes back in fp32
-        return self.ops.linear(x, self.weight, self.compute_weight)
+        y = self.ops.linear(x, self.weight, self.compute_weight)
+        return y if self.lora is None else self.lora(x, y)
+
+
+class LoRA(nn.Module):
+    """A linear layer's low-rank update as vLLM's LoRA layers add it: on each output slice s
+    (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output elsewhere)
+        y_s <- y_s + (x A_s^T) B'_s^T,   B'_s = (alpha / r) B_s,
+    A_s (r, K) and B_s (n_s, r) fp32 masters. The forward computes with `casts`: (A_s, B'_s)
+    in the compute dtype, shaped as vLLM's lora_a_stacked / lora_b_stacked (1, 1, rows, cols);
+    once bound (`bind_lora`) they are the engine's own tensors, so refreshing them pushes."""
+
+    def __init__(self, d_in: int, sizes: list[int], rank: int, scale: float, ops: bib.Kernels,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in)) for _ in sizes)
+        self.b = nn.ParameterList(nn.Parameter(torch.empty(n, rank)) for n in sizes)
+        self.scale = scale
+        self.ops = ops
+        self.dtype = dtype
+        self.casts: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+        self.enabled = True  # off: the base policy (the KL reference)
+
+    def refresh(self) -> None:
+        """casts <- (A, B') rounded to the compute dtype (every rank: FSDP gathers)."""
+        with torch.no_grad():
+            if self.casts is None:
+                self.casts = tuple(tuple(torch.empty(1, 1, *p.shape, dtype=self.dtype,
+                                                     device=p.device) for p in ps)
+                                   for ps in (self.a, self.b))
+            for cast, a in zip(self.casts[0], self.a):
+                cast.view(a.shape).copy_(full_tensor(a))
+            for cast, b in zip(self.casts[1], self.b):
+                cast.view(b.shape).copy_(self.scale * full_tensor(b))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return y
+        return self.ops.lora(x, y, self.casts, self.scale, *self.a, *self.b)  # (T, sum n_s)
 
 
 class RMSNorm(nn.Module):
@@ -498,6 +548,8 @@ def weights_cast_once(model: Qwen3):
     sharded = hasattr(model.norm.weight, "to_local")  # FSDP2's DTensor, as in local_tensor
     if sharded or model.dtype == torch.float32:
         layers, experts = [], []
+    for m in lora_modules(model):
+        m.refresh()  # the adapters' casts are never dropped: bound, they are the engine's
     with torch.no_grad():
         for m in layers:
             m.compute_weight = m.weight.to(model.dtype)
@@ -512,20 +564,158 @@ def weights_cast_once(model: Qwen3):
             m.compute_weights = None
 
 
+# LoRA: the trainer's fused layers that take adapters, with vLLM's (packed) LoRA layer and
+# PEFT's module name of each slice, in FUSED order.
+LORA_LAYERS = {"attention.wqkv": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+               "attention.wo": ("self_attn.o_proj", ("o_proj",)),
+               "feed_forward.w13": ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+               "feed_forward.w2": ("mlp.down_proj", ("down_proj",))}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # PEFT names
+
+
+def lora_spec(cfg: Config, args) -> LoRASpec | None:
+    """--lora-*: None for full fine-tuning. `all` is every target, attention only for MoE."""
+    if not cfg.lora_rank:
+        return None
+    every = LORA_TARGETS[:4] if sparse_layers(args) else LORA_TARGETS
+    targets = every if cfg.lora_targets == "all" else \
+        tuple(t.strip() for t in cfg.lora_targets.split(","))
+    return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
+
+
+def add_lora(model: Qwen3, lora: LoRASpec) -> None:
+    """An adapter on every fused layer that holds a target; its untargeted slices (k_proj of
+    q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0 and so stay 0."""
+    sizes = {"attention.wqkv": fused_sizes(model.args)["attention.wqkv.weight"],
+             "attention.wo": [model.args.dim], "feed_forward.w2": [model.args.dim],
+             "feed_forward.w13": [model.args.hidden_dim] * 2}
+    for block in model.layers:
+        for path, (_, names) in LORA_LAYERS.items():
+            if set(names) & set(lora.targets) and not (block.sparse and "feed" in path):
+                layer = block.get_submodule(path)
+                layer.lora = LoRA(layer.weight.shape[1], sizes[path], lora.rank,
+                                  lora.alpha / lora.rank, model.ops, model.dtype)
+                layer.lora.names = tuple(n if n in lora.targets else None for n in names)
+
+
+def lora_modules(model: nn.Module) -> list[LoRA]:
+    return [m for m in model.modules() if isinstance(m, LoRA)]
+
+
+def vllm_lora_layer(name: str) -> str:
+    """The trainer's LoRA module `layers.3.attention.wqkv.lora` -> vLLM's LoRA layer
+    `model.layers.3.self_attn.qkv_proj`."""
+    i, path = name.removeprefix("layers.").split(".", 1)
+    return f"model.layers.{i}.{LORA_LAYERS[path.removesuffix('.lora')][0]}"
+
+
+def bind_lora(model: Qwen3, slots: dict[str, tuple]) -> None:
+    """Make every adapter's casts the engine's own slot tensors of the same layer (vLLM's
+    lora_a_stacked, lora_b_stacked): a refresh then writes the engine's adapter in place (the
+    push moves no byte), and the trainer's forward reads what the engine reads."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            a, b = slots[vllm_lora_layer(name)]
+            want = [(1, 1, *p.shape) for p in (*m.a, *m.b)]
+            assert [tuple(t.shape) for t in (*a, *b)] == want, f"{name}: vLLM's LoRA slot"
+            m.casts = (tuple(a), tuple(b))
+
+
+class BasePolicy:
+    """The KL reference of a LoRA run: the policy with its adapters off, i.e. the frozen base
+    (no second model). Called like a Qwen3, under no_grad."""
+
+    def __init__(self, model: Qwen3):
+        self.model = model
+
+    def __call__(self, batch: "Packed", temperature: float):
+        adapters = lora_modules(self.model)
+        for m in adapters:
+            m.enabled = False
+        try:
+            return self.model(batch, temperature)
+        finally:
+            for m in adapters:
+                m.enabled = True
+
+
+def lora_init(model: Qwen3, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT's initial adapter: A_s ~ U(-1/sqrt(K), 1/sqrt(K)) (kaiming_uniform with a = sqrt(5)),
+    B_s = 0, so the policy starts as the base; untargeted slices all 0. Drawn on the CPU from
+    `seed`, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            for s, (a, b) in enumerate(zip(m.a, m.b)):
+                k = a.shape[1]
+                u = (torch.rand(a.shape, generator=g) * 2 - 1) / math.sqrt(k)
+                out[f"{name}.a.{s}"] = u if m.names[s] else torch.zeros(a.shape)
+                out[f"{name}.b.{s}"] = torch.zeros(b.shape)
+    return out
+
+
+def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
+    """(PEFT module name, its LoRA, slice) of every targeted slice:
+    `model.layers.3.self_attn.q_proj`, the wqkv adapter, 0."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            prefix = vllm_lora_layer(name).rsplit(".", 1)[0]  # model.layers.3.self_attn
+            for s, peft in enumerate(m.names):
+                if peft:
+                    yield f"{prefix}.{peft}", m, s
+
+
+def adapter_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, cast) of every targeted slice, after refreshing the casts: A_s (1, 1, r, K)
+    as `...q_proj.lora_A.weight`, B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
+    for m in lora_modules(model):
+        m.refresh()
+    for name, m, s in adapter_slices(model):
+        yield f"{name}.lora_A.weight", m.casts[0][s]
+        yield f"{name}.lora_B.weight", m.casts[1][s]
+
+
+def policy_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the engine needs to hold the trainer's policy: every weight (HF names), or under
+    LoRA the adapter alone (the base is the engine's own)."""
+    return adapter_weights(model) if lora_modules(model) else hf_weights(model)
+
+
 def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device,
-                world: int = 1) -> Qwen3:
+                world: int = 1, lora: LoRASpec | None = None) -> Qwen3:
     """Build on the meta device, then load the fp32 masters: never materialised twice.
 
     One process: `assign=True` adopts the loaded tensors. Several: FSDP2 shards every block and
     the root; rank 0 holds `state` and set_model_state_dict broadcasts each rank its shard.
+    LoRA: the base is frozen in the compute dtype (adopted as given: the engine's own tensors
+    on a GPU), the adapters' fp32 masters come from `state` too, every rank holds all of it,
+    and FSDP2 shards the adapters alone.
     """
     with torch.device("meta"):
         model = Qwen3(args, kernels, dtype)
+        if lora:
+            add_lora(model, lora)
     try:
-        if world == 1:
-            masters = {k: v.to(device=device, dtype=torch.float32, copy=True)
-                       for k, v in state.items()}
-            model.load_state_dict(masters, strict=True, assign=True)
+        if world == 1 or lora:
+            def master(k, v):  # a frozen base weight is adopted as it is, in the compute dtype
+                frozen = lora is not None and ".lora." not in k
+                return v.to(device=device, dtype=dtype if frozen else torch.float32,
+                            copy=not frozen)
+
+            model.load_state_dict({k: master(k, v) for k, v in state.items()}, strict=True,
+                                  assign=True)
+            for name, p in model.named_parameters():
+                p.requires_grad_(".lora." in name or lora is None)
+            if world > 1:
+                shard_model(model, dtype)
         else:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  set_model_state_dict)
@@ -551,11 +741,13 @@ def shard_model(model: Qwen3, dtype) -> None:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+    frozen = {p for p in model.parameters() if not p.requires_grad}  # a LoRA run's base
+    # the adapters' forward computes with casts of its own (LoRA.refresh): gather them in fp32
+    mp = MixedPrecisionPolicy(param_dtype=None if frozen else dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     for block in model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, ignored_params=frozen)
+    fully_shard(model, mp_policy=mp, ignored_params=frozen)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -583,9 +775,12 @@ def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, 
 
 
 def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
-    """Every weight in the compute dtype, on CPU, under HF (hub) names; on rank 0 ({} elsewhere)."""
+    """Every weight in the compute dtype, on CPU, under HF (hub) names, or under LoRA the
+    adapter (PEFT names, (rows, cols)); on rank 0 ({} elsewhere)."""
     keep = is_main()
-    return {k: v.cpu() for k, v in hf_weights(model, fused_experts=False) if keep}
+    items = adapter_weights(model) if lora_modules(model) else hf_weights(model, False)
+    return {k: v.reshape(v.shape[-2:]).cpu() if "lora_" in k else v.cpu()
+            for k, v in items if keep}
 
 
 # ==========================================================================
@@ -627,6 +822,7 @@ def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
     need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
          f"the model's max_position_embeddings ({args.max_seq_len}).")
     check_weight_headers(path, args)
+    check_lora(cfg, args)
     tokenizer = load_tokenizer(path, args)
     eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
     need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
@@ -1002,6 +1198,15 @@ class VLLMEngine(Engine):
         # the routing-parity check: a GPU buffer of max_num_batched_tokens x layers x k int32,
         # a D2H copy per step, and a CPU table of a byte per KV slot, layer and k.
         self.moe = bool(sparse_layers(files.args))
+        # LoRA: one adapter slot (max_loras 1) on the layers of --lora-targets; the trainer
+        # adopts the base weights and binds its adapter casts to the slot (no second copy)
+        self.lora = lora_spec(cfg, files.args)
+        if self.lora:
+            self.wake_bytes = kv  # the weights stay while the trainer runs: it computes with them
+            layers = {LORA_LAYERS[p][0].split(".")[1] for p, (_, names) in LORA_LAYERS.items()
+                      if set(names) & set(self.lora.targets)}
+            lora_args = dict(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=1,
+                             lora_target_modules=sorted(layers))
         self.llm = LLM(
             model=str(files.path),
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
@@ -1027,8 +1232,53 @@ class VLLMEngine(Engine):
             enforce_eager=not graphs,
             compilation_config=CompilationConfig(
                 mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                max_cudagraph_capture_size=min(samples, CUDA_GRAPH_MAX_BATCH)) if graphs else None,
+                max_cudagraph_capture_size=min(samples, CUDA_GRAPH_MAX_BATCH),
+                # every request has the adapter: no graphs for requests without one
+                cudagraph_specialize_lora=False) if graphs else None,
+            **(lora_args if self.lora else {}),
         )
+        self.lora_request = self.start_adapter(files) if self.lora else None
+
+    def start_adapter(self, files: ModelFiles):
+        """Load an all-zero adapter into the engine's one slot (a 1-token request activates it)
+        and collect the slot's tensors by layer (`lora_tensors`); the trainer then binds its
+        casts to them and writes its adapter there, and no later request reloads the file."""
+        import tempfile
+
+        from vllm import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        self.adapter_dir = tempfile.TemporaryDirectory(prefix="simple_rl_adapter_")
+        with torch.device("meta"):
+            shapes = Qwen3(files.args, bib.reference_kernels(), DTYPES[self.cfg.dtype])
+            add_lora(shapes, self.lora)
+        dtype = DTYPES[self.cfg.dtype]
+        zeros = {f"{name}.lora_{ab}.weight": torch.zeros(p[s].shape, dtype=dtype)
+                 for name, m, s in adapter_slices(shapes) for ab, p in (("A", m.a), ("B", m.b))}
+        save_peft_adapter(Path(self.adapter_dir.name), zeros, self.lora, files.path)
+        request = LoRARequest("simple_rl", 1, self.adapter_dir.name)
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                          self.sampling_params(0, n=1, max_tokens=1), lora_request=request,
+                          use_tqdm=False)
+        self.lora_tensors = self.llm.apply_model(lambda m: {
+            name: (mod.lora_a_stacked, mod.lora_b_stacked) for name, mod in m.named_modules()
+            if hasattr(mod, "lora_a_stacked")})[0]
+        self.adapter_ptrs = {t.data_ptr() for a, b in self.lora_tensors.values() for t in a + b}
+        return request
+
+    def base_weights(self, args) -> dict[str, torch.Tensor]:
+        """The engine's own weights (no copy) under the trainer's names, checked finite."""
+        params = self.llm.apply_model(lambda m: dict(m.named_parameters()))[0]
+        with torch.device("meta"):
+            want = Qwen3(args, bib.reference_kernels(), DTYPES[self.cfg.dtype]).state_dict()
+        out = {k: v for k, v in ((trainer_name(k), v) for k, v in params.items()) if k in want}
+        for k in ("tok_embeddings.weight", "output.weight"):  # vLLM pads its vocab rows
+            if k in out:
+                out[k] = out[k][:args.vocab_size]
+        bad = [k for k, v in out.items() if not torch.isfinite(v).all()]
+        need(not bad, f"{', '.join(bad[:3])} hold NaN or Inf values; training from them would "
+             "be meaningless.")
+        return out
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int | None],
                  max_tokens: list[int], temperature: float) -> list[list[Completion]]:
@@ -1040,7 +1290,7 @@ class VLLMEngine(Engine):
                   for s, m in zip(seeds, max_tokens)]
         with gc_paused():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                     use_tqdm=False)
+                                     use_tqdm=False, lora_request=self.lora_request)
         if temperature == 0:
             self.llm.reset_prefix_cache()
         return [[Completion(list(c.token_ids), completion_logprobs(c), c.finish_reason == "stop",
@@ -1065,10 +1315,14 @@ class VLLMEngine(Engine):
                               stop_token_ids=self.eos_ids, detokenize=False)
 
     def sleep(self) -> None:
-        """Free the KV cache and the weights while the trainer runs (the push refills them)."""
+        """Free the KV cache and the weights (under LoRA the KV cache alone) while the trainer
+        runs (the push refills them)."""
         if self.cfg.engine_sleep and not self.asleep:
             with young_collections_only():
-                self.llm.sleep(level=2)
+                if self.lora:
+                    map_kv_cache(False)
+                else:
+                    self.llm.sleep(level=2)
             self.asleep = True
 
     def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -2058,8 +2312,9 @@ def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: 
 
 
 def weights_finite(model: nn.Module, device) -> bool:
-    """Every (local shard of every) parameter finite, on every rank: one fused pass, one sync."""
-    local = [local_tensor(p.detach()) for p in model.parameters()]
+    """Every (local shard of every) trained parameter finite, on every rank: one fused pass,
+    one sync."""
+    local = [local_tensor(p.detach()) for p in model.parameters() if p.requires_grad]
     norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
     ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
@@ -2144,14 +2399,20 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
     sleeping engine gets its weight memory back first and its KV cache after; then the prefix
     cache is dropped, since its KV was computed with the old weights.
     """
+    lora = getattr(engine, "lora", None)
     if engine.asleep:
         free, _ = torch.cuda.mem_get_info()
         if free < engine.wake_bytes:  # the trainer's allocator caches blocks the engine needs
             torch.cuda.empty_cache()
-        engine.llm.wake_up(tags=["weights"])
-    engine.llm.apply_model(lambda m: m.load_weights(weights))
+        if not lora:
+            engine.llm.wake_up(tags=["weights"])
+    if lora:  # the adapter's casts are the engine's slot: refreshing them wrote it
+        for name, t in weights:
+            assert t.data_ptr() in engine.adapter_ptrs, f"{name} is not the engine's tensor"
+    else:
+        engine.llm.apply_model(lambda m: m.load_weights(weights))
     if engine.asleep:
-        engine.llm.wake_up(tags=["kv_cache"])
+        map_kv_cache(True) if lora else engine.llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
     engine.llm.reset_prefix_cache()
 
@@ -2233,7 +2494,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
-    trainer.engine.push(hf_weights(trainer.model))
+    trainer.engine.push(policy_weights(trainer.model))
     if cuda:
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
     t3 = time.perf_counter()
@@ -2679,9 +2940,12 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     prompts = prompt_range(task, cfg)
     cfg = with_micro_batch(cfg, files.args, ranks, prompts)  # the run's config keeps the choice
     memory = check_memory(cfg, files.args, ranks, prompts) if device_type == "cuda" else ""
+    lora = lora_spec(cfg, files.args)
     loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
-    print0(f"reading the weights of {files.path} (each checked finite)")
-    on_rank0(lambda: loaded.update(state=load_hf_state_dict(files.path)))
+    if not (lora and engine_factory is VLLMEngine):  # else the engine's are the trainer's
+        print0(f"reading the weights of {files.path} (each checked finite)")
+        read = lambda: loaded.update(state=load_hf_state_dict(files.path))  # noqa: E731
+        read() if lora else on_rank0(read)  # a LoRA run's every rank holds the whole base
     hf_state = loaded.get("state", {})
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
@@ -2694,14 +2958,14 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
                "kernels: 1-2 minutes)")
     engine = engine_factory(cfg, files, ranks)
-    model, ref_model = build_models(cfg, files.args, hf_state, kernels, ranks)
+    model, ref_model = build_models(cfg, files.args, hf_state, kernels, ranks, engine)
     del hf_state
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
                       reward_fn=reward_fn, make_env=make_env if cfg.env else None,
                       inputs={n: digests(f) for n, f in inputs.items()})
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
-    engine.push(hf_weights(model))  # from here on the engine holds exactly the trainer's weights
+    engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
     # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
     if ranks.main:
@@ -2723,14 +2987,32 @@ def check_ranks(cfg: Config, world: int) -> None:
          "with python, not torchrun.")
 
 
-def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks):
+def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks,
+                 engine: Engine | None = None):
     """The policy and, with --kl-coef > 0, a frozen copy of it: (model, ref_model or None),
-    sharded over the ranks (rank 0 holds hf_state; the others get their shards from it)."""
+    sharded over the ranks (rank 0 holds hf_state; the others get their shards from it).
+
+    LoRA: the base is the engine's own weights where it lends them (`base_weights`), else
+    hf_state's (every rank's); the adapters' casts are bound to the engine's slot; the
+    reference is the policy with its adapters off (no second model)."""
     dtype = DTYPES[cfg.dtype]
-    state = hf_to_trainer(hf_state, args) if hf_state else {}
-    model = build_model(args, state, kernels, dtype, ranks.device, ranks.world)
+    lora = lora_spec(cfg, args)
+    if lora and hasattr(engine, "base_weights"):  # one copy: the trainer adopts the engine's
+        state = engine.base_weights(args)
+    else:
+        state = hf_to_trainer(hf_state, args) if hf_state else {}
+    if lora:
+        with torch.device("meta"):
+            shapes = Qwen3(args, kernels, dtype)
+            add_lora(shapes, lora)
+        state = {**state, **lora_init(shapes, cfg.seed)}
+    model = build_model(args, state, kernels, dtype, ranks.device, ranks.world, lora)
+    if lora and hasattr(engine, "lora_tensors"):
+        bind_lora(model, engine.lora_tensors)
     ref_model = None
-    if cfg.kl_coef > 0:
+    if lora and cfg.kl_coef > 0:
+        ref_model = BasePolicy(model)
+    elif cfg.kl_coef > 0:
         ref_model = build_model(args, state, kernels, dtype, ranks.device, ranks.world)
         ref_model.requires_grad_(False)
     return model, ref_model
@@ -2756,6 +3038,10 @@ def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory:
     n = count_params(files.args)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     memory = f" | {memory} (estimate)" if memory else ""
+    lora = lora_spec(cfg, files.args)
+    if lora:
+        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
+                 f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
     return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
             f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
 
@@ -2787,9 +3073,11 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW on the fp32 masters (or their shards); fused on CUDA (deterministic)."""
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    """AdamW on the fp32 masters (or their shards; under LoRA the adapters'); fused on CUDA
+    (deterministic)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = params[0].device.type == "cuda"
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
@@ -3046,6 +3334,17 @@ def validate(cfg: Config) -> None:
          f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
     need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
          "chat template; drop --chat-template off.")
+    ranks = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRA ranks (max_lora_rank)
+    need(cfg.lora_rank in ranks, f"--lora-rank {cfg.lora_rank}: vLLM serves LoRA ranks "
+         f"{', '.join(map(str, ranks[1:]))} (0: full fine-tuning).")
+    need(not cfg.lora_rank or cfg.lora_alpha > 0, f"--lora-alpha must be > 0 (got "
+         f"{cfg.lora_alpha}): the update is (alpha / r) B A.")
+    unknown = set(cfg.lora_targets.split(",")) - set(LORA_TARGETS) - {"all"}
+    need(not unknown, f"--lora-targets names {', '.join(sorted(unknown))}: the targets are "
+         f"all or a comma-separated list of {', '.join(LORA_TARGETS)}.")
+    need(not (cfg.lora_rank and cfg.kernels == "reference"), "--lora-rank with --kernels "
+         "reference: the engine adds the adapters with vLLM's LoRA kernels, which only --kernels "
+         "vllm computes as it does (drop --kernels reference).")
     need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
          f"--run-name {cfg.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; "
          "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
@@ -3108,6 +3407,26 @@ def resolve_checkpoint(name: str) -> Path:
     if local_first:
         barrier()
     return path
+
+
+def check_lora(cfg: Config, args) -> None:
+    """What --lora-* asks of this model: experts take no adapter (vLLM's MoE LoRA kernels are
+    not the trainer's), and r fits within every adapted layer's input and output slices."""
+    lora = lora_spec(cfg, args)
+    if lora is None:
+        return
+    mlp = set(lora.targets) & {"gate_proj", "up_proj", "down_proj"}
+    need(not (sparse_layers(args) and mlp), f"--lora-targets {','.join(sorted(mlp))}: a "
+         "Qwen3-MoE's MLPs are its experts, which take no adapter here (vLLM's fused-MoE LoRA "
+         "kernels are not the trainer's); target q_proj, k_proj, v_proj, o_proj.")
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    widths = dict(q_proj=(args.dim, q), k_proj=(args.dim, kv), v_proj=(args.dim, kv),
+                  o_proj=(q, args.dim), gate_proj=(args.dim, args.hidden_dim),
+                  up_proj=(args.dim, args.hidden_dim), down_proj=(args.hidden_dim, args.dim))
+    narrow = {t: min(widths[t]) for t in lora.targets if min(widths[t]) < lora.rank}
+    need(not narrow, f"--lora-rank {lora.rank} exceeds the width of "
+         f"{', '.join(f'{t} ({w})' for t, w in narrow.items())}: a rank above a layer's width "
+         "adds nothing a full update would not.")
 
 
 def check_weight_headers(path: Path, args) -> None:
@@ -3359,6 +3678,41 @@ def gc_paused():
         yield
     finally:
         gc.enable()
+
+
+def map_kv_cache(awake: bool) -> None:
+    """Unmap the engine's KV cache (awake=False) or map it again, its weights untouched: vLLM's
+    sleep levels offload or drop the weights too, which a LoRA run's trainer computes with.
+    Its contents are forgotten (the push resets the prefix cache). The engine must have been
+    started with enable_sleep_mode (its allocations then come from vLLM's CuMemAllocator)."""
+    from vllm.device_allocator import get_mem_allocator_instance
+    from vllm.device_allocator.cumem import create_and_map, unmap_and_release
+
+    for data in get_mem_allocator_instance().pointer_to_data.values():
+        if data.tag == "kv_cache" and data.is_asleep == awake:
+            (create_and_map if awake else unmap_and_release)(data.handle)
+            data.is_asleep = not awake
+    if not awake:
+        torch.cuda.empty_cache()
+
+
+# vLLM's Qwen3 names (model.layers.3.self_attn.qkv_proj.base_layer.weight, under LoRA) ->
+# the trainer's (layers.3.attention.wqkv.weight): one rule per part of the name.
+VLLM_TO_TRAINER = (("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "norm."),
+                   ("lm_head.", "output."), ("model.layers.", "layers."), (".base_layer", ""),
+                   ("self_attn.qkv_proj", "attention.wqkv"), ("self_attn.o_proj", "attention.wo"),
+                   ("self_attn.q_norm", "attention.q_norm"),
+                   ("self_attn.k_norm", "attention.k_norm"),
+                   ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
+                   ("mlp.gate_up_proj", "feed_forward.w13"), ("mlp.down_proj", "feed_forward.w2"),
+                   ("mlp.gate.", "moe.router.gate."), ("mlp.experts.w13_weight", "moe.experts.w13"),
+                   ("mlp.experts.w2_weight", "moe.experts.w2"))
+
+
+def trainer_name(name: str) -> str:
+    for theirs, ours in VLLM_TO_TRAINER:
+        name = name.replace(theirs, ours)
+    return name
 
 
 def route_vllm_add_rms_norm_through_padded_rows() -> None:
@@ -3637,7 +3991,17 @@ def remove_dir(old: Path) -> None:
 
 
 def model_shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {n: list(p.shape) for n, p in model.named_parameters()}
+    """The trained parameters' shapes (under LoRA the adapters')."""
+    return {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _trained_only():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)  # a LoRA run saves no base weight
+
+
+TRAINED_ONLY = _trained_only()
 
 
 def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Path) -> Path:
@@ -3659,7 +4023,8 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer,
+                                                  options=TRAINED_ONLY)
         dcp.save({"model": model_state, "optimizer": optim_state["state"]},
                  storage_writer=dcp.FileSystemWriter(str(tmp / "trainer")))
         hf_state = gathered_hf_state(trainer.model)
@@ -3667,7 +4032,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save(rng, tmp / f"rng_rank{trainer.ranks.rank}.pt")
         if is_main():
-            save_hf_checkpoint(tmp / "model", hf_state, source)
+            save_export(tmp / "model", hf_state, trainer, source)
             (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         barrier()  # every rank's files are written: state.json lists them
         if is_main():
@@ -3837,7 +4202,8 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     need(state["shapes"] == want, f"{ckpt} was saved from another model ({len(state['shapes'])} "
          f"weights; --model {trainer.cfg.model} has {len(want)}, or their shapes differ).")
     read_dcp_metadata(ckpt)
-    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer,
+                                              options=TRAINED_ONLY)
     loaded = {"model": model_state, "optimizer": optim_state["state"]}
     try:
         with data_only_loading():
@@ -3849,7 +4215,8 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     trainer.mismatched_total = int(state.get("mismatched_total", 0))  # older checkpoints: 0
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
-                                     "param_groups": optim_state["param_groups"]})
+                                     "param_groups": optim_state["param_groups"]},
+                   options=TRAINED_ONLY)
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -3992,6 +4359,10 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         need(":" not in spec or name in passed, f"{ckpt}'s run used {flag(name)} {spec}; a "
              f"resume imports no code its checkpoint names: pass {flag(name)} FILE.py:NAME "
              "again.")
+    for name in ("lora_rank", "lora_alpha", "lora_targets"):  # the trained tensors' meaning
+        need(name not in passed or getattr(cfg, name) == getattr(resumed, name),
+             f"{ckpt}'s run trained with {flag(name)} {getattr(resumed, name)}; a resume "
+             f"continues those weights and cannot change it to {getattr(cfg, name)}.")
     ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS)
                      if getattr(cfg, n) != saved.get(n))
     if ignored:
@@ -4175,14 +4546,16 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     import tempfile
 
     out = export_dir(trainer.cfg, run_dir)
-    hf_state = gathered_hf_state(trainer.model)
+    merged = trainer.cfg.lora_rank and trainer.cfg.export == "merged"
+    hf_state = {k: v.cpu() for k, v in merged_weights(trainer.model)} if merged \
+        else gathered_hf_state(trainer.model)
     digest = ""
     if is_main():
         with writing(out):
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{out.name}.", dir=out.parent))
         with writing(out, cleanup=tmp):
-            save_hf_checkpoint(tmp, hf_state, source)
+            save_export(tmp, hf_state, trainer, source)
             if out.resolve() == (run_dir / "final").resolve() and is_earlier_export(out):
                 replace_dir(tmp, out)
             else:  # absent or empty (checked at the start); anything else fails, untouched
@@ -4191,6 +4564,35 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
         print0(f"saved {out} | weights sha256 {digest}")
     barrier()
     return digest
+
+
+def save_export(out: Path, state: dict[str, torch.Tensor], trainer: Trainer,
+                source: Path) -> None:
+    """A PEFT adapter (LoRA: `state` holds lora_A/lora_B names) or a Hugging Face checkpoint."""
+    if any("lora_" in k for k in state):
+        save_peft_adapter(out, state, lora_spec(trainer.cfg, trainer.model.args), source)
+    else:
+        save_hf_checkpoint(out, state, source)
+
+
+def merged_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of a LoRA run, HF names, with its adapter merged: W + (alpha / r) B A, summed
+    in fp32 and rounded once to the compute dtype (so not bit for bit the two-rounding layers the
+    run trained: serve the adapter for that). Rank 0's items ({} elsewhere); every rank runs it."""
+    adapter = _adapter(model.args)
+    adapters = {n.removesuffix(".lora"): m for n, m in model.named_modules()
+                if isinstance(m, LoRA)}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        w = p.detach()
+        m = adapters.get(name.removesuffix(".weight"))
+        if m is not None:
+            delta = torch.cat([m.scale * full_tensor(b.detach()) @ full_tensor(a.detach())
+                               for a, b in zip(m.a, m.b)])  # (sum n_s, K) fp32
+            w = (w.float() + delta).to(model.dtype)
+        items = to_hf_items(name, w, model.args, adapter, False)
+        yield from items if is_main() else ()
 
 
 def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Path) -> None:
@@ -4207,6 +4609,24 @@ def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Pat
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, out / name)
+
+
+def save_peft_adapter(out: Path, adapter: dict[str, torch.Tensor], lora: LoRASpec,
+                      base: Path | str) -> None:
+    """adapter_config.json + adapter_model.safetensors, as PEFT saves a LoRA: loadable by peft
+    and by vLLM's LoRARequest. B is saved with the scale folded in (B' = alpha / r B) and
+    lora_alpha = r, so a server computes with the very bf16 B' the run trained and checked."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"base_model.model.{k}": v.detach().reshape(v.shape[-2:]).contiguous().cpu()
+               for k, v in adapter.items()}
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.rank,
+                  target_modules=sorted({k.split(".")[-3] for k in adapter}), lora_dropout=0.0,
+                  bias="none", fan_in_fan_out=False, inference_mode=True,
+                  base_model_name_or_path=str(base))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
@@ -4246,6 +4666,25 @@ def count_params(args) -> int:
         blocks += n_sparse * (args.moe_args.num_experts * args.dim - 3 * args.dim * args.hidden_dim)
     head = 0 if args.enable_weight_tying else args.vocab_size * args.dim
     return args.vocab_size * args.dim + head + blocks + args.dim
+
+
+def lora_params(cfg: Config, args) -> int:
+    """The adapters' parameters (0 without LoRA): r (K + sum n_s) per adapted layer, every
+    slice of a fused layer counted (vLLM's packed layer holds them all)."""
+    lora = lora_spec(cfg, args)
+    if lora is None:
+        return 0
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    shapes = {"attention.wqkv": (3 * args.dim, q + 2 * kv), "attention.wo": (q, args.dim),
+              "feed_forward.w13": (2 * args.dim, 2 * args.hidden_dim),
+              "feed_forward.w2": (args.hidden_dim, args.dim)}  # (S K, sum n_s)
+    dense = args.n_layers - len(sparse_layers(args))
+    total = 0
+    for path, (_, names) in LORA_LAYERS.items():
+        if set(names) & set(lora.targets):
+            layers = dense if path.startswith("feed") else args.n_layers
+            total += layers * lora.rank * sum(shapes[path])
+    return total
 
 
 def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int, int]:
@@ -4318,9 +4757,10 @@ def memory_estimate(cfg: Config, args, world: int,
                                 + 4 * args.dim)
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
+    a = lora_params(cfg, args)  # LoRA: the trained parameters; the base is the engine's
     est = {
-        "trainer state": 16 * n / world,
-        "bf16 weights": 2 * n if world == 1 else gathered,
+        "trainer state": 16 * (a or n) / world,
+        "bf16 weights": 2 * a if a else 2 * n if world == 1 else gathered,
         # the head's logits and their gradient are freed before a sparse layer's backward
         "activations": rows * args.n_layers * per_token_layer
         + max(generated * args.vocab_size * 4, moe_transient)
@@ -4329,8 +4769,13 @@ def memory_estimate(cfg: Config, args, world: int,
     }
     if cfg.kl_coef > 0:
         est["reference model"] = 4 * n / world
+    if a:  # the reference is the base (adapters off); the engine's weights never sleep
+        est.pop("reference model", None)
+        est["engine"] -= 2 * n
+        est["base weights (the engine's)"] = 2 * n
     train_phase = sum(v for k, v in est.items() if k != "engine" or not cfg.engine_sleep)
-    rollout_phase = 12 * n / world + est["engine"] + est.get("reference model", 0)
+    rollout_phase = 12 * (a or n) / world + sum(v for k, v in est.items() if k.startswith(
+        ("engine", "base"))) + est.get("reference model", 0)
     e = expert_params(args)  # their bytes in each phase get no slack (see MEMORY_SLACK)
     train_exact = e * (16 / world + (2 if world == 1 else 0))  # + the bf16 casts on one GPU
     rollout_exact = e * (12 / world + 2)  # masters and AdamW state + the engine's bf16 copy
@@ -4342,14 +4787,16 @@ def memory_estimate(cfg: Config, args, world: int,
 
 def auto_micro_batch(cfg: Config, args, world: int, total: float,
                      prompts: tuple[int, int] = ANY_PROMPT) -> int:
-    """--micro-batch-tokens 0: the largest multiple of 4096 tokens, up to 32768, that holds one
-    full sequence, is no larger than a step's tokens need, and whose memory estimate fits
-    `total` bytes per GPU; else the smallest (check_memory then names what would fit).
+    """--micro-batch-tokens 0: the largest multiple of 4096 tokens (else 2048 or 1024), up to
+    32768, that holds one full sequence, is no larger than a step's tokens need, and whose
+    memory estimate fits `total` bytes per GPU; else the smallest (check_memory then names what
+    would fit).
 
     Larger micro-batches run larger GEMMs and fewer kernels per token: on an H200 at 1.7B
     the trainer ran at 44% MFU with 8192 tokens and 48% with 24576.
     """
-    sizes = sorted({max(cfg.max_model_len, 4096 * k) for k in range(1, 9)})
+    # 1024 and 2048 only where no larger size fits (Qwen3-32B under LoRA on one H200)
+    sizes = sorted({max(cfg.max_model_len, m) for m in (1024, 2048, *range(4096, 32769, 4096))})
     need_at_most = samples_per_rank(cfg, world) * cfg.max_model_len
     sizes = [m for m in sizes if m < need_at_most + 4096] or sizes[:1]
     fits = [m for m in sizes if memory_estimate(dataclasses.replace(cfg, micro_batch_tokens=m),

@@ -22,6 +22,11 @@ Each design runs in its own process (VLLM_BATCH_INVARIANT is read when vLLM is i
     python benchmarks/bench_rl.py --model CKPT --out bench.json --designs ad --rounds 3
     python benchmarks/bench_rl.py --model CKPT --out bench_n2.json --designs a --nproc 2
     python benchmarks/bench_rl.py --model CKPT --out bench_2048.json --new-tokens 2048
+    python benchmarks/bench_rl.py --model CKPT --out bench_lora.json --designs a --lora-rank 16
+
+`--lora-rank R` runs (a) as `simple_rl.py --lora-rank R` (frozen base shared with the engine,
+adapters on every linear layer); its MFU counts 4 * params * tokens for the GEMMs (forward and
+input gradient: a frozen base has no weight gradient).
 
 Qwen3-MoE: Qwen3-30B-A3B's layers (4 of its 48, random weights, 3.1B parameters), 16 prompts
 x 8, 128 new tokens, (a) against (d) (vLLM's default MoE path, transformers'
@@ -67,12 +72,14 @@ USER_MICRO_BATCH = 8192
 # fixed leave 58 GiB of activations at 8192 tokens, where simple_rl's estimate counts 23.6.
 USER_ACTIVATIONS = 2.5
 DESIGNS = {"a": "bitwise", "b": "plain", "c": "seed", "d": "user"}
+GEMM_FLOPS = {"full": 6, "lora": 4}  # per parameter and token: with, without weight gradients
 
 
-def flops_per_step(args, seq_lens: list[int], n_generated: int) -> float:
+def flops_per_step(args, seq_lens: list[int], n_generated: int, gemm: int = 6) -> float:
     """Training FLOPs (forward + backward) of one batch.
 
-    GEMMs: 6 * P_layers * T  +  6 * V * d * N_gen  (the head runs at generated positions only),
+    GEMMs: g * P_layers * T  +  g * V * d * N_gen  (the head runs at generated positions only;
+    g = 6, or 4 for a frozen base: GEMM_FLOPS),
     where a Qwen3-MoE sparse layer's MLP counts its router (d * E) and the k experts a token
     runs (k * 3 * d * I_moe) in place of the dense 3 * d * I;
     attention (causal): 6 * n_layers * n_heads * head_dim * sum_b L_b^2.
@@ -87,9 +94,9 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int) -> float:
         m = args.moe_args
         mlp += n_sparse * (m.top_k * 3 * d * args.moe_inter_dim + d * m.num_experts)
     tokens = sum(seq_lens)
-    gemm = 6 * (args.n_layers * attn + mlp) * tokens + 6 * args.vocab_size * d * n_generated
+    flops = gemm * (args.n_layers * attn + mlp) * tokens + gemm * args.vocab_size * d * n_generated
     attention = 6 * args.n_layers * hq * hd * sum(n * n for n in seq_lens)
-    return float(gemm + attention)
+    return float(flops + attention)
 
 
 def plain_kernels():
@@ -315,6 +322,7 @@ def measure(
     engine_factory=None,
     device_type: str = "cuda",
     profile_to: Path | None = None,
+    lora_rank: int = 0,
 ) -> dict:
     """Warm-up + measured steps of one design in this process (or this torchrun rank)."""
 
@@ -334,8 +342,10 @@ def measure(
         lr=1e-6,
         kernels="reference" if design == "b" else "vllm",
         dtype="float32" if cpu else "bfloat16",
+        lora_rank=lora_rank if design == "a" else 0,
     )
     files = rl.load_model_files(cfg)
+    files.args.frozen_base = bool(cfg.lora_rank)  # step_row's MFU: no weight gradient
     if design == "d" and not cfg.micro_batch_tokens:  # the most rows its memory rule fits
         cuda = rl.torch.cuda
         total = float("inf") if cpu else cuda.get_device_properties(ranks.device).total_memory
@@ -364,17 +374,14 @@ def measure(
             if design == "b"
             else bib.reference_kernels() if cpu else bib.vllm_kernels()
         )
-        state = (
-            rl.hf_to_trainer(rl.load_hf_state_dict(files.path), files.args) if ranks.main else {}
-        )
-        model = rl.build_model(
-            files.args, state, kernels, rl.DTYPES[cfg.dtype], ranks.device, ranks.world
-        )
+        read = ranks.main and not (cfg.lora_rank and engine_factory is rl.VLLMEngine)
+        state = rl.load_hf_state_dict(files.path) if read or (cfg.lora_rank and cpu) else {}
+        model, _ = rl.build_models(cfg, files.args, state, kernels, ranks, engine)
         experts = kernels.name  # the experts' forward, and on vLLM's kernels their backward
         if kernels.name == "vllm":
             backward = bib.TRITON_BACKWARDS["moe_experts"]
             experts += f" + {getattr(backward, '__name__', repr(backward))}"
-        engine.push(rl.hf_weights(model))
+        engine.push(rl.policy_weights(model))
         optimizer = rl.make_optimizer(model, cfg)
         hf_trainer = None
     vocab = min(files.args.vocab_size, len(files.tokenizer))
@@ -399,6 +406,8 @@ def measure(
         rl.micro_batches = packed_micro_batches
     out = summarize(rows, design, ranks.world, hf_trainer.attn if hf_trainer else "fa3-varlen")
     out["micro_batch_tokens"] = cfg.micro_batch_tokens
+    if cfg.lora_rank:
+        out["name"] += f"+lora{cfg.lora_rank}"
     estimate = (user_peak(cfg, files.args, cfg.micro_batch_tokens) if design == "d"
                 else rl.memory_estimate(cfg, files.args, ranks.world, lengths)["peak"])
     out["estimate_gib"] = estimate / 2**30  # what the design's memory rule expects
@@ -563,7 +572,8 @@ def step_row(step, warmup, local, lens, n_generated, parity, args, ranks, sample
     import simple_rl as rl
 
     times = rl.all_reduce(local, rl.dist.ReduceOp.MAX).tolist()
-    counts = rl.all_reduce(torch.tensor([sum(lens), flops_per_step(args, lens, n_generated)],
+    gemm = GEMM_FLOPS["lora" if getattr(args, "frozen_base", False) else "full"]
+    counts = rl.all_reduce(torch.tensor([sum(lens), flops_per_step(args, lens, n_generated, gemm)],
                                         device=ranks.device, dtype=torch.float64)).tolist()
     row = dict(
         step=step,
@@ -766,6 +776,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="0: what simple_rl picks")
+    p.add_argument("--lora-rank", type=int, default=0, help="(a) with LoRA adapters of rank R")
     p.add_argument("--out", default="bench.json")
     p.add_argument(
         "--profile",
@@ -782,6 +793,7 @@ def main():
         prompt_len=a.prompt_len,
         new_tokens=a.new_tokens,
         micro_batch_tokens=a.micro_batch_tokens,
+        lora_rank=a.lora_rank,
     )
     if a.worker:
         profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile else None

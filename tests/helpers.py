@@ -205,12 +205,34 @@ class TorchEngine(rl.Engine):
     def push(self, weights):
         hf = {k: v.detach().float().cpu().clone() for k, v in weights}
         args = self.files.args if self.files else self.model.args
+        if any("lora_" in k for k in hf):  # a LoRA run pushes its adapter (scale folded in B)
+            return self.push_adapter(hf, args)
         state = rl.hf_to_trainer(hf, args)
         if self.model is None:
             self.model = rl.build_model(args, state, bib.reference_kernels(), torch.float32, "cpu")
             self.model.requires_grad_(False)
         else:
             self.model.load_state_dict(state)
+
+
+    def push_adapter(self, adapter, args):
+        """As vLLM: the base from the checkpoint's files, the adapter's (A, B') into its slot
+        (an adapter of scale 1: B' already holds alpha / r)."""
+        if self.model is None:
+            spec = rl.lora_spec(self.cfg, args)
+            spec = rl.LoRASpec(spec.rank, float(spec.rank), spec.targets)
+            with torch.device("meta"):
+                shapes = rl.Qwen3(args, bib.reference_kernels(), torch.float32)
+                rl.add_lora(shapes, spec)
+            state = {**rl.hf_to_trainer(rl.load_hf_state_dict(self.files.path), args),
+                     **rl.lora_init(shapes, 0)}
+            self.model = rl.build_model(args, state, bib.reference_kernels(), torch.float32,
+                                        "cpu", lora=spec)
+            self.model.requires_grad_(False)
+        with torch.no_grad():
+            for name, m, s in rl.adapter_slices(self.model):
+                m.a[s].copy_(adapter[f"{name}.lora_A.weight"].view(m.a[s].shape))
+                m.b[s].copy_(adapter[f"{name}.lora_B.weight"].view(m.b[s].shape))
 
 
 class ExactEngine(TorchEngine):

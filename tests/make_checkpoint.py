@@ -21,6 +21,10 @@ PRESETS = {
     "qwen3-1.7b": dict(QWEN3, tied=True, layers=28, hidden=2048, heads=16, kv_heads=8, inter=6144),
     "qwen3-4b": dict(QWEN3, tied=True, layers=36, hidden=2560, heads=32, kv_heads=8, inter=9728),
     "qwen3-8b": dict(QWEN3, tied=False, layers=36, hidden=4096, heads=32, kv_heads=8, inter=12288),
+    "qwen3-14b": dict(QWEN3, tied=False, layers=40, hidden=5120, heads=40, kv_heads=8,
+                      inter=17408),
+    "qwen3-32b": dict(QWEN3, tied=False, layers=64, hidden=5120, heads=64, kv_heads=8,
+                      inter=25600),
     "tiny": dict(
         tied=True, layers=2, vocab=384, hidden=256, heads=4, kv_heads=2, head_dim=128, inter=512
     ),
@@ -32,8 +36,8 @@ if __name__ == "__main__":
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, help="the preset's layers cut to this many")
     a = p.parse_args()
-    make_checkpoint(
-        Path(a.out), **PRESETS[a.preset], dtype=torch.bfloat16, device=a.device, seed=a.seed
-    )
+    shape = {**PRESETS[a.preset], **({"layers": a.layers} if a.layers else {})}
+    make_checkpoint(Path(a.out), **shape, dtype=torch.bfloat16, device=a.device, seed=a.seed)
     print(f"wrote {a.out}")

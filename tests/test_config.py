@@ -33,7 +33,7 @@ def error_of(argv, capsys):
 
 def test_help_is_grouped_by_config_section(help_text):
     groups = [g for g in re.findall(r"^(\w+):$", help_text, flags=re.M) if g != "examples"]
-    assert groups == ["options", "model", "rollout", "grpo", "optim", "eval", "logging",
+    assert groups == ["options", "model", "lora", "rollout", "grpo", "optim", "eval", "logging",
                       "checkpoints"]
     for f in dataclasses.fields(rl.Config):  # every field, in its section
         section = help_text.split(f"\n{f.metadata['group']}:\n")[1].split("\n\n")[0]
