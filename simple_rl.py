@@ -2402,7 +2402,9 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
     lora = getattr(engine, "lora", None)
     if engine.asleep:
         free, _ = torch.cuda.mem_get_info()
-        if free < engine.wake_bytes:  # the trainer's allocator caches blocks the engine needs
+        # the trainer's allocator caches blocks the engine needs; under LoRA they would sit
+        # beside the whole KV cache through the rollout (measured at 14B: 133 of 140 GiB)
+        if free < engine.wake_bytes or lora:
             torch.cuda.empty_cache()
         if not lora:
             engine.llm.wake_up(tags=["weights"])
@@ -3854,15 +3856,16 @@ def route_vllm_linear_through_cublaslt() -> None:
 # A run directory is LOG_DIR/RUN_NAME with simple_rl.lock in it: the file marks it as
 # simple_rl's, and the process running it holds an OS lock on that file.
 CHECKPOINT = re.compile(r"step_(\d{6})")
-COMPLETE = ("state.json", "run_config.json", "trainer/.metadata", "model/model.safetensors",
-            "model/config.json")
+COMPLETE = ("state.json", "run_config.json", "trainer/.metadata")
+EXPORTS = ("model/model.safetensors", "model/adapter_model.safetensors")  # full, or LoRA's
 
 
 def is_complete(ckpt: Path) -> bool:
     """Every file there: the fixed ones, and each one state.json lists (a kill while files were
     removed leaves the checkpoint incomplete, whichever went first)."""
     if CHECKPOINT.fullmatch(ckpt.name) is None or \
-            not all((ckpt / f).is_file() for f in COMPLETE):
+            not all((ckpt / f).is_file() for f in COMPLETE) or \
+            not any((ckpt / f).is_file() for f in EXPORTS):
         return False
     try:
         files = json.loads((ckpt / "state.json").read_text()).get("files", [])
@@ -3995,13 +3998,15 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
     return {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _trained_only():
+def _trained_only(strict: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=True)  # a LoRA run saves no base weight
+    # a LoRA run saves no base weight; restoring, DCP's load has already required every
+    # trained one, and the frozen base is the model's own (strict would ask for it)
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
-TRAINED_ONLY = _trained_only()
+TRAINED_ONLY, RESTORE_TRAINED = _trained_only(True), _trained_only(False)
 
 
 def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Path) -> Path:
@@ -4216,7 +4221,7 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
                                      "param_groups": optim_state["param_groups"]},
-                   options=TRAINED_ONLY)
+                   options=RESTORE_TRAINED)
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
@@ -4537,7 +4542,8 @@ def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
     return run_dir
 
 
-EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES}  # what an export holds
+EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES,  # what an export holds
+                "adapter_model.safetensors", "adapter_config.json"}  # (LoRA: a PEFT adapter)
 
 
 def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:

@@ -24,10 +24,11 @@ import simple_rl as rl  # noqa: E402
 from helpers import TorchEngine, cpu_argv  # noqa: E402
 
 
-def rollout_grads(model: str, log_dir: str, out: str) -> None:
-    """One step's rollout of every rank and the first update's gradient, in global order."""
+def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0) -> None:
+    """One step's rollout of every rank and the first update's gradient (under LoRA the
+    adapters'), in global order."""
     cfg, given = rl.parse_config(cpu_argv(model, log_dir, num_prompts=3, micro_batch_tokens=128,
-                                          run_name="grads", kl_coef=0.0))
+                                          run_name="grads", kl_coef=0.0, lora_rank=lora_rank))
     trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
     ranks, G = trainer.ranks, cfg.group_size
     mine = rl.my_prompts(cfg.num_prompts, ranks)
@@ -45,7 +46,8 @@ def rollout_grads(model: str, log_dir: str, out: str) -> None:
     rl.train_step(trainer.model, None, trainer.optimizer, packed, ro.logprobs, adv, cfg, n_micro,
                   n_tokens)
     samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt))
-    grads = {n: rl.full_tensor(p.grad) for n, p in trainer.model.named_parameters()}
+    grads = {n: rl.full_tensor(p.grad) for n, p in trainer.model.named_parameters()
+             if p.requires_grad}
     if ranks.main:
         torch.save(dict(world=ranks.world, samples=json.dumps(samples), grads=grads,
                         micro_batches=n_micro), out)
@@ -61,7 +63,8 @@ if __name__ == "__main__":
     p.add_argument("--model", required=True)
     p.add_argument("--log-dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--lora-rank", type=int, default=0)
     a = p.parse_args()
-    rollout_grads(a.model, a.log_dir, a.out)
+    rollout_grads(a.model, a.log_dir, a.out, a.lora_rank)
     if rl.dist.is_initialized():
         rl.dist.destroy_process_group()

@@ -39,12 +39,15 @@ def metrics(run_dir: Path) -> list[dict]:
     return metrics_rows(run_dir, timings=False)
 
 
-def test_two_ranks_sample_what_one_does_and_compute_its_gradient(ckpt, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_two_ranks_sample_what_one_does_and_compute_its_gradient(ckpt, tmp_path, lora_rank):
+    """FSDP2 over 2 ranks: every trained weight's gradient (under LoRA the adapters', FSDP2
+    sharding them alone while every rank holds the frozen base) is one process's."""
     results = {}
     for n in (1, 2):
         out = tmp_path / f"n{n}.pt"
         launch(n, "rollout-grads", "--model", ckpt(), "--log-dir", tmp_path / f"runs{n}",
-               "--out", out)
+               "--out", out, "--lora-rank", lora_rank)
         results[n] = torch.load(out, weights_only=True)
     one, two = results[1], results[2]
     assert two["world"] == 2 and one["world"] == 1
@@ -59,7 +62,11 @@ def test_two_ranks_sample_what_one_does_and_compute_its_gradient(ckpt, tmp_path)
     for name, a in one["grads"].items():
         b = two["grads"][name]
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4, msg=name)  # fp32 sum order only
-        assert a.abs().sum() > 0, name
+        if ".lora.a." in name:  # B starts at 0, so dA = (gy B)^T x does too
+            assert a.abs().sum() == 0, name
+        else:
+            assert a.abs().sum() > 0, name
+    assert len(one["grads"]) == (2 * 14 if lora_rank else 2 * 8 + 2)  # every trained one
 
 
 TWO_RANKS = dict(num_prompts=3, micro_batch_tokens=128)

@@ -107,3 +107,12 @@ def test_held_out_arithmetic_is_disjoint_from_every_training_pool():
     a = {p.question for p in rl.arithmetic_split(rl.Config(seed=0))[1]}
     b = {p.question for p in rl.arithmetic_split(rl.Config(seed=1))[1]}
     assert len(a & b) >= 240
+
+
+def test_lora_grpo_raises_held_out_accuracy(copy_task, tmp_path):
+    """The same task with LoRA (rank 8 on every linear layer, 3x the learning rate): the frozen
+    base with its adapters learns to copy too. Fails when the adapters' gradient is wrong or
+    the update skips them (the base alone never changes)."""
+    rows, _ = learn(copy_task, tmp_path, "lora", lora_rank=8, lr=3e-3)
+    acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    assert acc[0] < 0.3 and acc[20] >= acc[0] + 0.5, acc

@@ -1,0 +1,194 @@
+"""LoRA on CPU: the adapters' forward and backward, a run whose every token equals the stand-in
+engine's, the KL reference with the adapters off, bit-exact resume, the PEFT and merged exports
+(checked against peft and transformers), the memory estimate, and the refusals."""
+
+import json
+
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+from helpers import ExactEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
+
+
+def lora_inputs(seed=0, T=7, K=32, sizes=(24, 8, 8), r=4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g, requires_grad=True)
+    y = torch.randn(T, sum(sizes), generator=g)
+    a = [torch.randn(r, K, generator=g, requires_grad=True) for _ in sizes]
+    b = [torch.randn(n, r, generator=g, requires_grad=True) for n in sizes]
+    return x, y, a, b
+
+
+def test_lora_backward_is_the_gradient_of_its_forward():
+    """LoRAFn (the reference forward, the hand-written backward, computing with the casts)
+    against autograd on the masters: the output, dx, every dA_s and dB_s (scale 2.5 included)."""
+    scale = 2.5
+    grads = []
+    for kernels in (bib.reference_kernels(), bib.custom_backward_kernels(bib.reference_forwards())):
+        x, y, a, b = lora_inputs()
+        casts = (tuple(t.detach()[None, None] for t in a),
+                 tuple((scale * t.detach())[None, None] for t in b))
+        out = kernels.lora(x, y.clone(), casts, scale, *a, *b)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach(), x.grad, *(t.grad for t in a + b)])
+    for ours, ref in zip(*grads):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert grads[0][-1].abs().sum() > 0 and grads[0][2].abs().sum() > 0
+
+
+def test_a_frozen_base_has_no_weight_gradient_and_the_same_input_gradient():
+    fwd = bib.custom_backward_kernels(bib.reference_forwards())
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 5, generator=g)
+    dx = []
+    for frozen in (False, True):
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        wp = w.clone().requires_grad_(not frozen)
+        fwd.linear(x, wp).square().sum().backward()
+        assert (wp.grad is None) == frozen
+        dx.append(x.grad)
+    assert torch.equal(dx[0], dx[1])
+
+
+LORA = dict(lora_rank=8, lr=1e-2, kl_coef=0.05)
+
+
+@pytest.fixture(scope="module")
+def lora_run(ckpt, tmp_path_factory):
+    """4 LoRA steps with the exact stand-in engine (the trainer's bits), and a resume at 2."""
+    tmp = tmp_path_factory.mktemp("lora")
+    digest = run_cpu(cpu_argv(ckpt(), tmp, steps=4, run_name="a", **LORA), ExactEngine)
+    run_cpu(cpu_argv(ckpt(), tmp, steps=2, run_name="part", **LORA), ExactEngine)
+    saved = tmp / "part" / "checkpoints" / "step_000002"
+    resumed = run_cpu(cpu_argv(ckpt(), tmp, steps=4, run_name="part", resume=str(saved)),
+                      ExactEngine)
+    return tmp, digest, resumed
+
+
+def test_lora_run_every_token_equal_adapter_moves_base_frozen_resume_exact(lora_run, ckpt):
+    tmp, digest, resumed = lora_run
+    rows = [r for r in metrics_rows(tmp / "a", timings=False) if "loss" in r]
+    assert len(rows) == 4
+    assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 0
+               for r in rows)
+    assert rows[0]["kl_div"] == 0 and all(r["kl_div"] > 0 for r in rows[1:])  # B starts at 0
+    assert resumed == digest  # 2 steps, a checkpoint, 2 more: the same adapter, bit for bit
+    saved = tmp / "a" / "checkpoints" / "step_000004"
+    state = json.loads((saved / "state.json").read_text())
+    assert all(".lora." in k for k in state["shapes"])  # the trainer saved no base weight
+    assert (saved / "model" / "adapter_config.json").is_file()
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp / "a" / "final" / "adapter_model.safetensors")
+    b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert len(adapter) == 2 * 7 * 2 and all(v.abs().sum() > 0 for v in b)  # it trained
+
+
+def test_the_kl_reference_is_the_base_with_the_adapters_off(ckpt):
+    files = rl.load_model_files(rl.Config(model=str(ckpt()), dtype="float32"))
+    cfg = rl.Config(model=str(ckpt()), dtype="float32", lora_rank=8, kl_coef=0.1)
+    hf = rl.load_hf_state_dict(files.path)
+    ranks = rl.Ranks(0, 1, torch.device("cpu"))
+    model, ref = rl.build_models(cfg, files.args, hf, bib.reference_kernels(), ranks)
+    plain, none = rl.build_models(rl.Config(model=str(ckpt()), dtype="float32"), files.args, hf,
+                                  bib.reference_kernels(), ranks)
+    assert isinstance(ref, rl.BasePolicy) and none is None
+    with torch.no_grad():
+        for m in rl.lora_modules(model):
+            for p in m.b:
+                p.normal_()  # an adapter far from the base
+        batch = rl.pack([[1, 2, 3, 4], [5, 6]], [[7, 8, 9], [10, 11]])
+        lp_ref, _ = ref(batch, 1.0)
+        lp_base, _ = plain(batch, 1.0)
+        lp_policy, _ = model(batch, 1.0)
+    assert torch.equal(lp_ref, lp_base) and not torch.equal(lp_policy, lp_base)
+    assert all(m.enabled for m in rl.lora_modules(model))  # switched back on
+
+
+def test_peft_and_merged_exports_compute_the_trained_policy(lora_run, ckpt, tmp_path):
+    """The PEFT adapter, loaded by peft on transformers' Qwen3, and the merged checkpoint,
+    loaded by transformers, give the trainer's logits for the same adapter."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    tmp, _, _ = lora_run
+    final = tmp / "a" / "final"
+    run_cpu(cpu_argv(ckpt(), tmp, steps=4, run_name="m", export="merged", **LORA), ExactEngine)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    base = AutoModelForCausalLM.from_pretrained(ckpt(), dtype=torch.float32)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, final).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp / "m" / "final",
+                                                      dtype=torch.float32)(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(ckpt(), dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-4)
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter does something
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] == 8  # alpha / r folded into B
+
+
+def test_lora_memory_estimate_counts_the_base_once_and_trains_the_adapters():
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    args = Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, vocab_size=151936,
+                          head_dim=128, hidden_dim=17408, norm_eps=1e-6, rope_theta=1e6,
+                          max_seq_len=40960, enable_weight_tying=False)  # Qwen3-14B
+    full = rl.Config(micro_batch_tokens=8192)
+    lora = rl.Config(micro_batch_tokens=8192, lora_rank=16)
+    a = rl.lora_params(lora, args)
+    # r (K + N) per adapted layer: qkv 3 x 5120 + 7168, o 5120 + 5120, gate_up 2 x 5120 + 34816,
+    # down 17408 + 5120, over 40 layers
+    assert a == 40 * 16 * (3 * 5120 + 7168 + 2 * 5120 + 2 * 5120 + 34816 + 17408 + 5120)
+    e, f = rl.memory_estimate(lora, args, 1), rl.memory_estimate(full, args, 1)
+    n = rl.count_params(args)
+    assert e["trainer state"] == 16 * a and f["trainer state"] == 16 * n
+    assert e["base weights (the engine's)"] == 2 * n and "reference model" not in e
+    assert e["peak"] < 140 * 2**30 < f["peak"]  # 14B fits one H200 under LoRA, not in full
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(lora_rank=7), "vLLM serves LoRA ranks"),
+    (dict(lora_rank=8, lora_alpha=0.0), "--lora-alpha must be > 0"),
+    (dict(lora_rank=8, lora_targets="q_proj,qkv"), "--lora-targets names qkv"),
+    (dict(lora_rank=8, kernels="reference"), "with --kernels reference"),
+    (dict(lora_rank=512), "exceeds the width of"),
+])
+def test_bad_lora_flags_get_one_sentence_and_exit_2(ckpt, tmp_path, capsys, flags, words):
+    argv = cpu_argv(ckpt(), tmp_path, **flags) + ["--check"]
+    assert main_cpu(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+
+
+def test_resuming_a_lora_run_with_another_rank_is_refused(lora_run, ckpt, capsys):
+    tmp, _, _ = lora_run
+    saved = tmp / "a" / "checkpoints" / "step_000002"
+    for rank in ("16", "0"):
+        argv = cpu_argv(ckpt(), tmp, steps=6, run_name="a", resume=str(saved)) + [
+            "--lora-rank", rank]
+        assert main_cpu(argv, ExactEngine) == 2
+        err = capsys.readouterr().err
+        assert "trained with --lora-rank 8" in err and f"change it to {rank}" in err, err
+
+
+def test_moe_trains_attention_adapters_and_its_experts_take_none(tmp_path, capsys):
+    from helpers import make_moe_checkpoint
+
+    moe = make_moe_checkpoint(tmp_path / "moe", vocab=384, hidden=128, layers=2, heads=4,
+                              kv_heads=2, head_dim=32, inter=256, moe_inter=64, experts=4,
+                              top_k=2)
+    assert main_cpu(cpu_argv(moe, tmp_path, lora_rank=8, lora_targets="q_proj,up_proj")
+                    + ["--check"]) == 2
+    assert "a Qwen3-MoE's MLPs are its experts" in capsys.readouterr().err
+    files = rl.load_model_files(rl.Config(model=str(moe), dtype="float32"))
+    assert rl.lora_spec(rl.Config(lora_rank=8), files.args).targets == LORA_ATTENTION
+    run_cpu(cpu_argv(moe, tmp_path / "runs", steps=2, run_name="m", **LORA), ExactEngine)
+    rows = [r for r in metrics_rows(tmp_path / "runs" / "m", timings=False) if "loss" in r]
+    assert all(r["determinism/mismatched_tokens"] == 0 for r in rows)
+    assert all(r["determinism/routing_mismatch"] == 0 < r["determinism/routing_tokens"]
+               for r in rows)
+
+
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
