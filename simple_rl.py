@@ -5,8 +5,8 @@ One file, the RL story first, in data-flow order:
     config -> model -> load & convert -> rollout -> reward -> advantages & loss
            -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
 
-then, after one banner, the plumbing: validation, ranks, vLLM patches, checkpoints, run
-directory, memory estimate, console, stops, parity debugger.
+then, after one banner, the plumbing: validation, files, ranks, vLLM patches, LoRA's engine
+slot, checkpoints, run directory, memory estimate, console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
 TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
@@ -36,11 +36,16 @@ Departures from textbook GRPO/PPO:
   * The loss is a token mean over the whole batch of every rank (each token weighs the same).
   * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
     which is exactly what the trainer computes with.
+  * LoRA (--lora-rank r): the base stays frozen in bf16 and is the engine's own tensors (one
+    copy on the GPU); each linear layer adds (x A^T)(alpha/r B)^T through vLLM's own LoRA
+    kernels, the trainer's adapter casts being the engine's adapter slot, so the push moves no
+    byte; the KL reference is the base (the adapters off).
 
 Run (vLLM 0.26 + TorchTitan 0.2.2; `pip install -r requirements.txt`):
 
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
     VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py --model Qwen/Qwen3-8B
+    VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-14B --lora-rank 16 --lr 1e-5
     torchrun --nnodes M --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         simple_rl.py --model Qwen/Qwen3-8B
     tensorboard --logdir runs
@@ -580,16 +585,6 @@ class LoRASpec:
     targets: tuple[str, ...]  # PEFT names
 
 
-def lora_spec(cfg: Config, args) -> LoRASpec | None:
-    """--lora-*: None for full fine-tuning. `all` is every target, attention only for MoE."""
-    if not cfg.lora_rank:
-        return None
-    every = LORA_TARGETS[:4] if sparse_layers(args) else LORA_TARGETS
-    targets = every if cfg.lora_targets == "all" else \
-        tuple(t.strip() for t in cfg.lora_targets.split(","))
-    return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
-
-
 def add_lora(model: Qwen3, lora: LoRASpec) -> None:
     """An adapter on every fused layer that holds a target; its untargeted slices (k_proj of
     q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0 and so stay 0."""
@@ -609,25 +604,6 @@ def lora_modules(model: nn.Module) -> list[LoRA]:
     return [m for m in model.modules() if isinstance(m, LoRA)]
 
 
-def vllm_lora_layer(name: str) -> str:
-    """The trainer's LoRA module `layers.3.attention.wqkv.lora` -> vLLM's LoRA layer
-    `model.layers.3.self_attn.qkv_proj`."""
-    i, path = name.removeprefix("layers.").split(".", 1)
-    return f"model.layers.{i}.{LORA_LAYERS[path.removesuffix('.lora')][0]}"
-
-
-def bind_lora(model: Qwen3, slots: dict[str, tuple]) -> None:
-    """Make every adapter's casts the engine's own slot tensors of the same layer (vLLM's
-    lora_a_stacked, lora_b_stacked): a refresh then writes the engine's adapter in place (the
-    push moves no byte), and the trainer's forward reads what the engine reads."""
-    for name, m in model.named_modules():
-        if isinstance(m, LoRA):
-            a, b = slots[vllm_lora_layer(name)]
-            want = [(1, 1, *p.shape) for p in (*m.a, *m.b)]
-            assert [tuple(t.shape) for t in (*a, *b)] == want, f"{name}: vLLM's LoRA slot"
-            m.casts = (tuple(a), tuple(b))
-
-
 class BasePolicy:
     """The KL reference of a LoRA run: the policy with its adapters off, i.e. the frozen base
     (no second model). Called like a Qwen3, under no_grad."""
@@ -644,43 +620,6 @@ class BasePolicy:
         finally:
             for m in adapters:
                 m.enabled = True
-
-
-def lora_init(model: Qwen3, seed: int) -> dict[str, torch.Tensor]:
-    """PEFT's initial adapter: A_s ~ U(-1/sqrt(K), 1/sqrt(K)) (kaiming_uniform with a = sqrt(5)),
-    B_s = 0, so the policy starts as the base; untargeted slices all 0. Drawn on the CPU from
-    `seed`, the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, LoRA):
-            for s, (a, b) in enumerate(zip(m.a, m.b)):
-                k = a.shape[1]
-                u = (torch.rand(a.shape, generator=g) * 2 - 1) / math.sqrt(k)
-                out[f"{name}.a.{s}"] = u if m.names[s] else torch.zeros(a.shape)
-                out[f"{name}.b.{s}"] = torch.zeros(b.shape)
-    return out
-
-
-def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
-    """(PEFT module name, its LoRA, slice) of every targeted slice:
-    `model.layers.3.self_attn.q_proj`, the wqkv adapter, 0."""
-    for name, m in model.named_modules():
-        if isinstance(m, LoRA):
-            prefix = vllm_lora_layer(name).rsplit(".", 1)[0]  # model.layers.3.self_attn
-            for s, peft in enumerate(m.names):
-                if peft:
-                    yield f"{prefix}.{peft}", m, s
-
-
-def adapter_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
-    """(PEFT name, cast) of every targeted slice, after refreshing the casts: A_s (1, 1, r, K)
-    as `...q_proj.lora_A.weight`, B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
-    for m in lora_modules(model):
-        m.refresh()
-    for name, m, s in adapter_slices(model):
-        yield f"{name}.lora_A.weight", m.casts[0][s]
-        yield f"{name}.lora_B.weight", m.casts[1][s]
 
 
 def policy_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
@@ -830,68 +769,6 @@ def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
     return ModelFiles(path, args, tokenizer, eos_ids)
 
 
-def read_qwen3_config(path: Path):
-    """The HF config, after checking it describes a dense Qwen3 this script supports."""
-    from transformers import AutoConfig
-
-    file = path / "config.json"
-    need(file.is_file(), f"{path} has no config.json; --model must be a Hugging Face "
-         "checkpoint directory.")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file} is not valid JSON ({e}).") from e
-    need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
-    archs = raw.get("architectures") or []
-    kind = MODEL_TYPES.get(raw.get("model_type"))
-    need(kind is not None and (not archs or kind in archs),
-         f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
-         "simple_rl trains Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM) only.")
-    if kind == "Qwen3MoeForCausalLM":
-        check_moe_config(raw, file)
-    positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
-    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
-         f"max_position_embeddings {positions!r} must be a whole number in [1, "
-         f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
-    try:
-        hf = AutoConfig.from_pretrained(path)
-    except Exception as e:
-        text = " ".join(str(e).split())[:300]  # one line, however the library words it
-        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
-                          f"{text}).") from e
-    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
-    need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
-         and rope.get("rope_type", "default") == "default",
-         f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
-    return hf
-
-
-def check_moe_config(raw: dict, file: Path) -> None:
-    """Refuse the Qwen3-MoE settings the trainer does not compute as vLLM does (raw JSON)."""
-    n = raw.get("num_experts", raw.get("num_local_experts"))
-    k = raw.get("num_experts_per_tok")
-    step = raw.get("decoder_sparse_step", 1)
-    only = raw.get("mlp_only_layers") or []
-    both = {raw[key] for key in ("num_experts", "num_local_experts") if key in raw}
-    need(len(both) <= 1, f"{file}: num_experts and num_local_experts disagree ({sorted(both)}); "
-         "keep one.")  # transformers reads num_local_experts, vLLM num_experts
-    need(type(n) is int and n >= 1 and type(k) is int and 1 <= k <= n, f"{file}: num_experts "
-         f"{n!r} and num_experts_per_tok {k!r} must be whole numbers, 1 <= top-k <= experts.")
-    need(type(step) is int and step >= 1, f"{file}: decoder_sparse_step {step!r} must be a "
-         "whole number >= 1.")
-    need(isinstance(only, list) and all(type(i) is int for i in only),
-         f"{file}: mlp_only_layers {only!r} must be a list of layer indices.")
-    need(type(raw.get("moe_intermediate_size")) is int and raw["moe_intermediate_size"] >= 1,
-         f"{file}: moe_intermediate_size {raw.get('moe_intermediate_size')!r} must be a whole "
-         "number >= 1.")
-    need(not raw.get("shared_expert_intermediate_size"), f"{file}: shared experts "
-         "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
-    need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
-         "true or false.")
-    # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
-    # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
-
-
 def model_args_from_hf(hf):
     """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
 
@@ -934,28 +811,6 @@ def model_args_from_hf(hf):
     if sparse:
         args.sparse_layers = sparse
     return args
-
-
-def load_tokenizer(path: Path, args):
-    """The checkpoint's tokenizer, after checking it is a real one that fits the model."""
-    from transformers import AutoTokenizer
-
-    has_files = (path / "tokenizer.json").is_file() or \
-        ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())
-    need(has_files, f"{path} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); copy "
-         "the tokenizer files of the base model into it.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}: {e}).") from e
-    n = len(tokenizer)
-    need(n >= MIN_VOCAB, f"the tokenizer in {path} has only {n} tokens: it is not a real "
-         "tokenizer (copy the base model's tokenizer files).")
-    need(n <= args.vocab_size, f"the tokenizer ({n} tokens) does not fit the model's vocab of "
-         f"{args.vocab_size}.")
-    need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
-         f"the tokenizer in {path} encodes text to nothing.")
-    return tokenizer
 
 
 def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
@@ -1237,48 +1092,11 @@ class VLLMEngine(Engine):
                 cudagraph_specialize_lora=False) if graphs else None,
             **(lora_args if self.lora else {}),
         )
-        self.lora_request = self.start_adapter(files) if self.lora else None
-
-    def start_adapter(self, files: ModelFiles):
-        """Load an all-zero adapter into the engine's one slot (a 1-token request activates it)
-        and collect the slot's tensors by layer (`lora_tensors`); the trainer then binds its
-        casts to them and writes its adapter there, and no later request reloads the file."""
-        import tempfile
-
-        from vllm import TokensPrompt
-        from vllm.lora.request import LoRARequest
-
-        self.adapter_dir = tempfile.TemporaryDirectory(prefix="simple_rl_adapter_")
-        with torch.device("meta"):
-            shapes = Qwen3(files.args, bib.reference_kernels(), DTYPES[self.cfg.dtype])
-            add_lora(shapes, self.lora)
-        dtype = DTYPES[self.cfg.dtype]
-        zeros = {f"{name}.lora_{ab}.weight": torch.zeros(p[s].shape, dtype=dtype)
-                 for name, m, s in adapter_slices(shapes) for ab, p in (("A", m.a), ("B", m.b))}
-        save_peft_adapter(Path(self.adapter_dir.name), zeros, self.lora, files.path)
-        request = LoRARequest("simple_rl", 1, self.adapter_dir.name)
-        self.llm.generate([TokensPrompt(prompt_token_ids=[0])],
-                          self.sampling_params(0, n=1, max_tokens=1), lora_request=request,
-                          use_tqdm=False)
-        self.lora_tensors = self.llm.apply_model(lambda m: {
-            name: (mod.lora_a_stacked, mod.lora_b_stacked) for name, mod in m.named_modules()
-            if hasattr(mod, "lora_a_stacked")})[0]
-        self.adapter_ptrs = {t.data_ptr() for a, b in self.lora_tensors.values() for t in a + b}
-        return request
+        self.lora_request = start_adapter(self, files) if self.lora else None
 
     def base_weights(self, args) -> dict[str, torch.Tensor]:
         """The engine's own weights (no copy) under the trainer's names, checked finite."""
-        params = self.llm.apply_model(lambda m: dict(m.named_parameters()))[0]
-        with torch.device("meta"):
-            want = Qwen3(args, bib.reference_kernels(), DTYPES[self.cfg.dtype]).state_dict()
-        out = {k: v for k, v in ((trainer_name(k), v) for k, v in params.items()) if k in want}
-        for k in ("tok_embeddings.weight", "output.weight"):  # vLLM pads its vocab rows
-            if k in out:
-                out[k] = out[k][:args.vocab_size]
-        bad = [k for k, v in out.items() if not torch.isfinite(v).all()]
-        need(not bad, f"{', '.join(bad[:3])} hold NaN or Inf values; training from them would "
-             "be meaningless.")
-        return out
+        return engine_weights(self.llm, args, DTYPES[self.cfg.dtype])
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int | None],
                  max_tokens: list[int], temperature: float) -> list[list[Completion]]:
@@ -1518,84 +1336,6 @@ def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
             seen.add(p.question)
             heldout.append(p)
     return pool, heldout
-
-
-def read_rows(data_files: str, task: str) -> dict[str, list]:
-    """The question and answer columns of a local jsonl or parquet file, or of GSM8K on the hub
-    (data_files ''). A jsonl number is read as the text written in the file."""
-    file = Path(data_files).expanduser()
-    if data_files:
-        need(file.is_file(), f"--data-files {data_files!r} is not a file.")
-        need(file.stat().st_size > 0, f"--data-files {data_files!r} is empty.")
-    if data_files and not data_files.endswith(".parquet"):
-        rows = read_jsonl(file)
-    else:
-        rows = read_with_datasets(data_files, task)
-    source = data_files or "GSM8K"
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    need({"question", "answer"} <= set(columns), f"{source} has columns {columns}; "
-         f"{'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' and 'answer'.")
-    need(len(rows) > 0, f"{source} has no rows.")
-    out = {k: [row.get(k) for row in rows] for k in ("question", "answer")}
-    bad = next(((i, q) for i, q in enumerate(out["question"])
-                if not isinstance(q, str) or q.strip() == ""), None)
-    if bad is not None:  # null or blank: it would be trained on as the text "None" or ""
-        raise ConfigError(f"{source}: row {bad[0]} has a question that is not text "
-                          f"({str(bad[1])[:60]!r}).")
-    return out
-
-
-def read_jsonl(file: Path) -> list[dict]:
-    """The rows of a JSON-lines file (or of one JSON list of rows), every number kept as the
-    text written in the file: 12345678901234567891 stays that, 4 stays "4"."""
-    as_text = dict(parse_int=str, parse_float=str, parse_constant=str)  # NaN: its text too
-    n = 0  # the line being read (0: the whole file)
-    try:
-        text = file.read_text()
-        if text.lstrip().startswith("["):
-            rows = json.loads(text, **as_text)
-        else:
-            rows = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    rows.append(json.loads(line, **as_text))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        where = f" line {n}" if n else ""
-        raise ConfigError(f"--data-files {str(file)!r}{where} is not valid JSON "
-                          f"({type(e).__name__}: {str(e)[:200]}).") from e
-    need(isinstance(rows, list) and all(isinstance(r, dict) for r in rows),
-         f"--data-files {str(file)!r}: every row must be a JSON object with 'question' and "
-         "'answer'.")
-    return rows
-
-
-def read_with_datasets(data_files: str, task: str) -> list[dict]:
-    """The rows of a local parquet file (its own column types) or of GSM8K from the hub."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise ConfigError(f"--task {task} needs the `datasets` package: pip install "
-                          "datasets.") from e
-    hub = {"offline": False}  # set when the hub's host did not answer: the cache only
-    try:
-        if data_files:
-            rows = datasets.load_dataset("parquet", data_files=data_files, split="train")
-        else:
-            with hub_offline_unless_reachable(datasets, hub):  # no retries for half a minute
-                rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
-    except Exception as e:
-        if data_files:  # a local file: its content, not the network, is the problem
-            cause = e
-            while cause.__cause__ is not None:  # datasets wraps the parser's own error
-                cause = cause.__cause__
-            text = " ".join(str(cause).split())[:200]
-            raise ConfigError(f"--data-files {data_files!r} is not readable as parquet "
-                              f"({type(cause).__name__}: {text}).") from e
-        why = ("the hub cannot be reached and it is not in the cache" if hub["offline"] else
-               f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
-        raise ConfigError(f"could not load GSM8K (openai/gsm8k): {why}; download it and pass "
-                          "--data-files.") from e
-    return rows.to_list()
 
 
 def gsm8k_problems(data_files: str) -> list[Problem]:
@@ -3191,9 +2931,9 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 
 # ==========================================================================
 # The RL story ends here. What follows is plumbing a researcher need not read: config
-# parsing and validation, model-file checks, errors and exit codes, rank helpers, the vLLM
-# patches, checkpoints and resume, the run directory and export, the memory estimate, console
-# filtering, stops (signals, NaN, OOM) and the parity debugger.
+# parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
+# patches, LoRA's engine slot and names, checkpoints and resume, the run directory and export,
+# the memory estimate, console filtering, stops (signals, NaN, OOM) and the parity debugger.
 # ==========================================================================
 
 
@@ -3386,7 +3126,7 @@ def looks_like_path(name: str) -> bool:
 
 
 # ==========================================================================
-# Model files: checked before anything slow starts
+# Model and data files: checked and read before anything slow starts
 # ==========================================================================
 
 
@@ -3493,6 +3233,168 @@ def expected_hf_shapes(args, fused: set[int] = frozenset()) -> dict[str, tuple[i
     with torch.device("meta"):
         model = Qwen3(args, bib.reference_kernels(), torch.float32)
     return {k: tuple(v.shape) for k, v in trainer_to_hf(model.state_dict(), args, fused).items()}
+
+
+def read_qwen3_config(path: Path):
+    """The HF config, after checking it describes a dense Qwen3 this script supports."""
+    from transformers import AutoConfig
+
+    file = path / "config.json"
+    need(file.is_file(), f"{path} has no config.json; --model must be a Hugging Face "
+         "checkpoint directory.")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}).") from e
+    need(isinstance(raw, dict), f"{file} does not hold a JSON object.")
+    archs = raw.get("architectures") or []
+    kind = MODEL_TYPES.get(raw.get("model_type"))
+    need(kind is not None and (not archs or kind in archs),
+         f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
+         "simple_rl trains Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM) only.")
+    if kind == "Qwen3MoeForCausalLM":
+        check_moe_config(raw, file)
+    positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
+    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
+         f"max_position_embeddings {positions!r} must be a whole number in [1, "
+         f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        text = " ".join(str(e).split())[:300]  # one line, however the library words it
+        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
+                          f"{text}).") from e
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
+    need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
+         and rope.get("rope_type", "default") == "default",
+         f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
+    return hf
+
+
+def check_moe_config(raw: dict, file: Path) -> None:
+    """Refuse the Qwen3-MoE settings the trainer does not compute as vLLM does (raw JSON)."""
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    k = raw.get("num_experts_per_tok")
+    step = raw.get("decoder_sparse_step", 1)
+    only = raw.get("mlp_only_layers") or []
+    both = {raw[key] for key in ("num_experts", "num_local_experts") if key in raw}
+    need(len(both) <= 1, f"{file}: num_experts and num_local_experts disagree ({sorted(both)}); "
+         "keep one.")  # transformers reads num_local_experts, vLLM num_experts
+    need(type(n) is int and n >= 1 and type(k) is int and 1 <= k <= n, f"{file}: num_experts "
+         f"{n!r} and num_experts_per_tok {k!r} must be whole numbers, 1 <= top-k <= experts.")
+    need(type(step) is int and step >= 1, f"{file}: decoder_sparse_step {step!r} must be a "
+         "whole number >= 1.")
+    need(isinstance(only, list) and all(type(i) is int for i in only),
+         f"{file}: mlp_only_layers {only!r} must be a list of layer indices.")
+    need(type(raw.get("moe_intermediate_size")) is int and raw["moe_intermediate_size"] >= 1,
+         f"{file}: moe_intermediate_size {raw.get('moe_intermediate_size')!r} must be a whole "
+         "number >= 1.")
+    need(not raw.get("shared_expert_intermediate_size"), f"{file}: shared experts "
+         "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
+    need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
+         "true or false.")
+    # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
+    # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
+
+
+def load_tokenizer(path: Path, args):
+    """The checkpoint's tokenizer, after checking it is a real one that fits the model."""
+    from transformers import AutoTokenizer
+
+    has_files = (path / "tokenizer.json").is_file() or \
+        ((path / "vocab.json").is_file() and (path / "merges.txt").is_file())
+    need(has_files, f"{path} has no tokenizer (tokenizer.json, or vocab.json + merges.txt); copy "
+         "the tokenizer files of the base model into it.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"{path} has no loadable tokenizer ({type(e).__name__}: {e}).") from e
+    n = len(tokenizer)
+    need(n >= MIN_VOCAB, f"the tokenizer in {path} has only {n} tokens: it is not a real "
+         "tokenizer (copy the base model's tokenizer files).")
+    need(n <= args.vocab_size, f"the tokenizer ({n} tokens) does not fit the model's vocab of "
+         f"{args.vocab_size}.")
+    need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
+         f"the tokenizer in {path} encodes text to nothing.")
+    return tokenizer
+
+
+def read_rows(data_files: str, task: str) -> dict[str, list]:
+    """The question and answer columns of a local jsonl or parquet file, or of GSM8K on the hub
+    (data_files ''). A jsonl number is read as the text written in the file."""
+    file = Path(data_files).expanduser()
+    if data_files:
+        need(file.is_file(), f"--data-files {data_files!r} is not a file.")
+        need(file.stat().st_size > 0, f"--data-files {data_files!r} is empty.")
+    if data_files and not data_files.endswith(".parquet"):
+        rows = read_jsonl(file)
+    else:
+        rows = read_with_datasets(data_files, task)
+    source = data_files or "GSM8K"
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    need({"question", "answer"} <= set(columns), f"{source} has columns {columns}; "
+         f"{'GSM8K rows' if task == 'gsm8k' else 'rows'} need 'question' and 'answer'.")
+    need(len(rows) > 0, f"{source} has no rows.")
+    out = {k: [row.get(k) for row in rows] for k in ("question", "answer")}
+    bad = next(((i, q) for i, q in enumerate(out["question"])
+                if not isinstance(q, str) or q.strip() == ""), None)
+    if bad is not None:  # null or blank: it would be trained on as the text "None" or ""
+        raise ConfigError(f"{source}: row {bad[0]} has a question that is not text "
+                          f"({str(bad[1])[:60]!r}).")
+    return out
+
+
+def read_jsonl(file: Path) -> list[dict]:
+    """The rows of a JSON-lines file (or of one JSON list of rows), every number kept as the
+    text written in the file: 12345678901234567891 stays that, 4 stays "4"."""
+    as_text = dict(parse_int=str, parse_float=str, parse_constant=str)  # NaN: its text too
+    n = 0  # the line being read (0: the whole file)
+    try:
+        text = file.read_text()
+        if text.lstrip().startswith("["):
+            rows = json.loads(text, **as_text)
+        else:
+            rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    rows.append(json.loads(line, **as_text))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" line {n}" if n else ""
+        raise ConfigError(f"--data-files {str(file)!r}{where} is not valid JSON "
+                          f"({type(e).__name__}: {str(e)[:200]}).") from e
+    need(isinstance(rows, list) and all(isinstance(r, dict) for r in rows),
+         f"--data-files {str(file)!r}: every row must be a JSON object with 'question' and "
+         "'answer'.")
+    return rows
+
+
+def read_with_datasets(data_files: str, task: str) -> list[dict]:
+    """The rows of a local parquet file (its own column types) or of GSM8K from the hub."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(f"--task {task} needs the `datasets` package: pip install "
+                          "datasets.") from e
+    hub = {"offline": False}  # set when the hub's host did not answer: the cache only
+    try:
+        if data_files:
+            rows = datasets.load_dataset("parquet", data_files=data_files, split="train")
+        else:
+            with hub_offline_unless_reachable(datasets, hub):  # no retries for half a minute
+                rows = datasets.load_dataset("openai/gsm8k", "main", split="train")
+    except Exception as e:
+        if data_files:  # a local file: its content, not the network, is the problem
+            cause = e
+            while cause.__cause__ is not None:  # datasets wraps the parser's own error
+                cause = cause.__cause__
+            text = " ".join(str(cause).split())[:200]
+            raise ConfigError(f"--data-files {data_files!r} is not readable as parquet "
+                              f"({type(cause).__name__}: {text}).") from e
+        why = ("the hub cannot be reached and it is not in the cache" if hub["offline"] else
+               f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        raise ConfigError(f"could not load GSM8K (openai/gsm8k): {why}; download it and pass "
+                          "--data-files.") from e
+    return rows.to_list()
 
 
 # ==========================================================================
@@ -3839,6 +3741,120 @@ def route_vllm_linear_through_cublaslt() -> None:
 
         apply.cublaslt = True
         method.apply = apply
+
+
+# ==========================================================================
+# LoRA plumbing: the engine's adapter slot, names, the initial adapter
+# ==========================================================================
+
+
+def start_adapter(engine: VLLMEngine, files: ModelFiles):
+    """Load an all-zero adapter into the engine's one slot (a 1-token request activates it)
+    and collect the slot's tensors by layer (`lora_tensors`); the trainer then binds its
+    casts to them and writes its adapter there, and no later request reloads the file."""
+    import tempfile
+
+    from vllm import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    engine.adapter_dir = tempfile.TemporaryDirectory(prefix="simple_rl_adapter_")
+    dtype = DTYPES[engine.cfg.dtype]
+    with torch.device("meta"):
+        shapes = Qwen3(files.args, bib.reference_kernels(), dtype)
+        add_lora(shapes, engine.lora)
+    zeros = {f"{name}.lora_{ab}.weight": torch.zeros(p[s].shape, dtype=dtype)
+             for name, m, s in adapter_slices(shapes) for ab, p in (("A", m.a), ("B", m.b))}
+    save_peft_adapter(Path(engine.adapter_dir.name), zeros, engine.lora, files.path)
+    request = LoRARequest("simple_rl", 1, engine.adapter_dir.name)
+    engine.llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                        engine.sampling_params(0, n=1, max_tokens=1), lora_request=request,
+                        use_tqdm=False)
+    engine.lora_tensors = engine.llm.apply_model(lambda m: {
+        name: (mod.lora_a_stacked, mod.lora_b_stacked) for name, mod in m.named_modules()
+        if hasattr(mod, "lora_a_stacked")})[0]
+    engine.adapter_ptrs = {t.data_ptr() for a, b in engine.lora_tensors.values() for t in a + b}
+    return request
+
+
+def engine_weights(llm, args, dtype) -> dict[str, torch.Tensor]:
+    """The engine's own weights (no copy) under the trainer's names, checked finite."""
+    params = llm.apply_model(lambda m: dict(m.named_parameters()))[0]
+    with torch.device("meta"):
+        want = Qwen3(args, bib.reference_kernels(), dtype).state_dict()
+    out = {k: v for k, v in ((trainer_name(k), v) for k, v in params.items()) if k in want}
+    for k in ("tok_embeddings.weight", "output.weight"):  # vLLM pads its vocab rows
+        if k in out:
+            out[k] = out[k][:args.vocab_size]
+    bad = [k for k, v in out.items() if not torch.isfinite(v).all()]
+    need(not bad, f"{', '.join(bad[:3])} hold NaN or Inf values; training from them would "
+         "be meaningless.")
+    return out
+
+
+def adapter_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
+    """(PEFT name, cast) of every targeted slice, after refreshing the casts: A_s (1, 1, r, K)
+    as `...q_proj.lora_A.weight`, B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
+    for m in lora_modules(model):
+        m.refresh()
+    for name, m, s in adapter_slices(model):
+        yield f"{name}.lora_A.weight", m.casts[0][s]
+        yield f"{name}.lora_B.weight", m.casts[1][s]
+
+
+def lora_spec(cfg: Config, args) -> LoRASpec | None:
+    """--lora-*: None for full fine-tuning. `all` is every target, attention only for MoE."""
+    if not cfg.lora_rank:
+        return None
+    every = LORA_TARGETS[:4] if sparse_layers(args) else LORA_TARGETS
+    targets = every if cfg.lora_targets == "all" else \
+        tuple(t.strip() for t in cfg.lora_targets.split(","))
+    return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
+
+
+def vllm_lora_layer(name: str) -> str:
+    """The trainer's LoRA module `layers.3.attention.wqkv.lora` -> vLLM's LoRA layer
+    `model.layers.3.self_attn.qkv_proj`."""
+    i, path = name.removeprefix("layers.").split(".", 1)
+    return f"model.layers.{i}.{LORA_LAYERS[path.removesuffix('.lora')][0]}"
+
+
+def bind_lora(model: Qwen3, slots: dict[str, tuple]) -> None:
+    """Make every adapter's casts the engine's own slot tensors of the same layer (vLLM's
+    lora_a_stacked, lora_b_stacked): a refresh then writes the engine's adapter in place (the
+    push moves no byte), and the trainer's forward reads what the engine reads."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            a, b = slots[vllm_lora_layer(name)]
+            want = [(1, 1, *p.shape) for p in (*m.a, *m.b)]
+            assert [tuple(t.shape) for t in (*a, *b)] == want, f"{name}: vLLM's LoRA slot"
+            m.casts = (tuple(a), tuple(b))
+
+
+def lora_init(model: Qwen3, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT's initial adapter: A_s ~ U(-1/sqrt(K), 1/sqrt(K)) (kaiming_uniform with a = sqrt(5)),
+    B_s = 0, so the policy starts as the base; untargeted slices all 0. Drawn on the CPU from
+    `seed`, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            for s, (a, b) in enumerate(zip(m.a, m.b)):
+                k = a.shape[1]
+                u = (torch.rand(a.shape, generator=g) * 2 - 1) / math.sqrt(k)
+                out[f"{name}.a.{s}"] = u if m.names[s] else torch.zeros(a.shape)
+                out[f"{name}.b.{s}"] = torch.zeros(b.shape)
+    return out
+
+
+def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
+    """(PEFT module name, its LoRA, slice) of every targeted slice:
+    `model.layers.3.self_attn.q_proj`, the wqkv adapter, 0."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            prefix = vllm_lora_layer(name).rsplit(".", 1)[0]  # model.layers.3.self_attn
+            for s, peft in enumerate(m.names):
+                if peft:
+                    yield f"{prefix}.{peft}", m, s
 
 
 # ==========================================================================

@@ -204,7 +204,10 @@ def test_auto_micro_batch_is_the_largest_that_the_estimate_fits():
     assert rl.auto_micro_batch(cfg, q17, 1, h200) == 24576
     assert rl.auto_micro_batch(cfg, q4, 1, h200) == 8192
     assert rl.auto_micro_batch(cfg, q8, 2, h200) == 4096
-    assert rl.auto_micro_batch(cfg, q8, 1, h200) == 4096  # nothing fits: the smallest
+    assert rl.auto_micro_batch(cfg, q8, 1, h200) == 1024  # nothing fits: the smallest
+    # under LoRA the base is the engine's and only adapters train: Qwen3-32B fits at 2048
+    q32 = qwen3(5120, 64, 64, 25600, tied=False)
+    assert rl.auto_micro_batch(rl.Config(lora_rank=16), q32, 1, h200) == 2048
     for model, world in ((q17, 1), (q4, 1), (q8, 2)):  # what it picks passes check_memory's test
         size = rl.auto_micro_batch(cfg, model, world, h200)
         grown = rl.dataclasses.replace(cfg, micro_batch_tokens=size + 4096)
