@@ -275,9 +275,10 @@ class LoRA(nn.Module):
     in the compute dtype, shaped as vLLM's lora_a_stacked / lora_b_stacked (1, 1, rows, cols);
     once bound (`bind_lora`) they are the engine's own tensors, so refreshing them pushes."""
 
-    def __init__(self, d_in: int, sizes: list[int], rank: int, scale: float, ops: bib.Kernels,
-                 dtype: torch.dtype):
+    def __init__(self, d_in: int, sizes: list[int], names: tuple[str | None, ...], rank: int,
+                 scale: float, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
+        self.names = names  # PEFT's name of each slice, None where --lora-targets leaves it out
         self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in)) for _ in sizes)
         self.b = nn.ParameterList(nn.Parameter(torch.empty(n, rank)) for n in sizes)
         self.scale = scale
@@ -595,9 +596,9 @@ def add_lora(model: Qwen3, lora: LoRASpec) -> None:
         for path, (_, names) in LORA_LAYERS.items():
             if set(names) & set(lora.targets) and not (block.sparse and "feed" in path):
                 layer = block.get_submodule(path)
-                layer.lora = LoRA(layer.weight.shape[1], sizes[path], lora.rank,
+                kept = tuple(n if n in lora.targets else None for n in names)
+                layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, lora.rank,
                                   lora.alpha / lora.rank, model.ops, model.dtype)
-                layer.lora.names = tuple(n if n in lora.targets else None for n in names)
 
 
 def lora_modules(model: nn.Module) -> list[LoRA]:
@@ -1032,6 +1033,9 @@ class VLLMEngine(Engine):
     Tensor parallel 1: each rank generates its own share of the prompts. Under torchrun the
     engine joins the existing process group (vLLM's external launcher).
     """
+
+    lora: LoRASpec | None = None  # --lora-rank: the adapter every request names
+    lora_request = None
 
     def __init__(self, cfg: Config, files: ModelFiles, ranks: Ranks):
         from vllm import LLM

@@ -126,7 +126,7 @@ def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
     seen = []
 
     class LLM:  # vLLM's LLM as the rollout calls it; here its engine dies mid-rollout
-        def generate(self, prompts, params, use_tqdm):
+        def generate(self, prompts, params, use_tqdm, lora_request=None):
             seen.append((len(prompts), gc.isenabled()))
             raise RuntimeError("engine died")
 
@@ -192,7 +192,7 @@ def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
     asked = []
 
     class LLM:
-        def generate(self, prompts, params, use_tqdm):
+        def generate(self, prompts, params, use_tqdm, lora_request=None):
             asked.extend(params)
             return [types.SimpleNamespace(prompt_token_ids=[1, 2], outputs=[
                         completion(1, [7], [-0.5], "stop"), completion(0, [5, 6], [-1.0, -2.0])]),
