@@ -458,6 +458,7 @@ def pool(rounds: list[dict]) -> dict:
     for key in ("all_gather_gb_s", "estimate_gib", "experts"):
         if key in first:
             out[key] = first[key]
+    out["name"] = first["name"]  # with its LoRA rank, if any
     return out
 
 

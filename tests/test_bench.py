@@ -92,6 +92,11 @@ def test_harness_runs_designs_a_and_c_on_cpu(ckpt, tmp_path, monkeypatch):
         assert len(r["steps"]) == 2
     table = bench_rl.table(results)
     assert "bitwise" in table and "seed" in table and "trainer MFU (a)" in table
+    # (a) with LoRA: simple_rl's own path (the base frozen, the adapters trained), 4 FLOPs a
+    # parameter and token for the base's GEMMs (no weight gradient) where full training has 6
+    lora = bench_rl.measure("a", str(ckpt()), **kw, lora_rank=8)
+    assert lora["name"] == "bitwise+lora8" and lora["trained_tokens"] == 4 * (6 + 4)
+    assert 0.6 < lora["flops"] / results[0]["flops"] < 0.75
 
 
 def test_table_reports_ratios_against_the_users_stack():
