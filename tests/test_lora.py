@@ -192,3 +192,45 @@ def test_moe_trains_attention_adapters_and_its_experts_take_none(tmp_path, capsy
 
 
 LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_vllm_names_map_to_the_trainers_and_the_adapter_binds_to_the_engines_slot(ckpt):
+    """vLLM's Qwen3 parameter names (LoRA-wrapped layers hold theirs under base_layer) map to
+    the trainer's; bind_lora makes the adapter casts the engine's slot tensors, after which
+    the push finds the adapter already in place (and refuses tensors that are not the slot)."""
+    theirs = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.base_layer.weight",
+              "model.layers.0.self_attn.o_proj.base_layer.weight",
+              "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
+              "model.layers.0.input_layernorm.weight",
+              "model.layers.0.post_attention_layernorm.weight",
+              "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+              "model.norm.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+              "model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"]
+    assert [rl.trainer_name(n) for n in theirs] == [
+        "tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.0.attention.wo.weight",
+        "layers.0.attention.q_norm.weight", "layers.0.attention.k_norm.weight",
+        "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight",
+        "layers.0.feed_forward.w13.weight", "layers.0.feed_forward.w2.weight", "norm.weight",
+        "output.weight", "layers.1.moe.router.gate.weight", "layers.1.moe.experts.w13",
+        "layers.1.moe.experts.w2"]
+    files = rl.load_model_files(rl.Config(model=str(ckpt()), dtype="float32"))
+    cfg = rl.Config(model=str(ckpt()), dtype="float32", lora_rank=8, lora_targets="q_proj,v_proj")
+    ranks = rl.Ranks(0, 1, torch.device("cpu"))
+    model, _ = rl.build_models(cfg, files.args, rl.load_hf_state_dict(files.path),
+                               bib.reference_kernels(), ranks)
+    slots = {rl.vllm_lora_layer(n): tuple(tuple(torch.zeros(1, 1, *p.shape) for p in ps)
+                                          for ps in (m.a, m.b))
+             for n, m in model.named_modules() if isinstance(m, rl.LoRA)}
+    assert sorted(slots) == ["model.layers.0.self_attn.qkv_proj",
+                             "model.layers.1.self_attn.qkv_proj"]  # k_proj rides along
+    rl.bind_lora(model, slots)
+    engine = type("Engine", (), dict(asleep=False, lora=True, llm=None))()
+    engine.adapter_ptrs = {t.data_ptr() for a, b in slots.values() for t in a + b}
+    engine.llm = type("LLM", (), dict(reset_prefix_cache=lambda self: None))()
+    rl.push_weights(engine, rl.policy_weights(model))
+    a_q = slots["model.layers.0.self_attn.qkv_proj"][0][0]
+    assert torch.equal(a_q[0, 0], model.layers[0].attention.wqkv.lora.a[0].detach())
+    names = [n for n, _ in rl.adapter_weights(model)]
+    assert len(names) == 2 * 2 * 2 and not any("k_proj" in n for n in names)
+    with pytest.raises(AssertionError, match="not the engine's tensor"):
+        rl.push_weights(engine, iter([("x.lora_A.weight", torch.zeros(1))]))
