@@ -69,6 +69,11 @@ from __future__ import annotations
 import os
 import sys
 
+# Run as a script this file is __main__; an env's `from simple_rl import ToolError` must find
+# this module, not import a second copy whose ToolError end_turn would not catch.
+if __name__ == "__main__":
+    sys.modules.setdefault("simple_rl", sys.modules[__name__])
+
 # PyTorch's C++ warnings (an experimental cuBLAS flag vLLM sets, a socket hostname lookup) are
 # not the user's to act on; the level is read when torch loads. --verbose keeps them.
 if "--verbose" not in sys.argv:
