@@ -93,6 +93,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -145,6 +146,10 @@ class Config:
     env: str = opt("rollout", "", "episodes of several turns: calc (arithmetic with a calculator "
                    "tool) or FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
     max_turns: int = opt("rollout", 4, "model turns per episode at most (each tool call ends one)")
+    tool_workers: int = opt("rollout", 0, "threads running a turn's env calls at once, results "
+                            "kept in episode order (0: one per episode)")
+    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset may run; past "
+                              "them its episode ends as tool_timeout, reward 0 (0: no limit)")
     tool_stop: str = opt("rollout", "", "comma-separated strings, each one token, that end a turn "
                          "to call the tool (default: the env's tool_stop)")
     chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
@@ -1719,10 +1724,12 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
 
 
 def env_reset(env: Env, problem: Problem, sample: int) -> str:
-    with user_errors(sample, ""):
-        message = env.reset(problem)
-    if not isinstance(message, str):
-        raise RewardError(f"reset returned {message!r}, not text", sample, "")
+    try:
+        with user_errors(sample, ""):
+            message = env.reset(problem)
+    except ToolError as e:  # no tool was called yet: the env's fault, not the model's
+        raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
+    check_text(message, "from reset", sample, "")
     return message
 
 
@@ -1732,10 +1739,10 @@ def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None
     with user_errors(sample, text):
         out = env.step(text)
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise RewardError(f"returned {out!r}, not (tool message, reward)", sample, text)
+        raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
     message, value = out
-    if message is not None and not isinstance(message, str):
-        raise RewardError(f"returned the tool message {message!r}, not text", sample, text)
+    if message is not None:
+        check_text(message, "the tool message", sample, text)
     if message is None or value is not None:
         value = finite_reward(value, sample, text)
     return message, value
@@ -1755,7 +1762,7 @@ class Episode:
     status: str = "running"  # then one of EPISODE_ENDS
     reward: float = 0.0  # the env's, or 0 if it ended without one
     tool_calls: int = 0  # tool messages the env gave
-    tool_s: float = 0.0  # seconds in env.step
+    tool_s: float = 0.0  # seconds in env.step (its calls, each on a thread of its own)
 
     def ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.context + turn.out.ids]
@@ -1766,27 +1773,21 @@ class Episode:
 
 # completed: the env scored a turn that ended at a stop id; length: one that hit
 # --max-new-tokens; context: the turn or the tool's message ran into --max-model-len;
-# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError
-EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error")
+# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError;
+# tool_timeout: step or reset ran past --tool-timeout
+EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error", "tool_timeout")
 
 
 def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]], n: int,
                  where: Callable[[int], str]) -> tuple[list[Env], list[list[int]]]:
     """n fresh envs per problem, reset, and each problem's first prompt as ids: the task's
     (prompt_ids) when reset gives the question, else its message formatted as the task's (the
-    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error."""
+    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error. An env
+    whose reset ran past --tool-timeout is None: its episode ends at once."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * n)]
-    messages = []
-    for i, env in enumerate(envs):
-        try:
-            messages.append(env_reset(env, problems[i // n], i))
-            if messages[-1] != messages[i - i % n]:  # a prompt's n samples share its prefill
-                raise RewardError("reset gave the episodes of one problem different first "
-                                  "messages", i, messages[-1])
-        except RewardError as e:
-            e.where = where(i)
-            raise
+    messages, late = reset_all(envs, problems, n, trainer.cfg, where)
+    envs = [None if i in late else env for i, env in enumerate(envs)]
     own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
     prompts = list(prompt_ids)
     for j, ids in zip(own, format_prompts([Problem(messages[j * n], problems[j].answer)
@@ -1797,18 +1798,26 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
 
 def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
          seed: Callable[[int, int], int | None], temperature: float,
-         where: Callable[[int], str]) -> None:
+         where: Callable[[int], str]) -> float:
     """Advance every episode until it ends, all together. After each turn, every live
     episode's env reads the turn's text; a tool message is rendered to ids and appended, and
     the episodes that go on get their next turn from one engine.generate over all of them.
-    seed(i, k) seeds episode i's turn k (0: the first, already generated)."""
-    live = list(range(len(episodes)))
+    seed(i, k) seeds episode i's turn k (0: the first, already generated). The envs of a turn
+    run in parallel (call_tools); returns the seconds the turns waited on them."""
+    live = [i for i, e in enumerate(episodes) if e.env is not None]
+    for e in episodes:
+        e.status = "running" if e.env is not None else "tool_timeout"  # its reset ran too long
+    waited = 0.0
     for turn in range(1, cfg.max_turns + 1):
         texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
+        t0 = time.perf_counter()
+        called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
+                             for i, text in zip(live, texts)], cfg)
+        waited += time.perf_counter() - t0
         messages = {}
-        for i, text in zip(live, texts):
+        for i, out in zip(live, called):
             try:
-                message = end_turn(episodes[i], text, turn == cfg.max_turns, i)
+                message = end_turn(episodes[i], out, turn == cfg.max_turns)
             except RewardError as e:
                 e.where = f"{where(i)}, turn {turn}"
                 raise
@@ -1823,7 +1832,7 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
             else:
                 going.append((i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
         if not going:
-            return
+            return waited
         outs = engine.generate([episodes[i].ids() + ids for i, ids, _ in going], 1,
                                [seed(i, turn) for i, _, _ in going], [m for _, _, m in going],
                                temperature)
@@ -1832,16 +1841,17 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
         live = [i for i, _, _ in going]
 
 
-def end_turn(episode: Episode, text: str, last: bool, sample: int) -> str | None:
-    """Hand the episode's last turn to its env: the tool message if the episode goes on, else
-    None, with the episode's status and reward set."""
-    t0 = time.perf_counter()
-    try:
-        message, value = env_step(episode.env, text, sample)
-    except ToolError:
-        message, value, episode.status = None, 0.0, "tool_error"
-    finally:
-        episode.tool_s += time.perf_counter() - t0
+def end_turn(episode: Episode, called: tuple[object, float], last: bool) -> str | None:
+    """What the env made of the episode's last turn (env_step's result or exception, and its
+    seconds): the tool message if the episode goes on, else None, with status and reward set."""
+    out, seconds = called
+    episode.tool_s += seconds
+    if isinstance(out, (ToolError, ToolTimeout)):
+        episode.status = "tool_error" if isinstance(out, ToolError) else "tool_timeout"
+        out = (None, 0.0)
+    elif isinstance(out, BaseException):
+        raise out
+    message, value = out
     episode.reward = value or 0.0
     if message is not None:
         episode.tool_calls += 1
@@ -2207,9 +2217,9 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         first = trainer.engine.rollout(prompts, mine, step)
         played = [Episode(env, [Turn(p, c)]) for env, p, c in
                   zip(envs, first.prompts, first_turns(first))]
-        play(trainer.engine, trainer.tokenizer, cfg, played,
-             lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn), cfg.temperature,
-             where)
+        waited = play(trainer.engine, trainer.tokenizer, cfg, played,
+                      lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
+                      cfg.temperature, where)
         # 2. Advantages from each episode's reward: a prompt's G episodes are all on this rank.
         # Here, so that rewards whose group's advantages overflow fp32 stop every rank.
         rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)  # (B*G,)
@@ -2219,10 +2229,10 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         except RewardError as e:
             e.where = where(e.sample)
             raise
-        return episodes_rollout(played, first.routed is not None), rewards, adv
+        return episodes_rollout(played, first.routed is not None), rewards, adv, waited
 
     t0 = time.perf_counter()
-    rollout, rewards, adv = on_every_rank(trainer, episodes)
+    rollout, rewards, adv, waited = on_every_rank(trainer, episodes)
     adv = adv.to(device)
     cuda = device.type == "cuda"
     rollout_in_use = device_in_use(device)  # the engine's peak: weights and a full KV cache
@@ -2247,6 +2257,9 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     metrics = step_metrics(cfg, rollout, rewards, len(mine), sums, n_tokens, grad_norm, parity,
                            times=(t1 - t0, t2 - t1, t3 - t2))
     metrics["time/engine_sleep_s"] = t1 - t_sleep  # within time/rollout_s
+    if cfg.env:  # the slowest rank's wait on its tools, within time/rollout_s
+        metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=device),
+                                            dist.ReduceOp.MAX).item()
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
     metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
     named = dict(trainer.model.named_parameters())
@@ -2311,7 +2324,7 @@ def on_every_rank(trainer: Trainer, fn: Callable):
     RewardError (so none waits in a collective)."""
     try:
         out, failure = fn(), None
-    except RewardError as e:
+    except (RewardError, ToolsStopped) as e:
         out, failure = None, e
     if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
         flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
@@ -2389,7 +2402,7 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.steps):
-                with stops_at(trainer, step, run_dir):
+                with stops_at(trainer, step, run_dir, source):
                     evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
                     metrics, parity = rl_step(trainer, step)
                 metrics.update(evals)
@@ -2408,7 +2421,7 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                     print0(f"saving checkpoint step_{step + 1:06d}")
                     save_checkpoint(run_dir, trainer, step + 1, source)
             if eval_due(cfg, cfg.steps):
-                with stops_at(trainer, cfg.steps, run_dir):
+                with stops_at(trainer, cfg.steps, run_dir, source):
                     final = evaluate(trainer, cfg.steps)
                 log_row(metrics_log, {"step": cfg.steps, **final})
                 print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
@@ -2546,7 +2559,7 @@ def episode_row(e: Episode) -> tuple:
 
 def episode_metrics(rows: list[tuple]) -> dict[str, float]:
     """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
-    the parity check compared at each turn; the seconds spent in env.step, summed."""
+    the parity check compared at each turn; the seconds of the env.step calls, summed."""
     n = len(rows)
     turns, calls, status, per_turn, tool, seconds = zip(*rows)
     generated = [sum(c) for c in per_turn]
@@ -2556,7 +2569,8 @@ def episode_metrics(rows: list[tuple]) -> dict[str, float]:
             "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
             **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
             "episode/generated_tokens_mean": sum(generated) / n,
-            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_s": sum(seconds), **checked}
+            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_calls_s": sum(seconds),
+            **checked}
 
 
 def in_prompt_order(per_rank: list[list]) -> list:
@@ -2850,10 +2864,11 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("turns per episode", "episode/turns_mean"),
             ("tool calls per episode", "episode/tool_calls_mean"),
             ("episodes ended by a tool error", "episode/tool_error_frac"),
+            ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
             ("episodes cut at --max-model-len", "episode/context_frac"),
             ("episodes cut at --max-turns", "episode/max_turns_frac"),
             ("tool tokens per episode", "episode/tool_tokens_mean"),
-            ("time in the env (s)", "time/tool_s")))
+            ("time waiting on the env's calls (s)", "time/tool_s")))
     return layout
 
 
@@ -3045,6 +3060,8 @@ def validate(cfg: Config) -> None:
          f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
     need(cfg.env in ("", "calc") or REWARD_SPEC.fullmatch(cfg.env) is not None, f"--env "
          f"{cfg.env!r} must be calc or name a Python file and a class in it: FILE.py:NAME.")
+    need(cfg.tool_workers >= 0 and cfg.tool_timeout >= 0, "--tool-workers and --tool-timeout "
+         "must be >= 0 (0: one thread per episode; no time limit).")
     need(1 <= cfg.max_turns <= MAX_TURNS, f"--max-turns must lie in [1, {MAX_TURNS}] "
          f"(got {cfg.max_turns}).")
     need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
@@ -3488,6 +3505,124 @@ def route_vllm_linear_through_cublaslt() -> None:
 
         apply.cublaslt = True
         method.apply = apply
+
+
+# ==========================================================================
+# Tools: one turn's env calls in parallel, under a timeout; their text checked
+# ==========================================================================
+# A turn's env calls run on daemon threads (a call that never returns cannot keep the process
+# alive) and come back in call order, so no bit depends on which call finished first. A call
+# past --tool-timeout is abandoned: its episode ends as tool_timeout, and its thread is left
+# to end by itself. A Ctrl-C or SIGTERM abandons the calls at once: the step is dropped and the
+# steps done are saved (ToolsStopped), so a hung tool never holds a stop back.
+
+
+class ToolTimeout(Exception):
+    """An env's step or reset ran past --tool-timeout."""
+
+
+class ToolsStopped(Exception):
+    """A Ctrl-C or SIGTERM came while the env's calls ran: the step is dropped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]:
+    """Each call's (result, or the exception it raised, or a ToolTimeout; seconds), in call
+    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request."""
+    n = len(calls)
+    results: list[tuple[object, float] | None] = [None] * n
+    started: list[float | None] = [None] * n
+    todo = iter(range(n))
+    lock = threading.Condition()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+                if i is None:
+                    return
+                started[i] = time.perf_counter()
+            try:
+                out = calls[i]()
+            except BaseException as e:  # the caller raises it in the main thread, in order
+                out = e
+            with lock:
+                if results[i] is None:  # else it came too late: a timeout is recorded
+                    results[i] = (out, time.perf_counter() - started[i])
+                lock.notify()
+
+    def spawn() -> None:
+        threading.Thread(target=worker, daemon=True, name="simple_rl-tool").start()
+
+    for _ in range(min(cfg.tool_workers or n, n)):
+        spawn()
+    with lock:
+        while not all(results):
+            if StopRequest.asked():
+                raise ToolsStopped(StopRequest.asked())
+            now = time.perf_counter()
+            for i in late_calls(started, results, now, cfg.tool_timeout):
+                results[i] = (ToolTimeout(f"ran past --tool-timeout {cfg.tool_timeout:g}s"),
+                              now - started[i])
+                spawn()  # its thread is stuck in the call: another takes the calls left
+            lock.wait(STOP_POLL_S)
+    return results
+
+
+STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
+
+
+def late_calls(started: list, results: list, now: float, timeout: float) -> list[int]:
+    """The calls still running after `timeout` seconds (0: none ever is)."""
+    return [i for i, (t, r) in enumerate(zip(started, results))
+            if timeout and r is None and t is not None and now - t >= timeout]
+
+
+def reset_all(envs: list[Env], problems: list[Problem], n: int, cfg: Config,
+              where: Callable[[int], str]) -> tuple[list[str], set[int]]:
+    """Every env reset (n per problem, in parallel): each episode's first message, and the
+    episodes whose reset ran past --tool-timeout (they get their group's message, or the
+    problem's question, and end at once). RewardError names the first bad episode."""
+    outs = [out for out, _ in call_tools([lambda i=i, env=env: env_reset(env, problems[i // n], i)
+                                          for i, env in enumerate(envs)], cfg)]
+    late = {i for i, out in enumerate(outs) if isinstance(out, ToolTimeout)}
+    messages = []
+    for i, out in enumerate(outs):
+        try:
+            if isinstance(out, BaseException) and i not in late:
+                raise out
+            group = [m for m in outs[i - i % n:i - i % n + n] if isinstance(m, str)]
+            messages.append(out if i not in late else group[0] if group else
+                            problems[i // n].question)
+            if group and messages[-1] != group[0]:  # a prompt's n samples share its prefill
+                raise RewardError("reset gave the episodes of one problem different first "
+                                  "messages", i, messages[-1])
+        except RewardError as e:
+            e.where = where(i)
+            raise
+    return messages, late
+
+
+def shown(value, limit: int = 80) -> str:
+    """repr(value), cut; never raises (an int of more than 4300 digits has no repr)."""
+    try:
+        return repr(value)[:limit]
+    except Exception:
+        return f"a {type(value).__name__}"
+
+
+def check_text(message, what: str, sample: int, completion: str) -> None:
+    """An env's message is text a tokenizer can read: a str, with no lone surrogate."""
+    if not isinstance(message, str):
+        raise RewardError(f"returned {what} {shown(message)}, not text", sample, completion)
+    try:
+        message.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RewardError(f"returned {what} with a lone surrogate ({message[e.start]!r} at "
+                          f"character {e.start}), not text", sample, completion) from None
 
 
 # ==========================================================================
@@ -4122,6 +4257,18 @@ def check_run_paths(cfg: Config, ckpt: Path | None) -> Path:
 RUN_LOCKS: dict[Path, int] = {}  # run dir -> the descriptor of its held lock file
 
 
+def drop_run_locks_in_child() -> None:
+    """A process forked from the run (an env's step may fork) shares its lock file's open
+    description, and so its lock, until it closes it: it closes it at once, so a child that
+    outlives the run never holds its run directory."""
+    for fd in RUN_LOCKS.values():
+        os.close(fd)
+    RUN_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=drop_run_locks_in_child)
+
+
 def lock_run_dir(run_dir: Path) -> None:
     """An exclusive OS lock (flock) on RUN/simple_rl.lock, held until release_run_dir or the
     process ends (a crash releases it), so no second process can share or replace the run."""
@@ -4521,6 +4668,8 @@ class StopRequest:
     """The first Ctrl-C or SIGTERM asks to stop after the current step, last eval or export
     (checkpoint, exit 130 or 143); a second Ctrl-C aborts at once."""
 
+    active: StopRequest | None = None  # the one whose handlers are installed
+
     def __init__(self):
         self.signal: int | None = None
         self.previous = {}
@@ -4528,7 +4677,13 @@ class StopRequest:
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.previous[sig] = signal.signal(sig, self.handle)
+        StopRequest.active = self
         return self
+
+    @staticmethod
+    def asked() -> int:
+        """The signal a stop was asked with (0: none), read by waits that must not outlast it."""
+        return (StopRequest.active and StopRequest.active.signal) or 0
 
     def handle(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
@@ -4540,15 +4695,20 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __exit__(self, *exc):
+        StopRequest.active = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
-def stops_at(trainer: Trainer, step: int, run_dir: Path):
-    """A step's faults as a RunStopped with its exit code, naming the last good checkpoint."""
+def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
+    """A step's faults as a RunStopped with its exit code, naming the last good checkpoint; a
+    stop asked while tools ran drops the step and saves the steps done."""
     try:
         yield
+    except ToolsStopped as e:
+        raise save_and_stop(trainer, run_dir, source, step, e.signum,
+                            f"in step {step}'s tool calls, which were abandoned") from None
     except NonFiniteError as e:
         raise nonfinite_stop(e, step, run_dir) from e
     except RewardError as e:

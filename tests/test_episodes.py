@@ -29,10 +29,13 @@ class Counted(Scripted):
     """Episode k (in the order simple_rl makes them) calls the tool k % 3 times."""
     made = 0
 
+    def __init__(self):
+        Counted.made += 1
+        self.made = Counted.made
+
     def reset(self, problem):
         question = super().reset(problem)
-        Counted.made += 1
-        self.calls = Counted.made % 3
+        self.calls = self.made % 3
         return question
 
 

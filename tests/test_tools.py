@@ -4,9 +4,11 @@ tool ends at --tool-timeout, and a tool's text stays text."""
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from helpers import cpu_argv
+import simple_rl as rl
+from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +36,208 @@ def test_an_env_raising_simple_rl_tool_error_passes_check_on_the_real_command_li
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
     assert "check: config: valid" in out.stdout
+
+
+# Episode k of a step calls the tool once, after a wait; the tool's message is the same for
+# every wait, so the bits cannot tell how long a call took or which one finished first.
+TOOLS = '''
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+RUN = None  # the test sets where to look for its files
+running, most = 0, 0
+lock = threading.Lock()
+
+
+class Waits:
+    wait_s = 0.0
+
+    def reset(self, problem):
+        self.answer, self.called = problem.answer, False
+        return problem.question
+
+    def wait(self, completion):
+        time.sleep(self.wait_s)
+
+    def step(self, completion):
+        global running, most
+        with lock:
+            running += 1
+            if running > most:  # the most calls at once, for the test to read
+                most = running
+                (Path(RUN) / "most").write_text(str(most))
+        try:
+            self.wait(completion)
+        finally:
+            with lock:
+                running -= 1
+        if not self.called:
+            self.called = True
+            return f"seen {len(completion)}", None
+        return None, float(len(completion) % 2)
+
+
+class Staggered(Waits):
+    def wait(self, completion):  # longer texts return sooner
+        time.sleep(max(0.0, 0.05 - 0.002 * len(completion)))
+
+
+class Slow(Waits):
+    wait_s = 0.2
+
+
+class HangsOnOdd(Waits):
+    def wait(self, completion):
+        if not self.called and len(completion) % 2:
+            time.sleep(5)
+
+
+class ResetHangs(Waits):
+    made = 0
+
+    def __init__(self):
+        ResetHangs.made += 1
+        self.made = ResetHangs.made
+
+    def reset(self, problem):
+        if self.made == 4:  # the third episode of the first step (--check's env was the first)
+            time.sleep(5)
+        return super().reset(problem)
+
+
+class HangsAtStep1(Waits):
+    def wait(self, completion):
+        flag = Path(RUN) / "hang"
+        if (Path(RUN) / "r" / "checkpoints" / "step_000001").exists() and flag.exists():
+            flag.unlink()
+            (Path(RUN) / "killed").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(20)  # hung, as far as the run can tell
+
+
+class Forks(Waits):
+    def wait(self, completion):
+        flag = Path(RUN) / "fork"
+        if flag.exists():
+            flag.unlink()
+            pid = os.fork()
+            if pid == 0:  # a child that outlives the run
+                time.sleep(30)
+                os._exit(0)
+            (Path(RUN) / "child").write_text(str(pid))
+'''
+
+
+def tool_env(tmp_path, name: str) -> str:
+    path = tmp_path / "tools.py"
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    path.write_text(TOOLS.replace("RUN = None", f"RUN = {str(tmp_path / 'runs')!r}"))
+    return f"{path}:{name}"
+
+
+def trainer_for(ckpt, tmp_path, **overrides):
+    cfg, given = rl.parse_config(cpu_argv(ckpt(chat=True), tmp_path / "runs", eval_size=0,
+                                          num_prompts=2, group_size=8, max_turns=3,
+                                          max_new_tokens=4, **overrides))
+    rl.validate(cfg)
+    return rl.setup(cfg, given, TorchEngine, "cpu")[0]
+
+
+def test_a_turns_tools_run_at_once_and_the_bits_do_not_depend_on_which_finished_first(
+        ckpt, tmp_path):
+    plain = run_cpu(cpu_argv(ckpt(), tmp_path / "runs", env=tool_env(tmp_path, "Waits"),
+                             steps=2, run_name="plain"))
+    staggered = tool_env(tmp_path, "Staggered")
+    most = tmp_path / "runs" / "most"
+    assert run_cpu(cpu_argv(ckpt(), tmp_path / "runs", env=staggered, steps=2,
+                            run_name="staggered")) == plain
+    assert int(most.read_text()) > 1  # calls overlapped
+    most.unlink()
+    assert run_cpu(cpu_argv(ckpt(), tmp_path / "runs", env=staggered, steps=2, tool_workers=1,
+                            run_name="one")) == plain
+    assert most.read_text() == "1"
+
+
+def test_a_turn_of_16_tools_of_200_ms_waits_about_one_call(ckpt, tmp_path):
+    trainer = trainer_for(ckpt, tmp_path, env=tool_env(tmp_path, "Slow"))
+    m, _ = rl.rl_step(trainer, 0)
+    turns = m["episode/turns_mean"]
+    assert m["episode/tool_calls_mean"] == 1.0  # every episode called the tool once
+    calls = 16 * (turns - 1 + 1)  # each turn of each episode is one call of 200 ms
+    assert m["time/tool_calls_s"] >= 0.2 * calls
+    # two turns: two waves of 16 calls at once, about 0.4 s (16 calls one after another: 6.4)
+    assert m["time/tool_s"] < 0.2 * 2 + 0.4, m["time/tool_s"]
+    print(f"16 episodes, 200 ms a call: waited {m['time/tool_s']:.3f} s for "
+          f"{m['time/tool_calls_s']:.2f} s of calls")
+
+
+def test_a_step_past_tool_timeout_ends_its_episode_and_the_run_goes_on(ckpt, tmp_path,
+                                                                         monkeypatch):
+    kept = []
+    plain = rl.episodes_rollout
+    monkeypatch.setattr(rl, "episodes_rollout", lambda *a: kept.append(plain(*a)) or kept[-1])
+    trainer = trainer_for(ckpt, tmp_path, env=tool_env(tmp_path, "HangsOnOdd"),
+                          tool_timeout=0.5)
+    m, _ = rl.rl_step(trainer, 0)
+    assert m["time/tool_s"] < 0.5 * 3 + 1  # at most 3 turns of 0.5 s: a hung call takes 5 s
+    episodes = kept[0].episodes
+    late = [e for e in episodes if e.status == "tool_timeout"]
+    texts = rl.decode(trainer.tokenizer, [e.turns[0].out.ids for e in episodes])
+    odd = [e for e, text in zip(episodes, texts) if len(text) % 2]
+    assert late == odd and 0 < len(late) < 16
+    assert all(e.reward == 0.0 and len(e.turns) == 1 and e.tool_calls == 0 for e in late)
+    assert m["episode/tool_timeout_frac"] == len(late) / 16
+    rl.rl_step(trainer, 1)  # the run goes on
+
+
+def test_a_reset_past_tool_timeout_ends_its_episode_with_its_groups_prompt(ckpt, tmp_path,
+                                                                            monkeypatch):
+    kept = []
+    plain = rl.episodes_rollout
+    monkeypatch.setattr(rl, "episodes_rollout", lambda *a: kept.append(plain(*a)) or kept[-1])
+    trainer = trainer_for(ckpt, tmp_path, env=tool_env(tmp_path, "ResetHangs"),
+                          tool_timeout=0.5)
+    m, _ = rl.rl_step(trainer, 0)
+    episodes = kept[0].episodes
+    assert [e.status == "tool_timeout" for e in episodes] == [i == 2 for i in range(16)]
+    assert episodes[2].reward == 0.0 and len(episodes[2].turns) == 1
+    assert episodes[2].turns[0].context == episodes[0].turns[0].context
+    assert m["episode/tool_timeout_frac"] == 1 / 16
+
+
+def test_sigterm_in_a_hung_tool_saves_the_steps_done_and_exits_143_in_one_sentence(
+        ckpt, tmp_path, capsys):
+    env = tool_env(tmp_path, "HangsAtStep1")
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=env, steps=2, save_every=1, run_name="r",
+                    tool_timeout=0)  # no time limit: only the stop can end the hung call
+    (tmp_path / "runs" / "hang").write_text("")
+    assert main_cpu(argv) == 143
+    assert time.time() - float((tmp_path / "runs" / "killed").read_text()) < 10  # it hangs 20
+    err = capsys.readouterr().err.strip()
+    ckpt1 = tmp_path / "runs" / "r" / "checkpoints" / "step_000001"
+    assert err == (f"simple_rl: stopped in step 1's tool calls, which were abandoned; "
+                   f"checkpoint {ckpt1}; continue with --resume {ckpt1}")
+    resumed = run_cpu(argv + ["--resume", "latest"])
+    assert resumed == run_cpu(cpu_argv(ckpt(), tmp_path / "runs", env=env, steps=2,
+                                       run_name="whole"))
+
+
+def test_a_child_an_env_forks_never_holds_the_runs_lock(ckpt, tmp_path):
+    import fcntl
+    import os
+    import signal
+
+    env = tool_env(tmp_path, "Forks")
+    (tmp_path / "runs" / "fork").write_text("")
+    run_cpu(cpu_argv(ckpt(), tmp_path / "runs", env=env, steps=1, run_name="r"))
+    child = int((tmp_path / "runs" / "child").read_text())
+    try:
+        fd = os.open(tmp_path / "runs" / "r" / rl.LOCK_FILE, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the child holds it
+        os.close(fd)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
