@@ -83,6 +83,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import gc
 import hashlib
 import json
@@ -144,8 +145,11 @@ class Config:
     reward: str = opt("rollout", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
                       "(default: 1 if the number after 'Answer:' is right, else 0)")
     env: str = opt("rollout", "", "episodes of several turns: calc (arithmetic with a calculator "
-                   "tool) or FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
+                   "tool), lookup (its own questions, 2-3 dependent <search> calls) or "
+                   "FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
     max_turns: int = opt("rollout", 4, "model turns per episode at most (each tool call ends one)")
+    max_tool_tokens: int = opt("rollout", 0, "a tool message's tokens at most, the rest cut "
+                               "(0: no cut; one past what --max-model-len leaves ends it)")
     tool_workers: int = opt("rollout", 0, "threads running a turn's env calls at once, results "
                             "kept in episode order (0: one per episode)")
     tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset may run; past "
@@ -1427,7 +1431,9 @@ def chat_texts(tokenizer, conversations: list[list[dict]], cfg: Config) -> list[
 
 def load_task(cfg: Config, tokenizer) -> Task:
     """The problems of the whole run and the held-out ones, tokenized once; lengths checked."""
-    if cfg.task == "arithmetic":
+    if cfg.env == "lookup":  # its own questions (the lookup task, after the story ends)
+        problems, heldout = lookup_split(cfg)
+    elif cfg.task == "arithmetic":
         problems, heldout = arithmetic_split(cfg)
     else:
         source = cfg.data_files or "GSM8K"
@@ -1621,6 +1627,10 @@ class Env:
     step returns (tool message, None) to answer a tool call, and the model goes on in another
     turn, or (None, reward) to end the episode. tool_stop: the strings (comma-separated, one
     token each) that end a turn to call the tool; --tool-stop overrides it.
+
+    The contract that keeps runs bit-exact, resumed ones too: an env is fresh per episode, and
+    step is a deterministic function of the episode's texts (no state across episodes, no
+    clock, no unseeded randomness). Calls run on threads, past --tool-timeout end the episode.
     """
 
     tool_stop = ""
@@ -1680,22 +1690,27 @@ def calculate(expr: str) -> int:
         raise ToolError(f"{expr[:40]!r} does not parse") from e
 
 
+EMBEDDED_ENVS = ("calc", "lookup")  # --env names of the envs simple_rl holds
+
+
 def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
     """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
     of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
     if not spec:
         return lambda: RewardEnv(reward_fn)
-    if spec == "calc":
-        return lambda: CalcEnv(reward_fn)
+    if spec in EMBEDDED_ENVS:
+        return lambda: (CalcEnv if spec == "calc" else LookupEnv)(reward_fn)
     make, path, name = user_object(spec, "--env")
     need(callable(make), f"--env: {path} has no class {name!r}.")
     return make
 
 
-def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
+def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
+              tokenizer) -> tuple[Env, str]:
     """Before anything slow: an env is made, has reset(problem) and step(completion), gives
-    the first problem a text and an empty completion (a model may stop at once) a reward or a
-    tool message. Returns that env (its tool_stop is the default --tool-stop)."""
+    the first problem a text that fits --max-model-len and an empty completion (a model may
+    stop at once) a reward or a tool message. Returns that env (its tool_stop is the default
+    --tool-stop) and --check's line on it."""
     import inspect
 
     label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
@@ -1714,13 +1729,19 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
         except ValueError:  # no signature to inspect: the first call will tell
             pass
     try:
-        env_reset(env, task.problems[0], 0)
-        env_step(env, "", 0)
+        first_prompt_ids([env_reset(env, task.problems[0], 0)], tokenizer, cfg, ["reset"])
+    except RewardError as e:
+        raise ConfigError(f"{label}: on the first problem its reset {e}.") from e
+    try:
+        said = f"returned {shown(env_step(env, '', 0))}"
     except RewardError as e:
         raise ConfigError(f"{label}: on an empty completion it {e}.") from e
-    except ToolError:
-        pass
-    return env
+    except ToolError as e:
+        said = f"raised ToolError ({shown(str(e))})"
+    stop = getattr(env, "tool_stop", "")
+    need(isinstance(stop, str), f"{label}: its tool_stop {shown(stop)} must be text: "
+         "comma-separated strings, each one token.")
+    return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
 
 
 def env_reset(env: Env, problem: Problem, sample: int) -> str:
@@ -1790,8 +1811,8 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     envs = [None if i in late else env for i, env in enumerate(envs)]
     own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
     prompts = list(prompt_ids)
-    for j, ids in zip(own, format_prompts([Problem(messages[j * n], problems[j].answer)
-                                           for j in own], trainer.tokenizer, trainer.cfg)):
+    for j, ids in zip(own, first_prompt_ids([messages[j * n] for j in own], trainer.tokenizer,
+                                            trainer.cfg, [where(j * n) for j in own])):
         prompts[j] = ids
     return envs, prompts
 
@@ -1862,28 +1883,6 @@ def end_turn(episode: Episode, called: tuple[object, float], last: bool) -> str 
         end = episode.turns[-1]
         episode.status = "completed" if end.out.stopped else "context" if end.capped else "length"
     return None
-
-
-TURN_MARK = "SIMPLE_RL_TURN_MARK"
-
-
-def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[int]]:
-    """The ids appended after a turn for each tool message. With a chat template: what it
-    renders after an assistant turn's content (that turn's end, the tool's turn, the next
-    assistant turn's generation prompt), found after a marker, so only the new part; without
-    one, the message's text as is."""
-    if not messages:
-        return []
-    texts = messages
-    if uses_chat_template(cfg, tokenizer):
-        turns = [[{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
-                  {"role": "tool", "content": m}] for m in messages]
-        texts = chat_texts(tokenizer, turns, cfg)
-        need(all(t.count(TURN_MARK) == 1 for t in texts), "the chat template does not render "
-             "an assistant turn's content as is, so a tool message cannot be appended to an "
-             "episode's ids; pass --chat-template off.")
-        texts = [t.split(TURN_MARK, 1)[1] for t in texts]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
@@ -2683,13 +2682,13 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     reward_fn = load_reward(cfg.reward)
     empty = check_reward(reward_fn, cfg.reward, task)
     make_env = load_env(cfg.env, reward_fn)
-    env = check_env(make_env, cfg, task) if cfg.env else None  # else check_reward did it
+    env, checked = check_env(make_env, cfg, task, files.tokenizer) if cfg.env else (None, "")
     stops = cfg.tool_stop or getattr(env, "tool_stop", "")
     files = dataclasses.replace(files, tool_ids=tool_stop_ids(files.tokenizer, stops))
     if files.tool_ids:
         tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
     if cfg.check:  # nothing made, no engine: say what was checked
-        print0(check_report(cfg, ckpt, files, task, empty))
+        print0(check_report(cfg, ckpt, files, task, empty, checked))
         return None
     if engine_factory is None:  # the GPU, the environment parity needs and vLLM
         if not gpu_first:
@@ -2780,7 +2779,7 @@ def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory:
 
 
 def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
-                 empty: float) -> str:
+                 empty: float, env: str = "") -> str:
     """--check's answer: one line per thing checked, each of which passed."""
     run_dir = Path(cfg.log_dir) / cfg.run_name
     where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
@@ -2796,10 +2795,12 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
         f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
         "every safetensors header agree",
         f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
-        f"data ({cfg.task}): {len(task.problems)} training problems, {len(task.eval_problems)} "
-        f"held out; the longest prompt ({max(lengths)} tokens) fits --max-model-len",
+        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
+        f"training problems, {len(task.eval_problems)} held out; the longest prompt "
+        f"({max(lengths)} tokens) fits --max-model-len",
         f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
         "on an empty completion",
+        *([env] if env else []),
         f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
     ]
     return "\n".join(f"check: {line}" for line in lines)
@@ -3058,10 +3059,14 @@ def validate(cfg: Config) -> None:
     need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
     need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
          f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
-    need(cfg.env in ("", "calc") or REWARD_SPEC.fullmatch(cfg.env) is not None, f"--env "
-         f"{cfg.env!r} must be calc or name a Python file and a class in it: FILE.py:NAME.")
-    need(cfg.tool_workers >= 0 and cfg.tool_timeout >= 0, "--tool-workers and --tool-timeout "
-         "must be >= 0 (0: one thread per episode; no time limit).")
+    need(cfg.env in ("", *EMBEDDED_ENVS) or REWARD_SPEC.fullmatch(cfg.env) is not None,
+         f"--env {cfg.env!r} must be calc, lookup or name a Python file and a class in it: "
+         "FILE.py:NAME.")
+    need(cfg.env != "lookup" or cfg.eval_size <= 2 * LOOKUP_PEOPLE // 4, f"--eval-size "
+         f"{cfg.eval_size}: the lookup task holds out at most {2 * LOOKUP_PEOPLE // 4} questions.")
+    need(min(cfg.tool_workers, cfg.tool_timeout, cfg.max_tool_tokens) >= 0, "--tool-workers, "
+         "--tool-timeout and --max-tool-tokens must be >= 0 (0: one thread per episode; no "
+         "time limit; no cut).")
     need(1 <= cfg.max_turns <= MAX_TURNS, f"--max-turns must lie in [1, {MAX_TURNS}] "
          f"(got {cfg.max_turns}).")
     need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
@@ -3606,12 +3611,102 @@ def reset_all(envs: list[Env], problems: list[Problem], n: int, cfg: Config,
     return messages, late
 
 
+TURN_MARK = "SIMPLE_RL_TURN_MARK"
+TOOL_MARK = "SIMPLE_RL_TOOL_MARK"
+CHARS_PER_TOKEN = 64  # a message is cut at this many characters per token of its bound
+
+
+def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[int]]:
+    """The ids appended after a turn for each tool message. With a chat template: what it
+    renders after an assistant turn's content (that turn's end, the tool's turn, the next
+    assistant turn's generation prompt), found after a marker, so only the new part; without
+    one, the message's text as is.
+
+    A tool's text is text, never control: a message holding a special token's string, or
+    longer than its bound (--max-tool-tokens, else --max-model-len), is encoded apart from
+    the template around it, with special-token strings split into plain tokens, and cut at
+    the bound (its characters first, so a 10 MB message is never tokenized whole). Any other
+    message is encoded with its template, as it always was."""
+    if not messages:
+        return []
+    before, after = tool_turn_parts(tokenizer, cfg)
+    bound = cfg.max_tool_tokens or cfg.max_model_len
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                if t.special]
+    plain = [k for k, m in enumerate(messages)
+             if len(m) <= CHARS_PER_TOKEN * bound and not any(s in m for s in specials)]
+    texts = [messages[k] for k in plain]
+    if uses_chat_template(cfg, tokenizer) and texts:  # the template's rendering of each one
+        turns = [[{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
+                  {"role": "tool", "content": m}] for m in texts]
+        texts = [t.split(TURN_MARK, 1)[1] for t in chat_texts(tokenizer, turns, cfg)]
+    ids: list = [None] * len(messages)
+    for k, got in zip(plain, tokenizer(texts, add_special_tokens=False)["input_ids"]
+                      if texts else []):
+        ids[k] = got
+    around = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (before, after)]
+    for k, m in enumerate(messages):
+        if ids[k] is None or len(ids[k]) > bound + len(around[0]) + len(around[1]):
+            text = m[:CHARS_PER_TOKEN * bound]
+            own = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+            ids[k] = around[0] + own["input_ids"][:bound] + around[1]
+    return ids
+
+
+def tool_turn_parts(tokenizer, cfg: Config) -> tuple[str, str]:
+    """The text the chat template renders after an assistant turn's content and before a tool
+    message's (its turn's end, the tool turn's start), and after that message (the tool
+    turn's end, the next generation prompt); ('', '') without a template."""
+    if not uses_chat_template(cfg, tokenizer):
+        return "", ""
+    turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
+            {"role": "tool", "content": TOOL_MARK}]
+    text = chat_texts(tokenizer, [turn], cfg)[0]
+    need(text.count(TURN_MARK) == 1 and text.count(TOOL_MARK) == 1, "the chat template does "
+         "not render an assistant turn's content and a tool message as they are, so a tool "
+         "message cannot be appended to an episode's ids; pass --chat-template off.")
+    before, after = text.split(TURN_MARK, 1)[1].split(TOOL_MARK)
+    return before, after
+
+
+def first_prompt_ids(messages: list[str], tokenizer, cfg: Config,
+                     where: list[str]) -> list[list[int]]:
+    """Each reset's own first message as the task's prompts are (format_prompts), its text
+    kept text: special-token strings in it are split into plain tokens. RewardError on a
+    message with no room left in --max-model-len (where[k] names message k)."""
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                if t.special]
+    before, after = "Q: ", "\nA:"
+    if uses_chat_template(cfg, tokenizer) and messages:
+        text = chat_texts(tokenizer, [[{"role": "user", "content": TOOL_MARK}]], cfg)[0]
+        need(text.count(TOOL_MARK) == 1, "the chat template does not render a user message as "
+             "it is; pass --chat-template off.")
+        before, after = text.split(TOOL_MARK)
+    out = []
+    for k, m in enumerate(messages):
+        if len(m) > CHARS_PER_TOKEN * cfg.max_model_len:
+            ids = [0] * cfg.max_model_len  # too long for any prompt: never tokenized
+        elif any(s in m for s in specials):
+            ids = [t for part, own in ((before, False), (m, True), (after, False)) for t in
+                   tokenizer(part, add_special_tokens=False, split_special_tokens=own)
+                   ["input_ids"]]
+        else:
+            ids = format_prompts([Problem(m, "")], tokenizer, cfg)[0]
+        if len(ids) + 1 > cfg.max_model_len:
+            error = RewardError(f"gave a first message of {len(m):,} characters, which leaves "
+                                f"no room in --max-model-len {cfg.max_model_len}", 0, "")
+            error.where = where[k]
+            raise error
+        out.append(ids)
+    return out
+
+
 def shown(value, limit: int = 80) -> str:
     """repr(value), cut; never raises (an int of more than 4300 digits has no repr)."""
     try:
         return repr(value)[:limit]
     except Exception:
-        return f"a {type(value).__name__}"
+        return f"an object of type {type(value).__name__}"
 
 
 def check_text(message, what: str, sample: int, completion: str) -> None:
@@ -3623,6 +3718,76 @@ def check_text(message, what: str, sample: int, completion: str) -> None:
     except UnicodeEncodeError as e:
         raise RewardError(f"returned {what} with a lone surrogate ({message[e.start]!r} at "
                           f"character {e.start}), not text", sample, completion) from None
+
+
+# ==========================================================================
+# The lookup task (--env lookup): questions that need two or three dependent tool calls
+# ==========================================================================
+# A generated table of made-up people, each with a mentor and an age, and questions about the
+# age of someone's mentor (two calls: the person, then the mentor) or mentor's mentor (three).
+# The answer of one call is the query of the next. Nothing is downloaded: the table and the
+# questions are the same on every machine and for every --seed (which orders the steps).
+
+LOOKUP_SEED = 40
+LOOKUP_PEOPLE = 4096
+SYLLABLES = ("ka", "lo", "mi", "ra", "ve", "tu", "ne", "so", "di", "pa", "zo", "be", "ri",
+             "fa", "gu", "ye")
+LOOKUP_FORMAT = "Look a person up with <search>name</search>."
+
+
+@functools.cache  # built once, then read (never written) by every episode's env
+def lookup_table(n: int = LOOKUP_PEOPLE, seed: int = LOOKUP_SEED) -> dict[str, tuple[str, int]]:
+    """name -> (mentor, age): n made-up people of four syllables, each mentored by another."""
+    rng = random.Random(seed)
+    names: set[str] = set()
+    while len(names) < n:
+        names.add("".join(rng.choice(SYLLABLES) for _ in range(4)).capitalize())
+    people = sorted(names)  # a set's order differs between processes
+    picks = [rng.randrange(n - 1) for _ in range(n)]
+    mentors = [people[j + (j >= i)] for i, j in enumerate(picks)]  # anyone but themselves
+    return {p: (m, rng.randint(20, 89)) for p, m in zip(people, mentors)}
+
+
+def lookup_problems(table: dict[str, tuple[str, int]]) -> list[Problem]:
+    """Every question of the table, in a fixed shuffled order: the age of each person's mentor
+    (hops 1: two calls) and of their mentor's mentor (hops 2: three calls)."""
+    out = []
+    for person in table:
+        mentor = table[person][0]
+        out.append(Problem(f"How old is the mentor of {person}? {LOOKUP_FORMAT} "
+                           f"{ANSWER_FORMAT}", str(table[mentor][1])))
+        out.append(Problem(f"How old is the mentor of the mentor of {person}? "
+                           f"{LOOKUP_FORMAT} {ANSWER_FORMAT}", str(table[table[mentor][0]][1])))
+    random.Random(LOOKUP_SEED).shuffle(out)
+    return out
+
+
+def lookup_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
+    """(training pool, held-out problems): the first --eval-size questions are held out."""
+    problems = lookup_problems(lookup_table())
+    return problems[cfg.eval_size:], problems[:cfg.eval_size]
+
+
+def search(table: dict[str, tuple[str, int]], query: str) -> str:
+    """The tool: a person's entry, or a sentence saying there is none."""
+    name = query.strip()
+    if name not in table:
+        return f"no one is called {name[:40]!r}"
+    mentor, age = table[name]
+    return f"{name}: mentor {mentor}, age {age}"
+
+
+class LookupEnv(RewardEnv):
+    """--env lookup: a turn that ends in <search>NAME</search> gets NAME's entry as the tool's
+    message; a turn without one is scored by reward_fn."""
+
+    tool_stop = "</search>"
+
+    def step(self, completion: str) -> tuple[str | None, float | None]:
+        if not completion.endswith("</search>"):
+            return None, self.reward_fn(completion, self.answer)
+        query = completion[: -len("</search>")].rsplit("<search>", 1)[-1]
+        return search(lookup_table(), query), None
 
 
 # ==========================================================================
@@ -4044,7 +4209,7 @@ def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
     if name == "model":
         return {f: model_dir / f for f in ("config.json", *TOKENIZER_FILES)
                 if (model_dir / f).is_file()}
-    if not value or (name == "env" and value == "calc"):
+    if not value or (name == "env" and value in EMBEDDED_ENVS):
         return {}
     if name in ("reward", "env"):
         file, function = value.rsplit(":", 1)
@@ -4419,7 +4584,7 @@ def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int
 def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
     """(shortest, longest) first prompt in tokens: the task's training prompts, unless the
     user's env writes its own first message (`new_episodes`), of any length."""
-    if cfg.env not in ("", "calc"):
+    if cfg.env not in ("", *EMBEDDED_ENVS):
         return ANY_PROMPT
     lengths = [len(p) for p in task.prompt_ids]
     return min(lengths), max(lengths)

@@ -248,7 +248,7 @@ def test_an_env_that_fails_mid_run_stops_with_exit_7_naming_episode_and_turn(
     ("{dir}/bad.py:NoStep", "--env {dir}/bad.py:NoStep: its env has no method step(completion)."),
     ("{dir}/bad.py:TwoArgs", "--env {dir}/bad.py:TwoArgs: step(completion, answer) must take "
                              "(completion)."),
-    ("calc.py", "--env 'calc.py' must be calc or name a Python file and a class in it"),
+    ("calc.py", "--env 'calc.py' must be calc, lookup or name a Python file and a class in it"),
 ])
 def test_a_bad_env_is_refused_before_the_engine_starts(ckpt, tmp_path, capsys, spec, says):
     from helpers import CountingEngine
