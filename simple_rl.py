@@ -1729,12 +1729,13 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
         except ValueError:  # no signature to inspect: the first call will tell
             pass
     try:
-        first_prompt_ids([env_reset(env, task.problems[0], 0)], tokenizer, cfg, ["reset"])
-    except RewardError as e:
+        first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
+        first_prompt_ids([first], tokenizer, cfg, ["reset"])
+    except (RewardError, ToolTimeout) as e:
         raise ConfigError(f"{label}: on the first problem its reset {e}.") from e
     try:
-        said = f"returned {shown(env_step(env, '', 0))}"
-    except RewardError as e:
+        said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
+    except (RewardError, ToolTimeout) as e:
         raise ConfigError(f"{label}: on an empty completion it {e}.") from e
     except ToolError as e:
         said = f"raised ToolError ({shown(str(e))})"
@@ -3575,6 +3576,14 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
                 spawn()  # its thread is stuck in the call: another takes the calls left
             lock.wait(STOP_POLL_S)
     return results
+
+
+def call_once(fn: Callable, cfg: Config):
+    """fn() as call_tools runs it, under --tool-timeout: its result, or what it raised."""
+    [(out, _)] = call_tools([fn], cfg)
+    if isinstance(out, BaseException):
+        raise out
+    return out
 
 
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call

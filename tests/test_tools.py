@@ -330,6 +330,14 @@ class ListStop(Base):
     tool_stop = ["</calc>"]
 
 
+class SlowAtCheck(Base):
+    def reset(self, problem):
+        import time
+
+        time.sleep(3)
+        return problem.question
+
+
 class LongFirstAtCheck(LongFirst):
     made = 1
 
@@ -366,12 +374,13 @@ def test_odd_env_messages_stop_the_run_in_one_sentence_with_exit_7(ckpt, tmp_pat
                          "characters, which leaves no room in --max-model-len 128"),
     ("ResetToolErrorAtCheck", "on the first problem its reset raised ToolError in reset: no "
                               "such page"),
+    ("SlowAtCheck", "on the first problem its reset ran past --tool-timeout 0.5s."),
 ])
 def test_an_env_check_refuses_in_one_sentence(ckpt, tmp_path, capsys, name, says):
     path = tmp_path / "odd.py"
     path.write_text(ODD)
-    argv = cpu_argv(ckpt(), tmp_path / "runs", env=f"{path}:{name}") + ["--check"]
-    assert main_cpu(argv) == 2
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=f"{path}:{name}", tool_timeout=0.5)
+    assert main_cpu(argv + ["--check"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("simple_rl")]
     assert len(err) == 1 and says in err[0], err
 
