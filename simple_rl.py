@@ -3537,7 +3537,11 @@ class ToolsStopped(Exception):
 
 def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]:
     """Each call's (result, or the exception it raised, or a ToolTimeout; seconds), in call
-    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request."""
+    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request.
+    Without --env the calls are --reward's, made in this thread as ever (a reward may time
+    itself with signal.alarm, which works in the main thread only)."""
+    if not cfg.env:
+        return [inline(call) for call in calls]
     n = len(calls)
     results: list[tuple[object, float] | None] = [None] * n
     started: list[float | None] = [None] * n
@@ -3584,6 +3588,16 @@ def call_once(fn: Callable, cfg: Config):
     if isinstance(out, BaseException):
         raise out
     return out
+
+
+def inline(call: Callable) -> tuple[object, float]:
+    """call() in this thread, as call_tools reports it: (its result or exception, seconds)."""
+    t0 = time.perf_counter()
+    try:
+        out = call()
+    except Exception as e:  # RewardError, ToolError: raised again in episode order
+        out = e
+    return out, time.perf_counter() - t0
 
 
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call

@@ -392,3 +392,12 @@ def test_check_names_the_env_and_what_its_first_step_returned(ckpt, tmp_path, ca
     assert main_cpu(argv) == 0
     assert f"check: env {path}:Base: made, reset; on an empty completion its step returned " \
            "(None, 0.0)" in capsys.readouterr().out
+
+
+def test_a_one_turn_reward_is_called_in_the_main_thread_as_before(ckpt, tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text("import threading\n\n\ndef main_only(completion, answer):\n"
+                    "    assert threading.current_thread() is threading.main_thread()\n"
+                    "    return float(len(completion) % 2)\n")
+    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", reward=f"{path}:main_only",
+                             steps=1)) == 0  # signal.alarm, say, works in the main thread only
