@@ -1630,7 +1630,8 @@ class Env:
 
     The contract that keeps runs bit-exact, resumed ones too: an env is fresh per episode, and
     step is a deterministic function of the episode's texts (no state across episodes, no
-    clock, no unseeded randomness). Calls run on threads, past --tool-timeout end the episode.
+    clock, no unseeded randomness). reset and step run on threads; one that runs past
+    --tool-timeout ends its episode.
     """
 
     tool_stop = ""
@@ -2320,8 +2321,9 @@ def generated_lengths(rollout: Rollout) -> list[int]:
 
 
 def on_every_rank(trainer: Trainer, fn: Callable):
-    """fn()'s result. If a reward or env failed in it on any rank, every rank raises that
-    RewardError (so none waits in a collective)."""
+    """fn()'s result. If a reward or env failed in it on any rank (or a stop came while its
+    tools ran), every rank raises that RewardError (ToolsStopped), so none waits in a
+    collective."""
     try:
         out, failure = fn(), None
     except (RewardError, ToolsStopped) as e:
