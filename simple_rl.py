@@ -74,6 +74,11 @@ from __future__ import annotations
 import os
 import sys
 
+# Run as a script this file is __main__; an env's `from simple_rl import ToolError` must find
+# this module, not import a second copy whose ToolError end_turn would not catch.
+if __name__ == "__main__":
+    sys.modules.setdefault("simple_rl", sys.modules[__name__])
+
 # PyTorch's C++ warnings (an experimental cuBLAS flag vLLM sets, a socket hostname lookup) are
 # not the user's to act on; the level is read when torch loads. --verbose keeps them.
 if "--verbose" not in sys.argv:
@@ -83,6 +88,7 @@ import argparse
 import contextlib
 import dataclasses
 import errno
+import functools
 import gc
 import hashlib
 import json
@@ -93,6 +99,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -154,8 +161,15 @@ class Config:
     reward: str = opt("rollout", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
                       "(default: 1 if the number after 'Answer:' is right, else 0)")
     env: str = opt("rollout", "", "episodes of several turns: calc (arithmetic with a calculator "
-                   "tool) or FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
+                   "tool), lookup (its own questions, 2-3 dependent <search> calls) or "
+                   "FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
     max_turns: int = opt("rollout", 4, "model turns per episode at most (each tool call ends one)")
+    max_tool_tokens: int = opt("rollout", 0, "a tool message's tokens at most, the rest cut "
+                               "(0: no cut; one past what --max-model-len leaves ends it)")
+    tool_workers: int = opt("rollout", 0, "threads running a turn's env calls at once, results "
+                            "kept in episode order (0: one per episode)")
+    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset may run; past "
+                              "them its episode ends as tool_timeout, reward 0 (0: no limit)")
     tool_stop: str = opt("rollout", "", "comma-separated strings, each one token, that end a turn "
                          "to call the tool (default: the env's tool_stop)")
     chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
@@ -1415,7 +1429,9 @@ def chat_texts(tokenizer, conversations: list[list[dict]], cfg: Config) -> list[
 
 def load_task(cfg: Config, tokenizer) -> Task:
     """The problems of the whole run and the held-out ones, tokenized once; lengths checked."""
-    if cfg.task == "arithmetic":
+    if cfg.env == "lookup":  # its own questions (the lookup task, after the story ends)
+        problems, heldout = lookup_split(cfg)
+    elif cfg.task == "arithmetic":
         problems, heldout = arithmetic_split(cfg)
     else:
         source = cfg.data_files or "GSM8K"
@@ -1609,6 +1625,11 @@ class Env:
     step returns (tool message, None) to answer a tool call, and the model goes on in another
     turn, or (None, reward) to end the episode. tool_stop: the strings (comma-separated, one
     token each) that end a turn to call the tool; --tool-stop overrides it.
+
+    The contract that keeps runs bit-exact, resumed ones too: an env is fresh per episode, and
+    step is a deterministic function of the episode's texts (no state across episodes, no
+    clock, no unseeded randomness). reset and step run on threads; one that runs past
+    --tool-timeout ends its episode.
     """
 
     tool_stop = ""
@@ -1668,22 +1689,27 @@ def calculate(expr: str) -> int:
         raise ToolError(f"{expr[:40]!r} does not parse") from e
 
 
+EMBEDDED_ENVS = ("calc", "lookup")  # --env names of the envs simple_rl holds
+
+
 def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
     """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
     of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
     if not spec:
         return lambda: RewardEnv(reward_fn)
-    if spec == "calc":
-        return lambda: CalcEnv(reward_fn)
+    if spec in EMBEDDED_ENVS:
+        return lambda: (CalcEnv if spec == "calc" else LookupEnv)(reward_fn)
     make, path, name = user_object(spec, "--env")
     need(callable(make), f"--env: {path} has no class {name!r}.")
     return make
 
 
-def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
+def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
+              tokenizer) -> tuple[Env, str]:
     """Before anything slow: an env is made, has reset(problem) and step(completion), gives
-    the first problem a text and an empty completion (a model may stop at once) a reward or a
-    tool message. Returns that env (its tool_stop is the default --tool-stop)."""
+    the first problem a text that fits --max-model-len and an empty completion (a model may
+    stop at once) a reward or a tool message. Returns that env (its tool_stop is the default
+    --tool-stop) and --check's line on it."""
     import inspect
 
     label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
@@ -1702,20 +1728,29 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
         except ValueError:  # no signature to inspect: the first call will tell
             pass
     try:
-        env_reset(env, task.problems[0], 0)
-        env_step(env, "", 0)
-    except RewardError as e:
+        first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
+        first_prompt_ids([first], tokenizer, cfg, ["reset"])
+    except (RewardError, ToolTimeout) as e:
+        raise ConfigError(f"{label}: on the first problem its reset {e}.") from e
+    try:
+        said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
+    except (RewardError, ToolTimeout) as e:
         raise ConfigError(f"{label}: on an empty completion it {e}.") from e
-    except ToolError:
-        pass
-    return env
+    except ToolError as e:
+        said = f"raised ToolError ({shown(str(e))})"
+    stop = getattr(env, "tool_stop", "")
+    need(isinstance(stop, str), f"{label}: its tool_stop {shown(stop)} must be text: "
+         "comma-separated strings, each one token.")
+    return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
 
 
 def env_reset(env: Env, problem: Problem, sample: int) -> str:
-    with user_errors(sample, ""):
-        message = env.reset(problem)
-    if not isinstance(message, str):
-        raise RewardError(f"reset returned {message!r}, not text", sample, "")
+    try:
+        with user_errors(sample, ""):
+            message = env.reset(problem)
+    except ToolError as e:  # no tool was called yet: the env's fault, not the model's
+        raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
+    check_text(message, "from reset", sample, "")
     return message
 
 
@@ -1725,10 +1760,10 @@ def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None
     with user_errors(sample, text):
         out = env.step(text)
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise RewardError(f"returned {out!r}, not (tool message, reward)", sample, text)
+        raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
     message, value = out
-    if message is not None and not isinstance(message, str):
-        raise RewardError(f"returned the tool message {message!r}, not text", sample, text)
+    if message is not None:
+        check_text(message, "the tool message", sample, text)
     if message is None or value is not None:
         value = finite_reward(value, sample, text)
     return message, value
@@ -1748,7 +1783,7 @@ class Episode:
     status: str = "running"  # then one of EPISODE_ENDS
     reward: float = 0.0  # the env's, or 0 if it ended without one
     tool_calls: int = 0  # tool messages the env gave
-    tool_s: float = 0.0  # seconds in env.step
+    tool_s: float = 0.0  # seconds in env.step (its calls, each on a thread of its own)
 
     def ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.context + turn.out.ids]
@@ -1759,49 +1794,51 @@ class Episode:
 
 # completed: the env scored a turn that ended at a stop id; length: one that hit
 # --max-new-tokens; context: the turn or the tool's message ran into --max-model-len;
-# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError
-EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error")
+# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError;
+# tool_timeout: step or reset ran past --tool-timeout
+EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error", "tool_timeout")
 
 
 def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]], n: int,
                  where: Callable[[int], str]) -> tuple[list[Env], list[list[int]]]:
     """n fresh envs per problem, reset, and each problem's first prompt as ids: the task's
     (prompt_ids) when reset gives the question, else its message formatted as the task's (the
-    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error."""
+    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error. An env
+    whose reset ran past --tool-timeout is None: its episode ends at once."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * n)]
-    messages = []
-    for i, env in enumerate(envs):
-        try:
-            messages.append(env_reset(env, problems[i // n], i))
-            if messages[-1] != messages[i - i % n]:  # a prompt's n samples share its prefill
-                raise RewardError("reset gave the episodes of one problem different first "
-                                  "messages", i, messages[-1])
-        except RewardError as e:
-            e.where = where(i)
-            raise
+    messages, late = reset_all(envs, problems, n, trainer.cfg, where)
+    envs = [None if i in late else env for i, env in enumerate(envs)]
     own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
     prompts = list(prompt_ids)
-    for j, ids in zip(own, format_prompts([Problem(messages[j * n], problems[j].answer)
-                                           for j in own], trainer.tokenizer, trainer.cfg)):
+    for j, ids in zip(own, first_prompt_ids([messages[j * n] for j in own], trainer.tokenizer,
+                                            trainer.cfg, [where(j * n) for j in own])):
         prompts[j] = ids
     return envs, prompts
 
 
 def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
          seed: Callable[[int, int], int | None], temperature: float,
-         where: Callable[[int], str]) -> None:
+         where: Callable[[int], str]) -> float:
     """Advance every episode until it ends, all together. After each turn, every live
     episode's env reads the turn's text; a tool message is rendered to ids and appended, and
     the episodes that go on get their next turn from one engine.generate over all of them.
-    seed(i, k) seeds episode i's turn k (0: the first, already generated)."""
-    live = list(range(len(episodes)))
+    seed(i, k) seeds episode i's turn k (0: the first, already generated). The envs of a turn
+    run in parallel (call_tools); returns the seconds the turns waited on them."""
+    live = [i for i, e in enumerate(episodes) if e.env is not None]
+    for e in episodes:
+        e.status = "running" if e.env is not None else "tool_timeout"  # its reset ran too long
+    waited = 0.0
     for turn in range(1, cfg.max_turns + 1):
         texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
+        t0 = time.perf_counter()
+        called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
+                             for i, text in zip(live, texts)], cfg)
+        waited += time.perf_counter() - t0
         messages = {}
-        for i, text in zip(live, texts):
+        for i, out in zip(live, called):
             try:
-                message = end_turn(episodes[i], text, turn == cfg.max_turns, i)
+                message = end_turn(episodes[i], out, turn == cfg.max_turns)
             except RewardError as e:
                 e.where = f"{where(i)}, turn {turn}"
                 raise
@@ -1816,7 +1853,7 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
             else:
                 going.append((i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
         if not going:
-            return
+            return waited
         outs = engine.generate([episodes[i].ids() + ids for i, ids, _ in going], 1,
                                [seed(i, turn) for i, _, _ in going], [m for _, _, m in going],
                                temperature)
@@ -1825,16 +1862,17 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
         live = [i for i, _, _ in going]
 
 
-def end_turn(episode: Episode, text: str, last: bool, sample: int) -> str | None:
-    """Hand the episode's last turn to its env: the tool message if the episode goes on, else
-    None, with the episode's status and reward set."""
-    t0 = time.perf_counter()
-    try:
-        message, value = env_step(episode.env, text, sample)
-    except ToolError:
-        message, value, episode.status = None, 0.0, "tool_error"
-    finally:
-        episode.tool_s += time.perf_counter() - t0
+def end_turn(episode: Episode, called: tuple[object, float], last: bool) -> str | None:
+    """What the env made of the episode's last turn (env_step's result or exception, and its
+    seconds): the tool message if the episode goes on, else None, with status and reward set."""
+    out, seconds = called
+    episode.tool_s += seconds
+    if isinstance(out, (ToolError, ToolTimeout)):
+        episode.status = "tool_error" if isinstance(out, ToolError) else "tool_timeout"
+        out = (None, 0.0)
+    elif isinstance(out, BaseException):
+        raise out
+    message, value = out
     episode.reward = value or 0.0
     if message is not None:
         episode.tool_calls += 1
@@ -1845,28 +1883,6 @@ def end_turn(episode: Episode, text: str, last: bool, sample: int) -> str | None
         end = episode.turns[-1]
         episode.status = "completed" if end.out.stopped else "context" if end.capped else "length"
     return None
-
-
-TURN_MARK = "SIMPLE_RL_TURN_MARK"
-
-
-def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[int]]:
-    """The ids appended after a turn for each tool message. With a chat template: what it
-    renders after an assistant turn's content (that turn's end, the tool's turn, the next
-    assistant turn's generation prompt), found after a marker, so only the new part; without
-    one, the message's text as is."""
-    if not messages:
-        return []
-    texts = messages
-    if uses_chat_template(cfg, tokenizer):
-        turns = [[{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
-                  {"role": "tool", "content": m}] for m in messages]
-        texts = chat_texts(tokenizer, turns, cfg)
-        need(all(t.count(TURN_MARK) == 1 for t in texts), "the chat template does not render "
-             "an assistant turn's content as is, so a tool message cannot be appended to an "
-             "episode's ids; pass --chat-template off.")
-        texts = [t.split(TURN_MARK, 1)[1] for t in texts]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
@@ -2209,9 +2225,9 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         first = trainer.engine.rollout(prompts, mine, step)
         played = [Episode(env, [Turn(p, c)]) for env, p, c in
                   zip(envs, first.prompts, first_turns(first))]
-        play(trainer.engine, trainer.tokenizer, cfg, played,
-             lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn), cfg.temperature,
-             where)
+        waited = play(trainer.engine, trainer.tokenizer, cfg, played,
+                      lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
+                      cfg.temperature, where)
         # 2. Advantages from each episode's reward: a prompt's G episodes are all on this rank.
         # Here, so that rewards whose group's advantages overflow fp32 stop every rank.
         rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)  # (B*G,)
@@ -2221,10 +2237,10 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         except RewardError as e:
             e.where = where(e.sample)
             raise
-        return episodes_rollout(played, first.routed is not None), rewards, adv
+        return episodes_rollout(played, first.routed is not None), rewards, adv, waited
 
     t0 = time.perf_counter()
-    rollout, rewards, adv = on_every_rank(trainer, episodes)
+    rollout, rewards, adv, waited = on_every_rank(trainer, episodes)
     adv = adv.to(device)
     cuda = device.type == "cuda"
     rollout_in_use = device_in_use(device)  # the engine's peak: weights and a full KV cache
@@ -2249,6 +2265,9 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     metrics = step_metrics(cfg, rollout, rewards, len(mine), sums, n_tokens, grad_norm, parity,
                            times=(t1 - t0, t2 - t1, t3 - t2))
     metrics["time/engine_sleep_s"] = t1 - t_sleep  # within time/rollout_s
+    if cfg.env:  # the slowest rank's wait on its tools, within time/rollout_s
+        metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=device),
+                                            dist.ReduceOp.MAX).item()
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
     metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
     named = dict(trainer.model.named_parameters())
@@ -2309,11 +2328,12 @@ def generated_lengths(rollout: Rollout) -> list[int]:
 
 
 def on_every_rank(trainer: Trainer, fn: Callable):
-    """fn()'s result. If a reward or env failed in it on any rank, every rank raises that
-    RewardError (so none waits in a collective)."""
+    """fn()'s result. If a reward or env failed in it on any rank (or a stop came while its
+    tools ran), every rank raises that RewardError (ToolsStopped), so none waits in a
+    collective."""
     try:
         out, failure = fn(), None
-    except RewardError as e:
+    except (RewardError, ToolsStopped) as e:
         out, failure = None, e
     if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
         flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
@@ -2391,7 +2411,7 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.steps):
-                with stops_at(trainer, step, run_dir):
+                with stops_at(trainer, step, run_dir, source):
                     evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
                     metrics, parity = rl_step(trainer, step)
                 metrics.update(evals)
@@ -2410,7 +2430,7 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                     print0(f"saving checkpoint step_{step + 1:06d}")
                     save_checkpoint(run_dir, trainer, step + 1, source)
             if eval_due(cfg, cfg.steps):
-                with stops_at(trainer, cfg.steps, run_dir):
+                with stops_at(trainer, cfg.steps, run_dir, source):
                     final = evaluate(trainer, cfg.steps)
                 log_row(metrics_log, {"step": cfg.steps, **final})
                 print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
@@ -2548,7 +2568,7 @@ def episode_row(e: Episode) -> tuple:
 
 def episode_metrics(rows: list[tuple]) -> dict[str, float]:
     """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
-    the parity check compared at each turn; the seconds spent in env.step, summed."""
+    the parity check compared at each turn; the seconds of the env.step calls, summed."""
     n = len(rows)
     turns, calls, status, per_turn, tool, seconds = zip(*rows)
     generated = [sum(c) for c in per_turn]
@@ -2558,7 +2578,8 @@ def episode_metrics(rows: list[tuple]) -> dict[str, float]:
             "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
             **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
             "episode/generated_tokens_mean": sum(generated) / n,
-            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_s": sum(seconds), **checked}
+            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_calls_s": sum(seconds),
+            **checked}
 
 
 def in_prompt_order(per_rank: list[list]) -> list:
@@ -2671,13 +2692,13 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     reward_fn = load_reward(cfg.reward)
     empty = check_reward(reward_fn, cfg.reward, task)
     make_env = load_env(cfg.env, reward_fn)
-    env = check_env(make_env, cfg, task) if cfg.env else None  # else check_reward did it
+    env, checked = check_env(make_env, cfg, task, files.tokenizer) if cfg.env else (None, "")
     stops = cfg.tool_stop or getattr(env, "tool_stop", "")
     files = dataclasses.replace(files, tool_ids=tool_stop_ids(files.tokenizer, stops))
     if files.tool_ids:
         tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
     if cfg.check:  # nothing made, no engine: say what was checked
-        print0(check_report(cfg, ckpt, files, task, empty))
+        print0(check_report(cfg, ckpt, files, task, empty, checked))
         return None
     if engine_factory is None:  # the GPU, the environment parity needs and vLLM
         if not gpu_first:
@@ -2793,7 +2814,7 @@ def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory:
 
 
 def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
-                 empty: float) -> str:
+                 empty: float, env: str = "") -> str:
     """--check's answer: one line per thing checked, each of which passed."""
     run_dir = Path(cfg.log_dir) / cfg.run_name
     where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
@@ -2809,10 +2830,12 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
         f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
         "every safetensors header agree",
         f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
-        f"data ({cfg.task}): {len(task.problems)} training problems, {len(task.eval_problems)} "
-        f"held out; the longest prompt ({max(lengths)} tokens) fits --max-model-len",
+        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
+        f"training problems, {len(task.eval_problems)} held out; the longest prompt "
+        f"({max(lengths)} tokens) fits --max-model-len",
         f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
         "on an empty completion",
+        *([env] if env else []),
         f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
     ]
     return "\n".join(f"check: {line}" for line in lines)
@@ -2879,10 +2902,11 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("turns per episode", "episode/turns_mean"),
             ("tool calls per episode", "episode/tool_calls_mean"),
             ("episodes ended by a tool error", "episode/tool_error_frac"),
+            ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
             ("episodes cut at --max-model-len", "episode/context_frac"),
             ("episodes cut at --max-turns", "episode/max_turns_frac"),
             ("tool tokens per episode", "episode/tool_tokens_mean"),
-            ("time in the env (s)", "time/tool_s")))
+            ("time waiting on the env's calls (s)", "time/tool_s")))
     return layout
 
 
@@ -3072,8 +3096,14 @@ def validate(cfg: Config) -> None:
     need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
     need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
          f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
-    need(cfg.env in ("", "calc") or REWARD_SPEC.fullmatch(cfg.env) is not None, f"--env "
-         f"{cfg.env!r} must be calc or name a Python file and a class in it: FILE.py:NAME.")
+    need(cfg.env in ("", *EMBEDDED_ENVS) or REWARD_SPEC.fullmatch(cfg.env) is not None,
+         f"--env {cfg.env!r} must be calc, lookup or name a Python file and a class in it: "
+         "FILE.py:NAME.")
+    need(cfg.env != "lookup" or cfg.eval_size <= 2 * LOOKUP_PEOPLE // 4, f"--eval-size "
+         f"{cfg.eval_size}: the lookup task holds out at most {2 * LOOKUP_PEOPLE // 4} questions.")
+    need(min(cfg.tool_workers, cfg.tool_timeout, cfg.max_tool_tokens) >= 0, "--tool-workers, "
+         "--tool-timeout and --max-tool-tokens must be >= 0 (0: one thread per episode; no "
+         "time limit; no cut).")
     need(1 <= cfg.max_turns <= MAX_TURNS, f"--max-turns must lie in [1, {MAX_TURNS}] "
          f"(got {cfg.max_turns}).")
     need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
@@ -3862,6 +3892,306 @@ def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
 
 
 # ==========================================================================
+# Tools: one turn's env calls in parallel, under a timeout; their text checked
+# ==========================================================================
+# A turn's env calls run on daemon threads (a call that never returns cannot keep the process
+# alive) and come back in call order, so no bit depends on which call finished first. A call
+# past --tool-timeout is abandoned: its episode ends as tool_timeout, and its thread is left
+# to end by itself. A Ctrl-C or SIGTERM abandons the calls at once: the step is dropped and the
+# steps done are saved (ToolsStopped), so a hung tool never holds a stop back.
+
+
+class ToolTimeout(Exception):
+    """An env's step or reset ran past --tool-timeout."""
+
+
+class ToolsStopped(Exception):
+    """A Ctrl-C or SIGTERM came while the env's calls ran: the step is dropped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]:
+    """Each call's (result, or the exception it raised, or a ToolTimeout; seconds), in call
+    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request.
+    Without --env the calls are --reward's, made in this thread as ever (a reward may time
+    itself with signal.alarm, which works in the main thread only)."""
+    if not cfg.env:
+        return [inline(call) for call in calls]
+    n = len(calls)
+    results: list[tuple[object, float] | None] = [None] * n
+    started: list[float | None] = [None] * n
+    todo = iter(range(n))
+    lock = threading.Condition()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+                if i is None:
+                    return
+                started[i] = time.perf_counter()
+            try:
+                out = calls[i]()
+            except BaseException as e:  # the caller raises it in the main thread, in order
+                out = e
+            with lock:
+                if results[i] is None:  # else it came too late: a timeout is recorded
+                    results[i] = (out, time.perf_counter() - started[i])
+                lock.notify()
+
+    def spawn() -> None:
+        threading.Thread(target=worker, daemon=True, name="simple_rl-tool").start()
+
+    for _ in range(min(cfg.tool_workers or n, n)):
+        spawn()
+    with lock:
+        while not all(results):
+            if StopRequest.asked():
+                raise ToolsStopped(StopRequest.asked())
+            now = time.perf_counter()
+            for i in late_calls(started, results, now, cfg.tool_timeout):
+                results[i] = (ToolTimeout(f"ran past --tool-timeout {cfg.tool_timeout:g}s"),
+                              now - started[i])
+                spawn()  # its thread is stuck in the call: another takes the calls left
+            lock.wait(STOP_POLL_S)
+    return results
+
+
+def call_once(fn: Callable, cfg: Config):
+    """fn() as call_tools runs it, under --tool-timeout: its result, or what it raised."""
+    [(out, _)] = call_tools([fn], cfg)
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+def inline(call: Callable) -> tuple[object, float]:
+    """call() in this thread, as call_tools reports it: (its result or exception, seconds)."""
+    t0 = time.perf_counter()
+    try:
+        out = call()
+    except Exception as e:  # RewardError, ToolError: raised again in episode order
+        out = e
+    return out, time.perf_counter() - t0
+
+
+STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
+
+
+def late_calls(started: list, results: list, now: float, timeout: float) -> list[int]:
+    """The calls still running after `timeout` seconds (0: none ever is)."""
+    return [i for i, (t, r) in enumerate(zip(started, results))
+            if timeout and r is None and t is not None and now - t >= timeout]
+
+
+def reset_all(envs: list[Env], problems: list[Problem], n: int, cfg: Config,
+              where: Callable[[int], str]) -> tuple[list[str], set[int]]:
+    """Every env reset (n per problem, in parallel): each episode's first message, and the
+    episodes whose reset ran past --tool-timeout (they get their group's message, or the
+    problem's question, and end at once). RewardError names the first bad episode."""
+    outs = [out for out, _ in call_tools([lambda i=i, env=env: env_reset(env, problems[i // n], i)
+                                          for i, env in enumerate(envs)], cfg)]
+    late = {i for i, out in enumerate(outs) if isinstance(out, ToolTimeout)}
+    messages = []
+    for i, out in enumerate(outs):
+        try:
+            if isinstance(out, BaseException) and i not in late:
+                raise out
+            group = [m for m in outs[i - i % n:i - i % n + n] if isinstance(m, str)]
+            messages.append(out if i not in late else group[0] if group else
+                            problems[i // n].question)
+            if group and messages[-1] != group[0]:  # a prompt's n samples share its prefill
+                raise RewardError("reset gave the episodes of one problem different first "
+                                  "messages", i, messages[-1])
+        except RewardError as e:
+            e.where = where(i)
+            raise
+    return messages, late
+
+
+TURN_MARK = "SIMPLE_RL_TURN_MARK"
+TOOL_MARK = "SIMPLE_RL_TOOL_MARK"
+CHARS_PER_TOKEN = 64  # a message is cut at this many characters per token of its bound
+
+
+def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[int]]:
+    """The ids appended after a turn for each tool message. With a chat template: what it
+    renders after an assistant turn's content (that turn's end, the tool's turn, the next
+    assistant turn's generation prompt), found after a marker, so only the new part; without
+    one, the message's text as is.
+
+    A tool's text is text, never control: a message holding a special token's string, or
+    longer than its bound (--max-tool-tokens, else --max-model-len), is encoded apart from
+    the template around it, with special-token strings split into plain tokens, and cut at
+    the bound (its characters first, so a 10 MB message is never tokenized whole). Any other
+    message is encoded with its template, as it always was."""
+    if not messages:
+        return []
+    before, after = tool_turn_parts(tokenizer, cfg)
+    bound = cfg.max_tool_tokens or cfg.max_model_len
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                if t.special]
+    plain = [k for k, m in enumerate(messages)
+             if len(m) <= CHARS_PER_TOKEN * bound and not any(s in m for s in specials)]
+    texts = [messages[k] for k in plain]
+    if uses_chat_template(cfg, tokenizer) and texts:  # the template's rendering of each one
+        turns = [[{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
+                  {"role": "tool", "content": m}] for m in texts]
+        texts = [t.split(TURN_MARK, 1)[1] for t in chat_texts(tokenizer, turns, cfg)]
+    ids: list = [None] * len(messages)
+    for k, got in zip(plain, tokenizer(texts, add_special_tokens=False)["input_ids"]
+                      if texts else []):
+        ids[k] = got
+    around = [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (before, after)]
+    for k, m in enumerate(messages):
+        if ids[k] is None or len(ids[k]) > bound + len(around[0]) + len(around[1]):
+            text = m[:CHARS_PER_TOKEN * bound]
+            own = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+            ids[k] = around[0] + own["input_ids"][:bound] + around[1]
+    return ids
+
+
+def tool_turn_parts(tokenizer, cfg: Config) -> tuple[str, str]:
+    """The text the chat template renders after an assistant turn's content and before a tool
+    message's (its turn's end, the tool turn's start), and after that message (the tool
+    turn's end, the next generation prompt); ('', '') without a template."""
+    if not uses_chat_template(cfg, tokenizer):
+        return "", ""
+    turn = [{"role": "user", "content": ""}, {"role": "assistant", "content": TURN_MARK},
+            {"role": "tool", "content": TOOL_MARK}]
+    text = chat_texts(tokenizer, [turn], cfg)[0]
+    need(text.count(TURN_MARK) == 1 and text.count(TOOL_MARK) == 1, "the chat template does "
+         "not render an assistant turn's content and a tool message as they are, so a tool "
+         "message cannot be appended to an episode's ids; pass --chat-template off.")
+    before, after = text.split(TURN_MARK, 1)[1].split(TOOL_MARK)
+    return before, after
+
+
+def first_prompt_ids(messages: list[str], tokenizer, cfg: Config,
+                     where: list[str]) -> list[list[int]]:
+    """Each reset's own first message as the task's prompts are (format_prompts), its text
+    kept text: special-token strings in it are split into plain tokens. RewardError on a
+    message with no room left in --max-model-len (where[k] names message k)."""
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                if t.special]
+    before, after = "Q: ", "\nA:"
+    if uses_chat_template(cfg, tokenizer) and messages:
+        text = chat_texts(tokenizer, [[{"role": "user", "content": TOOL_MARK}]], cfg)[0]
+        need(text.count(TOOL_MARK) == 1, "the chat template does not render a user message as "
+             "it is; pass --chat-template off.")
+        before, after = text.split(TOOL_MARK)
+    out = []
+    for k, m in enumerate(messages):
+        if len(m) > CHARS_PER_TOKEN * cfg.max_model_len:
+            ids = [0] * cfg.max_model_len  # too long for any prompt: never tokenized
+        elif any(s in m for s in specials):
+            ids = [t for part, own in ((before, False), (m, True), (after, False)) for t in
+                   tokenizer(part, add_special_tokens=False, split_special_tokens=own)
+                   ["input_ids"]]
+        else:
+            ids = format_prompts([Problem(m, "")], tokenizer, cfg)[0]
+        if len(ids) + 1 > cfg.max_model_len:
+            error = RewardError(f"gave a first message of {len(m):,} characters, which leaves "
+                                f"no room in --max-model-len {cfg.max_model_len}", 0, "")
+            error.where = where[k]
+            raise error
+        out.append(ids)
+    return out
+
+
+def shown(value, limit: int = 80) -> str:
+    """repr(value), cut; never raises (an int of more than 4300 digits has no repr)."""
+    try:
+        return repr(value)[:limit]
+    except Exception:
+        return f"an object of type {type(value).__name__}"
+
+
+def check_text(message, what: str, sample: int, completion: str) -> None:
+    """An env's message is text a tokenizer can read: a str, with no lone surrogate."""
+    if not isinstance(message, str):
+        raise RewardError(f"returned {what} {shown(message)}, not text", sample, completion)
+    try:
+        message.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RewardError(f"returned {what} with a lone surrogate ({message[e.start]!r} at "
+                          f"character {e.start}), not text", sample, completion) from None
+
+
+# ==========================================================================
+# The lookup task (--env lookup): questions that need two or three dependent tool calls
+# ==========================================================================
+# A generated table of made-up people, each with a mentor and an age, and questions about the
+# age of someone's mentor (two calls: the person, then the mentor) or mentor's mentor (three).
+# The answer of one call is the query of the next. Nothing is downloaded: the table and the
+# questions are the same on every machine and for every --seed (which orders the steps).
+
+LOOKUP_SEED = 40
+LOOKUP_PEOPLE = 4096
+SYLLABLES = ("ka", "lo", "mi", "ra", "ve", "tu", "ne", "so", "di", "pa", "zo", "be", "ri",
+             "fa", "gu", "ye")
+LOOKUP_FORMAT = "Look a person up with <search>name</search>."
+
+
+@functools.cache  # built once, then read (never written) by every episode's env
+def lookup_table(n: int = LOOKUP_PEOPLE, seed: int = LOOKUP_SEED) -> dict[str, tuple[str, int]]:
+    """name -> (mentor, age): n made-up people of four syllables, each mentored by another."""
+    rng = random.Random(seed)
+    names: set[str] = set()
+    while len(names) < n:
+        names.add("".join(rng.choice(SYLLABLES) for _ in range(4)).capitalize())
+    people = sorted(names)  # a set's order differs between processes
+    picks = [rng.randrange(n - 1) for _ in range(n)]
+    mentors = [people[j + (j >= i)] for i, j in enumerate(picks)]  # anyone but themselves
+    return {p: (m, rng.randint(20, 89)) for p, m in zip(people, mentors)}
+
+
+def lookup_problems(table: dict[str, tuple[str, int]]) -> list[Problem]:
+    """Every question of the table, in a fixed shuffled order: the age of each person's mentor
+    (hops 1: two calls) and of their mentor's mentor (hops 2: three calls)."""
+    out = []
+    for person in table:
+        mentor = table[person][0]
+        out.append(Problem(f"How old is the mentor of {person}? {LOOKUP_FORMAT} "
+                           f"{ANSWER_FORMAT}", str(table[mentor][1])))
+        out.append(Problem(f"How old is the mentor of the mentor of {person}? "
+                           f"{LOOKUP_FORMAT} {ANSWER_FORMAT}", str(table[table[mentor][0]][1])))
+    random.Random(LOOKUP_SEED).shuffle(out)
+    return out
+
+
+def lookup_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
+    """(training pool, held-out problems): the first --eval-size questions are held out."""
+    problems = lookup_problems(lookup_table())
+    return problems[cfg.eval_size:], problems[:cfg.eval_size]
+
+
+def search(table: dict[str, tuple[str, int]], query: str) -> str:
+    """The tool: a person's entry, or a sentence saying there is none."""
+    name = query.strip()
+    if name not in table:
+        return f"no one is called {name[:40]!r}"
+    mentor, age = table[name]
+    return f"{name}: mentor {mentor}, age {age}"
+
+
+class LookupEnv(RewardEnv):
+    """--env lookup: a turn that ends in <search>NAME</search> gets NAME's entry as the tool's
+    message; a turn without one is scored by reward_fn."""
+
+    tool_stop = "</search>"
+
+    def step(self, completion: str) -> tuple[str | None, float | None]:
+        if not completion.endswith("</search>"):
+            return None, self.reward_fn(completion, self.answer)
+        query = completion[: -len("</search>")].rsplit("<search>", 1)[-1]
+        return search(lookup_table(), query), None
+
+
+# ==========================================================================
 # Checkpoints & resume
 # ==========================================================================
 # checkpoints/step_NNNNNN/ (NNNNNN: the step to run next) holds
@@ -4296,7 +4626,7 @@ def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
     if name == "model":
         return {f: model_dir / f for f in ("config.json", *TOKENIZER_FILES)
                 if (model_dir / f).is_file()}
-    if not value or (name == "env" and value == "calc"):
+    if not value or (name == "env" and value in EMBEDDED_ENVS):
         return {}
     if name in ("reward", "env"):
         file, function = value.rsplit(":", 1)
@@ -4511,6 +4841,18 @@ def check_run_paths(cfg: Config, ckpt: Path | None) -> Path:
 
 
 RUN_LOCKS: dict[Path, int] = {}  # run dir -> the descriptor of its held lock file
+
+
+def drop_run_locks_in_child() -> None:
+    """A process forked from the run (an env's step may fork) shares its lock file's open
+    description, and so its lock, until it closes it: it closes it at once, so a child that
+    outlives the run never holds its run directory."""
+    for fd in RUN_LOCKS.values():
+        os.close(fd)
+    RUN_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=drop_run_locks_in_child)
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -4732,7 +5074,7 @@ def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int
 def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
     """(shortest, longest) first prompt in tokens: the task's training prompts, unless the
     user's env writes its own first message (`new_episodes`), of any length."""
-    if cfg.env not in ("", "calc"):
+    if cfg.env not in ("", *EMBEDDED_ENVS):
         return ANY_PROMPT
     lengths = [len(p) for p in task.prompt_ids]
     return min(lengths), max(lengths)
@@ -4989,6 +5331,8 @@ class StopRequest:
     """The first Ctrl-C or SIGTERM asks to stop after the current step, last eval or export
     (checkpoint, exit 130 or 143); a second Ctrl-C aborts at once."""
 
+    active: StopRequest | None = None  # the one whose handlers are installed
+
     def __init__(self):
         self.signal: int | None = None
         self.previous = {}
@@ -4996,7 +5340,13 @@ class StopRequest:
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.previous[sig] = signal.signal(sig, self.handle)
+        StopRequest.active = self
         return self
+
+    @staticmethod
+    def asked() -> int:
+        """The signal a stop was asked with (0: none), read by waits that must not outlast it."""
+        return (StopRequest.active and StopRequest.active.signal) or 0
 
     def handle(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
@@ -5008,15 +5358,20 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __exit__(self, *exc):
+        StopRequest.active = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
-def stops_at(trainer: Trainer, step: int, run_dir: Path):
-    """A step's faults as a RunStopped with its exit code, naming the last good checkpoint."""
+def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
+    """A step's faults as a RunStopped with its exit code, naming the last good checkpoint; a
+    stop asked while tools ran drops the step and saves the steps done."""
     try:
         yield
+    except ToolsStopped as e:
+        raise save_and_stop(trainer, run_dir, source, step, e.signum,
+                            f"in step {step}'s tool calls, which were abandoned") from None
     except NonFiniteError as e:
         raise nonfinite_stop(e, step, run_dir) from e
     except RewardError as e:

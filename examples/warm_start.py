@@ -29,6 +29,14 @@ It prints a line every --log-every steps (loss, elapsed time) and the held-out a
     python examples/warm_start.py --out warm/qwen3-arith        # one H200: about 1 minute
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model warm/qwen3-arith --eval-every 25 ...
 
+With `--tool lookup` it warm-starts simple_rl's multi-hop task instead (`--env lookup`): every
+answer searches the person asked about (<search>NAME</search>, the tool's entry as simple_rl
+renders it), and by default 30% (--direct-fraction 0.7 answers at once after that first call)
+go on to the mentor, and the mentor's mentor, as the question needs, then answer right; the
+rest answer the first entry's age, the one asked for only by chance. GRPO must learn to chain.
+
+    python examples/warm_start.py --tool lookup --out warm/lookup --steps 400
+
 On a CPU the default size takes hours (a step of 256 sequences is about 3 TFLOP of forward and
 backward): its progress lines say how long.
 """
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -84,9 +93,10 @@ def worked_solution(question: str) -> str:
     return f"{first}\n{v1} {op2} {c} = {v2}\nAnswer: {v2}"
 
 
-def make_tokenizer(vocab_size: int, seed: int, tool: bool = False):
+def make_tokenizer(vocab_size: int, seed: int, tool: str = ""):
     """Byte-level BPE on the task's text; digits are never merged (one token per digit). With
-    `tool`, <calc> and </calc> are one token each (not special ones: the env reads them)."""
+    `tool`, its tags (<calc> and </calc>, or <search> and </search>) are one token each (not
+    special ones: the env reads them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,16 +106,21 @@ def make_tokenizer(vocab_size: int, seed: int, tool: bool = False):
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    problems = rl.arithmetic_problems(2000, seed)
-    corpus = [f"user\n{p.question}\nassistant\n{worked_solution(p.question)}" for p in problems]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2 * tool, special_tokens=SPECIALS,
+    if tool == "lookup":
+        table = rl.lookup_table()
+        corpus = [f"user\n{p.question}\nassistant\n{rl.search(table, name)}"
+                  for p, name in zip(rl.lookup_problems(table), table)]
+    else:
+        corpus = [f"user\n{p.question}\nassistant\n{worked_solution(p.question)}"
+                  for p in rl.arithmetic_problems(2000, seed)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2 * bool(tool), special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     if tool:
-        fast.add_tokens(["<calc>", "</calc>"])
+        fast.add_tokens(["<search>", "</search>"] if tool == "lookup" else ["<calc>", "</calc>"])
     return fast
 
 
@@ -117,6 +132,26 @@ def tool_answer(problem: rl.Problem, tokenizer) -> list[tuple[list[int], bool]]:
                     add_special_tokens=False)["input_ids"]
     tool = rl.tool_message_ids(tokenizer, [problem.answer], rl.Config())[0]
     return [(ids[0], True), (tool, False), (ids[1], True)]
+
+
+LOOKUP_QUESTION = re.compile(r"How old is the mentor of (the mentor of )?(\w+)\?")
+
+
+def lookup_answer(problem: rl.Problem, tokenizer, chain: bool) -> list[tuple[list[int], bool]]:
+    """Searches, as (ids, trained) pieces, each followed by the tool's entry as simple_rl's
+    episode renders it (not trained on), then an answer: with `chain`, every search the
+    question needs and the right age; else the first entry's age (right by chance only)."""
+    table = rl.lookup_table()
+    twice, name = LOOKUP_QUESTION.match(problem.question).groups()
+    names = [name, table[name][0]] + ([table[table[name][0]][0]] if twice else [])
+    names = names if chain else names[:1]
+    parts = []
+    for n in names:
+        call = tokenizer(f"<search>{n}</search>", add_special_tokens=False)["input_ids"]
+        tool = rl.tool_message_ids(tokenizer, [rl.search(table, n)], rl.Config())[0]
+        parts += [(call, True), (tool, False)]
+    age = problem.answer if chain else str(table[name][1])
+    return parts + [(tokenizer(f"Answer: {age}", add_special_tokens=False)["input_ids"], True)]
 
 
 def make_model(tokenizer, a: argparse.Namespace):
@@ -134,17 +169,18 @@ def make_model(tokenizer, a: argparse.Namespace):
 
 
 def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, device,
-             tool: bool = False):
+             tool: str = ""):
     """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only.
     direct[i]: problem i is answered at once, else worked out step by step (with `tool`: by a
     calculator call)."""
     prompts = rl.format_prompts(problems, tokenizer, rl.Config())  # (B, P_b): simple_rl's ids
     from torch.nn.utils.rnn import pad_sequence
 
-    texts = [direct_answer(p) if d else worked_solution(p.question)
+    texts = [direct_answer(p) if d or tool == "lookup" else worked_solution(p.question)
              for p, d in zip(problems, direct)]
     answers = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    parts = [tool_answer(q, tokenizer) if tool and not d else [(c, True)]
+    parts = [lookup_answer(q, tokenizer, not d) if tool == "lookup" else
+             tool_answer(q, tokenizer) if tool and not d else [(c, True)]
              for q, d, c in zip(problems, direct, answers)]
     eos = tokenizer.eos_token_id
     seqs = [torch.tensor(p + [t for ids, _ in ps for t in ids] + [eos])
@@ -202,9 +238,10 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=1536, help="MLP intermediate size")
     p.add_argument("--vocab", type=int, default=512, help="the model's vocabulary (the "
                    "tokenizer's must fit)")
-    p.add_argument("--tool", action="store_true", help="answers that are not guesses call the "
-                   "calculator (<calc>a op b op c</calc>, then 'Answer: N') instead of working "
-                   "the sum out: a warm start for simple_rl.py --env calc")
+    p.add_argument("--tool", nargs="?", const="calc", default="", choices=("calc", "lookup"),
+                   help="calc: answers that are not guesses call the calculator (<calc>a op b "
+                   "op c</calc>, then 'Answer: N') instead of working the sum out, a warm start "
+                   "for simple_rl.py --env calc; lookup: a warm start for --env lookup (above)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where to train")
     a = p.parse_args()
@@ -226,6 +263,8 @@ def main() -> None:
     cfg = rl.Config(eval_size=a.eval_size, seed=0)
     _, heldout = rl.arithmetic_split(cfg)  # what simple_rl scores at its default seed
     never = rl.heldout_arithmetic_questions()  # every problem simple_rl may hold out
+    # the lookup task holds out its first --eval-size questions: train past the most it may
+    lookup_pool = rl.lookup_split(rl.Config(eval_size=rl.LOOKUP_PEOPLE // 2))[0]
     rng = random.Random(a.seed)
     print(f"warm start | {n_params / 1e6:.1f}M params | vocab {len(tokenizer)} | "
           f"{len(heldout)} held-out problems | device {device}", flush=True)
@@ -233,8 +272,9 @@ def main() -> None:
     history = []
     began = time.perf_counter()
     for step in range(1, a.steps + 1):
-        problems = [q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
-                    if q.question not in never][: a.batch]
+        problems = rng.sample(lookup_pool, a.batch) if a.tool == "lookup" else [
+            q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
+            if q.question not in never][: a.batch]
         direct = [rng.random() < a.direct_fraction for _ in problems]
         ids, mask, labels = batch_of(problems, direct, tokenizer, device, a.tool)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -250,7 +290,9 @@ def main() -> None:
                   f"({spent / step:.2f} s/step)", flush=True)
         if step % a.eval_every == 0 or step == a.steps:
             minutes = (time.perf_counter() - began) / 60
-            acc = greedy_accuracy(model, tokenizer, heldout, device)
+            # one turn, no tool: the lookup task is scored by simple_rl's episodes
+            acc = math.nan if a.tool == "lookup" else greedy_accuracy(model, tokenizer,
+                                                                       heldout, device)
             history.append(dict(step=step, minutes=round(minutes, 2), loss=loss.item(),
                                 heldout_accuracy=acc))
             print(f"step {step} | loss {loss.item():.4f} | held-out greedy accuracy {acc:.3f} "
@@ -265,7 +307,7 @@ def main() -> None:
     report = dict(args=vars(a), params=n_params, history=history)
     (out / "warm_start.json").write_text(json.dumps(report, indent=1))
     print(f"saved {out} | step {a.steps} | held-out greedy accuracy "
-          f"{history[-1]['heldout_accuracy']:.3f}", flush=True)
+          f"{history[-1]['heldout_accuracy']:.3f}", flush=True)  # nan: the lookup task
 
 
 if __name__ == "__main__":

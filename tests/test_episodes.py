@@ -29,10 +29,13 @@ class Counted(Scripted):
     """Episode k (in the order simple_rl makes them) calls the tool k % 3 times."""
     made = 0
 
+    def __init__(self):
+        Counted.made += 1
+        self.made = Counted.made
+
     def reset(self, problem):
         question = super().reset(problem)
-        Counted.made += 1
-        self.calls = Counted.made % 3
+        self.calls = self.made % 3
         return question
 
 
@@ -245,7 +248,7 @@ def test_an_env_that_fails_mid_run_stops_with_exit_7_naming_episode_and_turn(
     ("{dir}/bad.py:NoStep", "--env {dir}/bad.py:NoStep: its env has no method step(completion)."),
     ("{dir}/bad.py:TwoArgs", "--env {dir}/bad.py:TwoArgs: step(completion, answer) must take "
                              "(completion)."),
-    ("calc.py", "--env 'calc.py' must be calc or name a Python file and a class in it"),
+    ("calc.py", "--env 'calc.py' must be calc, lookup or name a Python file and a class in it"),
 ])
 def test_a_bad_env_is_refused_before_the_engine_starts(ckpt, tmp_path, capsys, spec, says):
     from helpers import CountingEngine
