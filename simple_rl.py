@@ -6,7 +6,7 @@ One file, the RL story first, in data-flow order:
            -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
 
 then, after one banner, the plumbing: validation, files, ranks, vLLM patches, LoRA's engine
-slot, checkpoints, run directory, memory estimate, console, stops, parity debugger.
+slot, tools, checkpoints, run directory, memory estimate, console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
 TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
@@ -2960,8 +2960,9 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 # ==========================================================================
 # The RL story ends here. What follows is plumbing a researcher need not read: config
 # parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
-# patches, LoRA's engine slot and names, checkpoints and resume, the run directory and export,
-# the memory estimate, console filtering, stops (signals, NaN, OOM) and the parity debugger.
+# patches, LoRA's engine slot and names, the tools' threads and text, checkpoints and resume,
+# the run directory and export, the memory estimate, console filtering, stops (signals, NaN,
+# OOM) and the parity debugger.
 # ==========================================================================
 
 
