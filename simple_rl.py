@@ -2645,10 +2645,11 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     """
     # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
     # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
-    gpu_first = engine_factory is None and "RANK" in os.environ
+    # --check asks no GPU question (it runs on a laptop): its ranks meet on gloo.
+    gpu_first = engine_factory is None and "RANK" in os.environ and not cfg.check
     if gpu_first:
         prepare_environment(cfg)
-    ranks = init_ranks(device_type)
+    ranks = init_ranks("cpu" if cfg.check else device_type)
 
     # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
     cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))
