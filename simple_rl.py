@@ -1705,6 +1705,10 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task) -> Env:
             pass
     try:
         env_reset(env, task.problems[0], 0)
+    except RewardError as e:  # "reset returned 5, not text" or "raised ValueError: ..."
+        what = str(e) if str(e).startswith("reset") else f"reset {e}"
+        raise ConfigError(f"{label}: on the first training problem its {what}.") from e
+    try:
         env_step(env, "", 0)
     except RewardError as e:
         raise ConfigError(f"{label}: on an empty completion it {e}.") from e
@@ -2782,6 +2786,9 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
         f"held out; the longest prompt ({max(lengths)} tokens) fits --max-model-len",
         f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
         "on an empty completion",
+        *([f"env {cfg.env}: made; reset(problem) gives the first problem text and "
+           f"step(completion) answers an empty completion; a turn ends at eos"
+           + (f" or token ids {files.tool_ids}" if files.tool_ids else "")] if cfg.env else []),
         f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
     ]
     return "\n".join(f"check: {line}" for line in lines)
@@ -3036,7 +3043,8 @@ def validate(cfg: Config) -> None:
          "gsm8k or jsonl.")
     need(cfg.task != "jsonl" or bool(cfg.data_files), "--task jsonl reads your problems from "
          "--data-files FILE (jsonl or parquet rows with 'question' and 'answer').")
-    need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
+    need(cfg.eval_every >= 0, f"--eval-every must be >= 0 (got {cfg.eval_every}).")
+    need(cfg.eval_size >= 0, f"--eval-size must be >= 0 (got {cfg.eval_size}; 0: no eval).")
     need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
          f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
     need(cfg.env in ("", "calc") or REWARD_SPEC.fullmatch(cfg.env) is not None, f"--env "
