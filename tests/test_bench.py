@@ -2,7 +2,9 @@
 and of a and d on a tiny Qwen3-MoE (stand-in engine), the MoE layer bench's CPU path and table."""
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -612,3 +614,18 @@ def test_plot_run_reads_older_runs_and_says_what_it_left_out(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="cannot make the folder .*/file for --out: File exists"):
         plot_run.plot(plot_run.read_scalars(str(old)), str(tmp_path / "file" / "x.png"))
+
+
+def test_bench_rl_without_a_gpu_says_so_in_one_sentence(ckpt, tmp_path):
+    """On a machine without CUDA the harness stops before launching a design (whose vLLM
+    would end in 'Torch not compiled with CUDA enabled')."""
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rl.py"), "--model",
+                          str(ckpt()), "--designs", "a", "--steps", "1", "--out",
+                          str(tmp_path / "b.json")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == ("bench_rl: no CUDA GPU found; it measures simple_rl on GPUs (its "
+                          "designs' CPU test: python -m pytest tests/test_bench.py).\n")
+    assert not (tmp_path / "b.json").exists()
