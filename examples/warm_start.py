@@ -23,8 +23,8 @@ training with RL, with nothing downloaded:
      transformers, vLLM and `simple_rl.py --model` load.
 
 It prints a line every --log-every steps (loss, time so far, seconds a step, time left), the
-held-out accuracy in it every --eval-every. The training problems never include simple_rl's held-out problems
-(`rl.EVAL_SEED`).
+held-out accuracy in it every --eval-every. The training problems never include simple_rl's
+held-out problems (`rl.EVAL_SEED`).
 
     python examples/warm_start.py --out warm/qwen3-arith        # one H200: about 1 minute
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model warm/qwen3-arith --eval-every 25 ...
