@@ -15,7 +15,8 @@ import random
 import pytest
 
 import simple_rl as rl
-from helpers import cpu_argv, make_checkpoint, metrics_rows, run_cpu, supervised_warm_start
+from helpers import (TorchEngine, cpu_argv, make_checkpoint, metrics_rows, run_cpu,
+                     supervised_warm_start)
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -125,8 +126,6 @@ def test_the_run_evaluates_problems_it_never_trains_on(ckpt, tmp_path, task):
     one. The file task's 8 training problems are all sampled in 4 steps of 2, so an eval that
     took any problem of the pool would overlap the steps."""
     from transformers import AutoTokenizer
-
-    from helpers import TorchEngine
 
     engines = []
 
