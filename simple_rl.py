@@ -2787,7 +2787,7 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
         f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
         "on an empty completion",
         *([f"env {cfg.env}: made; reset(problem) gives the first problem text and "
-           f"step(completion) answers an empty completion; a turn ends at eos"
+           "step(completion) answers an empty completion; a turn ends at eos"
            + (f" or token ids {files.tool_ids}" if files.tool_ids else "")] if cfg.env else []),
         f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
     ]
