@@ -54,8 +54,9 @@ def series(kind: str, tags: list[str], logged) -> list[str]:
     matched at the start of each tag; a Margin chart's three tags are exact names (all, or the
     value alone when an older run logged no interval, or none)."""
     if kind == "Margin":
-        return list(tags) if all(t in logged for t in tags) else tags[:1] if tags[0] in logged \
-            else []
+        if all(t in logged for t in tags):
+            return list(tags)
+        return tags[:1] if tags[0] in logged else []
     return sorted(t for t in logged if any(re.match(pattern, t) for pattern in tags))
 
 

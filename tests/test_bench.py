@@ -309,6 +309,7 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
         return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the workers are stand-ins
     out = tmp_path / "b.json"
     monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad",
                                       "--rounds", "2", "--profile", "--out", str(out)])
@@ -337,6 +338,7 @@ def test_a_failed_design_leaves_the_others_reported(tmp_path, monkeypatch, capsy
         return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the workers are stand-ins
     out = tmp_path / "b.json"
     monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad", "--out",
                                       str(out)])
