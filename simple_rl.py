@@ -1730,8 +1730,9 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
     try:
         first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
         first_prompt_ids([first], tokenizer, cfg, ["reset"])
-    except (RewardError, ToolTimeout) as e:
-        raise ConfigError(f"{label}: on the first problem its reset {e}.") from e
+    except (RewardError, ToolTimeout) as e:  # "reset returned 5, not text", "raised ..."
+        what = str(e) if str(e).startswith("reset") else f"reset {e}"
+        raise ConfigError(f"{label}: on the first training problem its {what}.") from e
     try:
         said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
     except (RewardError, ToolTimeout) as e:
@@ -1750,7 +1751,7 @@ def env_reset(env: Env, problem: Problem, sample: int) -> str:
             message = env.reset(problem)
     except ToolError as e:  # no tool was called yet: the env's fault, not the model's
         raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
-    check_text(message, "from reset", sample, "")
+    check_text(message, "reset returned", sample, "")
     return message
 
 
@@ -1763,7 +1764,7 @@ def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None
         raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
     message, value = out
     if message is not None:
-        check_text(message, "the tool message", sample, text)
+        check_text(message, "returned the tool message", sample, text)
     if message is None or value is not None:
         value = finite_reward(value, sample, text)
     return message, value
@@ -2673,10 +2674,11 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     """
     # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
     # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
-    gpu_first = engine_factory is None and "RANK" in os.environ
+    # --check asks no GPU question (it runs on a laptop): its ranks meet on gloo.
+    gpu_first = engine_factory is None and "RANK" in os.environ and not cfg.check
     if gpu_first:
         prepare_environment(cfg)
-    ranks = init_ranks(device_type)
+    ranks = init_ranks("cpu" if cfg.check else device_type)
 
     # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
     cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))
@@ -3094,7 +3096,8 @@ def validate(cfg: Config) -> None:
          "gsm8k or jsonl.")
     need(cfg.task != "jsonl" or bool(cfg.data_files), "--task jsonl reads your problems from "
          "--data-files FILE (jsonl or parquet rows with 'question' and 'answer').")
-    need(cfg.eval_every >= 0 and cfg.eval_size >= 0, "--eval-every and --eval-size must be >= 0.")
+    need(cfg.eval_every >= 0, f"--eval-every must be >= 0 (got {cfg.eval_every}).")
+    need(cfg.eval_size >= 0, f"--eval-size must be >= 0 (got {cfg.eval_size}; 0: no eval).")
     need(cfg.task != "arithmetic" or cfg.eval_size <= EVAL_CANDIDATES // 2, f"--eval-size "
          f"{cfg.eval_size}: the arithmetic task holds out at most {EVAL_CANDIDATES // 2} problems.")
     need(cfg.env in ("", *EMBEDDED_ENVS) or REWARD_SPEC.fullmatch(cfg.env) is not None,
@@ -4111,14 +4114,15 @@ def shown(value, limit: int = 80) -> str:
         return f"an object of type {type(value).__name__}"
 
 
-def check_text(message, what: str, sample: int, completion: str) -> None:
-    """An env's message is text a tokenizer can read: a str, with no lone surrogate."""
+def check_text(message, lead: str, sample: int, completion: str) -> None:
+    """An env's message is text a tokenizer can read: a str, with no lone surrogate. `lead`
+    starts the sentence that says otherwise ("reset returned", "returned the tool message")."""
     if not isinstance(message, str):
-        raise RewardError(f"returned {what} {shown(message)}, not text", sample, completion)
+        raise RewardError(f"{lead} {shown(message)}, not text", sample, completion)
     try:
         message.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RewardError(f"returned {what} with a lone surrogate ({message[e.start]!r} at "
+        raise RewardError(f"{lead} with a lone surrogate ({message[e.start]!r} at "
                           f"character {e.start}), not text", sample, completion) from None
 
 

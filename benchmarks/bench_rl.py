@@ -786,6 +786,11 @@ def main():
     )
     p.add_argument("--worker", choices=sorted(DESIGNS), help=argparse.SUPPRESS)
     a = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():  # one sentence, not vLLM's traceback from a worker
+        sys.exit("bench_rl: no CUDA GPU found; it measures simple_rl on GPUs (its designs' "
+                 "CPU test: python -m pytest tests/test_bench.py).")
     knobs = dict(
         steps=a.steps,
         warmup=a.warmup,

@@ -8,12 +8,15 @@ accuracy in percent with its 95% interval, loss, KL, entropy, the mismatched-tok
 time), read from the same layout and matched to the logged tags as TensorBoard matches them, so
 the picture and the dashboard never disagree. One series per chart, unsmoothed, at 800 pixels
 wide (the README's width). A chart with no data in the run (the held-out accuracy without an
-eval, say) is left out.
+eval, say), or the KL of a run with --kl-coef 0 (0 at every step), is left out, and one
+line says which and why. Event files of older runs (held-out accuracy as the fraction
+`eval/accuracy`, no run total of mismatched tokens) are read under today's tags.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import re
@@ -48,11 +51,29 @@ def charts() -> list[tuple[str, str, list[str]]]:
 
 def series(kind: str, tags: list[str], logged) -> list[str]:
     """The logged tags a chart draws, as TensorBoard picks them: a Multiline tag is a regex
-    matched at the start of each tag; a Margin chart's three tags are exact names (all or
-    none)."""
+    matched at the start of each tag; a Margin chart's three tags are exact names (all, or the
+    value alone when an older run logged no interval, or none)."""
     if kind == "Margin":
-        return list(tags) if all(t in logged for t in tags) else []
+        if all(t in logged for t in tags):
+            return list(tags)
+        return tags[:1] if tags[0] in logged else []
     return sorted(t for t in logged if any(re.match(pattern, t) for pattern in tags))
+
+
+def with_todays_tags(scalars: dict) -> dict:
+    """Older event files under today's tags: the held-out accuracy was logged as a fraction
+    (`eval/accuracy`), and the mismatched tokens per step only (their run total is their
+    running sum)."""
+    scalars = dict(scalars)
+    old = scalars.get("eval/accuracy")
+    if old and "eval/accuracy_pct" not in scalars:
+        scalars["eval/accuracy_pct"] = [(step, 100 * v) for step, v in old]
+    per_step = scalars.get("determinism/mismatched_tokens")
+    if per_step and "determinism/mismatched_tokens_total" not in scalars:
+        totals = itertools.accumulate(v for _, v in per_step)
+        scalars["determinism/mismatched_tokens_total"] = list(zip((s for s, _ in per_step),
+                                                                  totals))
+    return scalars
 
 
 def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -67,7 +88,30 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     logging.getLogger("tensorboard").setLevel(logging.ERROR)
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    return with_todays_tags({t: [(e.step, e.value) for e in acc.Scalars(t)]
+                             for t in acc.Tags()["scalars"]})
+
+
+def chosen_charts(only: list[str]) -> list[tuple[str, str, list[str]]]:
+    """The charts whose title starts with a word of `only` (every chart if empty); a word that
+    starts no title is named in one sentence."""
+    every = charts()
+    for word in only:
+        if not any(name.startswith(word) for name, _, _ in every):
+            firsts = ", ".join(name.split()[0] for name, _, _ in every)
+            sys.exit(f"plot_run: no chart is called {word!r}; --charts takes the first words "
+                     f"of: {firsts}.")
+    return [c for c in every if not only or c[0].startswith(tuple(only))]
+
+
+def left_out(name: str, tags: list[str], scalars: dict) -> str | None:
+    """Why a chart is not drawn, or None: no data, or the KL of a run without a reference
+    model (--kl-coef 0 logs 0 at every step; a reward of 0 does say something)."""
+    if not tags:
+        return "not in these event files"
+    if name.startswith("KL") and all(v == 0 for _, v in scalars[tags[0]]):
+        return "every value is 0 (--kl-coef 0)"
+    return None
 
 
 def plot(scalars: dict, out: str, title: str = "", only: list[str] | None = None):
@@ -78,9 +122,16 @@ def plot(scalars: dict, out: str, title: str = "", only: list[str] | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(name, kind, series(kind, tags, scalars)) for name, kind, tags in charts()
-              if not only or name.startswith(tuple(only))]
-    panels = [p for p in panels if p[2]]
+    panels, skipped = [], []
+    for name, kind, tags in chosen_charts(only or []):
+        drawn = series(kind, tags, scalars)
+        why = left_out(name, drawn, scalars)
+        if why is None:
+            panels.append((name, kind, drawn))
+        elif drawn or only or "routed" not in name:  # a dense model has no routing chart
+            skipped.append(f"{name.split(' (')[0]}: {why}")
+    if skipped:
+        print(f"plot_run: left out {'; '.join(skipped)}", file=sys.stderr)
     if not panels:
         sys.exit("plot_run: none of the charts asked for has data in these event files.")
     cols = min(3, len(panels))
@@ -92,7 +143,7 @@ def plot(scalars: dict, out: str, title: str = "", only: list[str] | None = None
     for ax, (name, kind, tags) in zip(axes.flat, panels):
         steps, values = zip(*scalars[tags[0]])
         ax.plot(steps, values, marker="o", markersize=3 if len(steps) < 50 else 0)
-        if kind == "Margin":  # the 95% interval around the value
+        if len(tags) == 3:  # a Margin chart's 95% interval around the value
             low, high = ([v for _, v in scalars[t]] for t in tags[1:])
             ax.fill_between(steps, low, high, alpha=0.25, linewidth=0)
         # a third of 800 pixels holds about 36 characters of a title
@@ -104,7 +155,15 @@ def plot(scalars: dict, out: str, title: str = "", only: list[str] | None = None
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out)
+    folder = Path(out).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"plot_run: cannot make the folder {folder} for --out: {e.strerror or e}.")
+    try:
+        fig.savefig(out)
+    except OSError as e:
+        sys.exit(f"plot_run: cannot write {out}: {e.strerror or e}.")
     plt.close(fig)  # out of pyplot's list of open figures; the object stays usable
     return fig
 
@@ -113,7 +172,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run_dir", help="a run directory (LOG_DIR/RUN_NAME)")
-    p.add_argument("--out", default="curves.png")
+    p.add_argument("--out", default="curves.png", help="the PNG to write (its folder is made "
+                   "if missing)")
     p.add_argument("--title", default="", help="a title above the charts")
     p.add_argument("--charts", default="", help="comma-separated chart titles (their first "
                    "words) to draw; empty: every chart of the first group with data")

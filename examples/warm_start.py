@@ -22,9 +22,9 @@ training with RL, with nothing downloaded:
   4. saved as a Hugging Face checkpoint (bf16 safetensors, config, tokenizer) that
      transformers, vLLM and `simple_rl.py --model` load.
 
-It prints a line every --log-every steps (loss, elapsed time) and the held-out accuracy every
---eval-every. The training problems never include simple_rl's held-out problems
-(`rl.EVAL_SEED`).
+It prints a line every --log-every steps (loss, time so far, seconds a step, time left), the
+held-out accuracy in it every --eval-every. The training problems never include simple_rl's
+held-out problems (`rl.EVAL_SEED`).
 
     python examples/warm_start.py --out warm/qwen3-arith        # one H200: about 1 minute
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model warm/qwen3-arith --eval-every 25 ...
@@ -93,6 +93,15 @@ def worked_solution(question: str) -> str:
     return f"{first}\n{v1} {op2} {c} = {v2}\nAnswer: {v2}"
 
 
+def progress(step: int, steps: int, loss: float, spent: float, acc: float | None = None) -> str:
+    """One progress line, eval or not: the time left is the pace so far (evals included) times
+    the steps left."""
+    held_out = f" | held-out greedy accuracy {acc:.3f}" if acc is not None else ""
+    eta = rl.format_duration(spent / step * (steps - step))
+    return (f"step {step}/{steps} | loss {loss:.4f}{held_out} | {rl.format_duration(spent)} "
+            f"({spent / step:.2f} s/step) | ETA {eta}")
+
+
 def make_tokenizer(vocab_size: int, seed: int, tool: str = ""):
     """Byte-level BPE on the task's text; digits are never merged (one token per digit). With
     `tool`, its tags (<calc> and </calc>, or <search> and </search>) are one token each (not
@@ -114,7 +123,8 @@ def make_tokenizer(vocab_size: int, seed: int, tool: str = ""):
         corpus = [f"user\n{p.question}\nassistant\n{worked_solution(p.question)}"
                   for p in rl.arithmetic_problems(2000, seed)]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2 * bool(tool), special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # its bar printed blank lines
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
@@ -284,10 +294,7 @@ def main() -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % a.log_every == 0 and step % a.eval_every and step != a.steps:
-            spent = time.perf_counter() - began
-            print(f"step {step}/{a.steps} | loss {loss.item():.4f} | {spent:.0f} s "
-                  f"({spent / step:.2f} s/step)", flush=True)
+        acc = None
         if step % a.eval_every == 0 or step == a.steps:
             minutes = (time.perf_counter() - began) / 60
             # one turn, no tool: the lookup task is scored by simple_rl's episodes
@@ -295,8 +302,9 @@ def main() -> None:
                                                                        heldout, device)
             history.append(dict(step=step, minutes=round(minutes, 2), loss=loss.item(),
                                 heldout_accuracy=acc))
-            print(f"step {step} | loss {loss.item():.4f} | held-out greedy accuracy {acc:.3f} "
-                  f"| {minutes:.1f} min", flush=True)
+        if step % a.log_every == 0 or acc is not None:
+            print(progress(step, a.steps, loss.item(), time.perf_counter() - began, acc),
+                  flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out)

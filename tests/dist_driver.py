@@ -27,8 +27,11 @@ from helpers import TorchEngine, cpu_argv  # noqa: E402
 def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0) -> None:
     """One step's rollout of every rank and the first update's gradient (under LoRA the
     adapters'), in global order."""
+    # no clipping: a gradient clipped to --grad-clip on both sides would hide a uniform scale
+    # error (each rank's loss not scaled by the world size, which FSDP's average halves at 2)
     cfg, given = rl.parse_config(cpu_argv(model, log_dir, num_prompts=3, micro_batch_tokens=128,
-                                          run_name="grads", kl_coef=0.0, lora_rank=lora_rank))
+                                          run_name="grads", kl_coef=0.0, grad_clip=0.0,
+                                          lora_rank=lora_rank))
     trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
     ranks, G = trainer.ranks, cfg.group_size
     mine = rl.my_prompts(cfg.num_prompts, ranks)

@@ -2,7 +2,9 @@
 and of a and d on a tiny Qwen3-MoE (stand-in engine), the MoE layer bench's CPU path and table."""
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_rl  # noqa: E402
 import plot_run  # noqa: E402
 import simple_rl as rl  # noqa: E402
@@ -311,6 +314,7 @@ def test_rounds_run_the_designs_in_turn_and_profile_once(tmp_path, monkeypatch, 
         return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the workers are stand-ins
     out = tmp_path / "b.json"
     monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad",
                                       "--rounds", "2", "--profile", "--out", str(out)])
@@ -339,6 +343,7 @@ def test_a_failed_design_leaves_the_others_reported(tmp_path, monkeypatch, capsy
         return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench_rl.subprocess, "run", worker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the workers are stand-ins
     out = tmp_path / "b.json"
     monkeypatch.setattr(sys, "argv", ["bench_rl.py", "--model", "M", "--designs", "ad", "--out",
                                       str(out)])
@@ -584,3 +589,50 @@ def test_moe_layer_bench_table_and_target():
     assert bench_moe_layer.summary([loop, row, dict(row, tokens=1024, bwd_over_fwd=9.0)]) == (
         "backward / forward at 8192 tokens: loop 19.0x, grouped 2.5x (target <= 3x)")
     assert bench_moe_layer.HEADER.split()[:3] == ["backward", "tokens", "fwd"]
+
+
+def test_plot_run_reads_older_runs_and_says_what_it_left_out(tmp_path, capsys):
+    """The committed event files of runs logged before today's tags: the held-out accuracy as
+    a fraction (`eval/accuracy`), no run total of mismatched tokens, no step time, KL at 0."""
+    run = ROOT / "results" / "learning_h200" / "runs" / "n2"
+    out = tmp_path / "not" / "yet" / "curves.png"  # its folder is made
+    fig = plot_run.plot(plot_run.read_scalars(str(run)), str(out))
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    titles = [title for title, _, _ in plot_run.charts()]
+    assert [ax.get_title().replace("\n", " ") for ax in panels] == [titles[i] for i in
+                                                                    (0, 1, 2, 4, 5)]
+    assert out.exists()
+    held_out = panels[1].lines[0]
+    assert list(held_out.get_xdata()) == [0, 25, 50, 75, 100, 120]
+    assert list(held_out.get_ydata()) == pytest.approx([24.609375, 66.40625, 63.0859375,
+                                                        67.96875, 64.84375, 66.9921875])
+    mismatched = panels[4].lines[0]  # the running sum of the per-step counts
+    assert list(mismatched.get_xdata()) == list(range(120))
+    assert list(mismatched.get_ydata()) == [0.0] * 120
+    assert capsys.readouterr().err == ("plot_run: left out KL to the initial policy: every "
+                                       "value is 0 (--kl-coef 0); step time: not in these "
+                                       "event files\n")
+    old = ROOT / "results" / "h200_reorder_check" / "runs" / "a"
+    fig = plot_run.plot(plot_run.read_scalars(str(old)), str(out), only=["reward", "held-out"])
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 2
+    with pytest.raises(SystemExit, match="no chart is called 'bogus'; --charts takes the first "
+                       "words of: reward, held-out, loss, KL, entropy, mismatched, step, tokens"):
+        plot_run.plot(plot_run.read_scalars(str(old)), str(out), only=["bogus"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="cannot make the folder .*/file for --out: File exists"):
+        plot_run.plot(plot_run.read_scalars(str(old)), str(tmp_path / "file" / "x.png"))
+
+
+def test_bench_rl_without_a_gpu_says_so_in_one_sentence(ckpt, tmp_path):
+    """On a machine without CUDA the harness stops before launching a design (whose vLLM
+    would end in 'Torch not compiled with CUDA enabled')."""
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_rl.py"), "--model",
+                          str(ckpt()), "--designs", "a", "--steps", "1", "--out",
+                          str(tmp_path / "b.json")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == ("bench_rl: no CUDA GPU found; it measures simple_rl on GPUs (its "
+                          "designs' CPU test: python -m pytest tests/test_bench.py).\n")
+    assert not (tmp_path / "b.json").exists()

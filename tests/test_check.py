@@ -105,3 +105,61 @@ def test_a_file_task_prints_no_progress_bars(ckpt, tmp_path, capfd, kind):
     assert main_cpu(argv) == 0
     err = capfd.readouterr().err
     assert "Generating train split" not in err and "%|" not in err, err
+
+
+ENVS = '''
+class Good:
+    tool_stop = ""
+
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion):
+        return None, 0.0
+
+
+class ResetNumber(Good):
+    def reset(self, problem):
+        return 5
+
+
+class ResetRaises(Good):
+    def reset(self, problem):
+        raise ValueError("no such problem")
+'''
+
+
+@pytest.mark.parametrize("name,said", [
+    ("ResetNumber", "on the first training problem its reset returned 5, not text."),
+    ("ResetRaises", "on the first training problem its reset raised ValueError: no such "
+                    "problem."),
+])
+def test_an_env_whose_reset_fails_is_named_by_reset(ckpt, tmp_path, capsys, name, said):
+    (tmp_path / "envs.py").write_text(ENVS)
+    spec = f"{tmp_path / 'envs.py'}:{name}"
+    argv = cpu_argv(ckpt(), tmp_path / "logs", env=spec) + ["--check"]
+    code, _, err = on_this_machine(capsys, argv)
+    assert code == 2 and err == f"simple_rl: error: --env {spec}: {said}\n"
+
+
+def test_check_with_an_env_says_it_checked_the_env(ckpt, tmp_path, capsys):
+    (tmp_path / "envs.py").write_text(ENVS)
+    spec = f"{tmp_path / 'envs.py'}:Good"
+    logs = ["--run-name", "r", "--check"]  # one run directory line for both
+    code, out, _ = on_this_machine(capsys, cpu_argv(ckpt(), tmp_path / "logs", env=spec) + logs)
+    without = on_this_machine(capsys, cpu_argv(ckpt(), tmp_path / "logs") + logs)[1]
+    assert code == 0
+    added = [line for line in out.splitlines() if line not in without.splitlines()]
+    assert added == [f"check: env {spec}: made, reset; on an empty completion its step "
+                     "returned (None, 0.0)"]
+
+
+@pytest.mark.parametrize("flag,value,said", [
+    ("eval_size", -5, "--eval-size must be >= 0 (got -5; 0: no eval)."),
+    ("eval_every", -1, "--eval-every must be >= 0 (got -1)."),
+])
+def test_a_negative_eval_flag_is_named_with_its_value(ckpt, tmp_path, capsys, flag, value,
+                                                      said):
+    code, _, err = on_this_machine(capsys, cpu_argv(ckpt(), tmp_path / "logs", **{flag: value})
+                                   + ["--check"])
+    assert code == 2 and err == f"simple_rl: error: {said}\n"

@@ -131,3 +131,33 @@ def test_two_hosts_train_as_two_processes_of_one_host(ckpt, tmp_path, two_rank_r
     assert len(main) == 1 and "2 rank(s)" in main[0]  # one rank 0, whichever host it landed on
     assert re.search(r"weights sha256 ([0-9a-f]{64})", main[0]).group(1) == sha_of(one_host)
     assert metrics(tmp_path / "runs" / "two_hosts") == one_host_rows
+
+
+def check_under_torchrun(argv: list, env: dict) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 simple_rl.py ... --check` as a user types it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           str(ROOT / "simple_rl.py"), *map(str, argv), "--check"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_check_under_torchrun_needs_no_gpu_and_names_a_bad_reward(ckpt, tmp_path):
+    """Both ranks run every CPU check on gloo; without CUDA a good run's --check passes and a
+    bad --reward is named in one sentence, exit 2 on each rank (torchrun itself then says 1)."""
+    env = dict(driver_env(), CUDA_VISIBLE_DEVICES="")
+    argv = ["--model", ckpt(), "--log-dir", tmp_path / "runs", "--run-name", "r"]
+    good = check_under_torchrun(argv, env)
+    assert good.returncode == 0, good.stderr[-3000:]
+    lines = good.stdout.splitlines()
+    assert len(lines) == 7 and all(line.startswith("check: ") for line in lines), good.stdout
+    assert "check: reward simple_rl.reward: takes (completion, answer), gives 0 on an empty " \
+        "completion" in lines
+    assert "no CUDA GPU found" not in good.stdout + good.stderr
+    assert not (tmp_path / "runs").exists()
+    fn = tmp_path / "bad.py"
+    fn.write_text("def score(completion):\n    return 0.0\n")
+    bad = check_under_torchrun([*argv, "--reward", f"{fn}:score"], env)
+    said = [line for line in bad.stderr.splitlines() if line.startswith("simple_rl")]
+    assert said == [f"simple_rl: error: --reward: score(completion) in {fn} must take "
+                    "(completion, answer)."], bad.stderr[-3000:]
+    assert bad.stdout == "" and bad.returncode != 0
+    assert "exitcode  : 2" in bad.stderr and "no CUDA GPU found" not in bad.stderr

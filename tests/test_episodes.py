@@ -559,3 +559,21 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
     llm.extra = 2  # rows the debugger cannot place: refused, not compared out of line
     with pytest.raises(rl.ConfigError, match=r"computed \[35, 17, 30, 20\] rows"):
         rl.debug_parity(engine, model, play_one)
+
+
+def test_the_warm_starts_progress_is_one_format_with_an_eta_and_no_blank_lines(capfd):
+    """examples/warm_start.py: training its tokenizer prints nothing (its progress bar printed
+    three blank lines), and a line with an eval and one without share a format and an ETA."""
+    import sys
+
+    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
+    import warm_start as ws
+
+    capfd.readouterr()
+    ws.make_tokenizer(512, 0)
+    assert capfd.readouterr().out == ""
+    assert ws.progress(5, 20, 1.23456, 1.5) == \
+        "step 5/20 | loss 1.2346 | 2s (0.30 s/step) | ETA 4s"
+    assert ws.progress(100, 500, 0.5, 250.0, acc=0.219) == \
+        "step 100/500 | loss 0.5000 | held-out greedy accuracy 0.219 | 4m10s (2.50 s/step) | " \
+        "ETA 16m40s"

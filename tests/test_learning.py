@@ -15,7 +15,8 @@ import random
 import pytest
 
 import simple_rl as rl
-from helpers import cpu_argv, make_checkpoint, metrics_rows, run_cpu, supervised_warm_start
+from helpers import (TorchEngine, cpu_argv, make_checkpoint, metrics_rows, run_cpu,
+                     supervised_warm_start)
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -107,6 +108,48 @@ def test_held_out_arithmetic_is_disjoint_from_every_training_pool():
     a = {p.question for p in rl.arithmetic_split(rl.Config(seed=0))[1]}
     b = {p.question for p in rl.arithmetic_split(rl.Config(seed=1))[1]}
     assert len(a & b) >= 240
+
+
+def asked_questions(calls: list, tokenizer, greedy: bool) -> list[str]:
+    """The questions of the prompts the engine was given, in its greedy (eval) calls or in its
+    sampled (training) ones: the questions as the run really asked them."""
+    prompts = [p for ps, _, _, _, t in calls if (t == 0.0) == greedy for p in ps]
+    texts = tokenizer.batch_decode(prompts)
+    assert all(t.startswith("Q: ") and t.endswith("\nA:") for t in texts), texts[:2]
+    return [t[3:-3] for t in texts]
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "jsonl"])
+def test_the_run_evaluates_problems_it_never_trains_on(ckpt, tmp_path, task):
+    """Through rl_step and evaluate, not the split alone: the questions of every greedy eval
+    are the --eval-size held-out ones, none of them in the training pool, and no step samples
+    one. The file task's 8 training problems are all sampled in 4 steps of 2, so an eval that
+    took any problem of the pool would overlap the steps."""
+    from transformers import AutoTokenizer
+
+    engines = []
+
+    def engine(*a):
+        engines.append(TorchEngine(*a))
+        return engines[-1]
+
+    extra = {}
+    if task == "jsonl":
+        rows = write_copy_task(tmp_path / "t.jsonl", 12)
+        extra = dict(task="jsonl", data_files=tmp_path / "t.jsonl")
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=4, eval_every=2, save_every=0, **extra)
+    run_cpu(argv, engine)
+    tok = AutoTokenizer.from_pretrained(ckpt())
+    evals = asked_questions(engines[0].calls, tok, greedy=True)
+    trained = set(asked_questions(engines[0].calls, tok, greedy=False))
+    assert len(evals) == 3 * 4 and len(set(evals)) == 4  # before steps 0 and 2, after step 4
+    if task == "jsonl":
+        pool = {r["question"] for r in rows} - set(evals)
+        assert trained == pool and len(pool) == 8
+    else:
+        pool = {p.question for p in rl.arithmetic_problems(rl.ARITHMETIC_POOL, 3)}  # --seed 3
+        assert len(trained) == 8 and trained <= pool
+    assert not set(evals) & pool and not set(evals) & trained
 
 
 def test_lora_grpo_raises_held_out_accuracy(copy_task, tmp_path):

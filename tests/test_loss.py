@@ -202,3 +202,36 @@ def test_a_second_update_clips_what_the_first_moved(ckpt, tmp_path, monkeypatch)
         want = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
         assert (groups.std(1) > 0).any()
         torch.testing.assert_close(adv, want.flatten())
+
+
+def test_a_gradient_above_grad_clip_is_applied_at_exactly_that_norm(ckpt):
+    """--grad-clip c on a batch whose raw gradient norm is far above c: the optimizer gets
+    the raw gradient scaled to norm c (same direction), and the step reports the raw norm;
+    one far below c passes unchanged. With clipping off (max_norm = inf), the first fails."""
+    path = ckpt()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (7, 4, 9, 5)]
+    comps = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (5, 3, 6, 4)]
+    packed = rl.pack(prompts, comps)
+    adv = torch.tensor([1.0, -1.0, 2.0, -2.0])  # (B,)
+
+    def first_gradient(grad_clip: float):
+        cfg = rl.Config(**{**LOSS, "updates_per_batch": 1, "kl_coef": 0.0,
+                           "grad_clip": grad_clip})
+        model = build(path)
+        with torch.no_grad():
+            old, _ = model(packed, cfg.temperature)
+        opt = Recorder(model.parameters(), lr=0.0)
+        _, norm, _ = rl.train_step(model, None, opt, packed, old, adv, cfg)
+        return flat(opt.seen[0][1]).double(), float(norm)  # fp64: a 1M-term fp32 sum drifts
+
+    raw, raw_norm = first_gradient(0.0)
+    assert raw_norm == pytest.approx(float(raw.norm()), rel=1e-5) and raw_norm > 1.0
+    clip = raw_norm / 100
+    got, reported = first_gradient(clip)
+    assert reported == pytest.approx(raw_norm, rel=1e-6)  # the norm before clipping
+    assert float(got.norm()) == pytest.approx(clip, rel=1e-5)
+    # clip_grad_norm_ scales by c / (norm + 1e-6)
+    torch.testing.assert_close(got, raw * (clip / (raw_norm + 1e-6)), atol=1e-9, rtol=1e-5)
+    unclipped, _ = first_gradient(raw_norm * 100)
+    torch.testing.assert_close(unclipped, raw, atol=0, rtol=0)

@@ -145,8 +145,8 @@ def test_the_default_reward_reads_text_answers_too():
 
 
 def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
-    """The warm-start script at a tiny size: a progress line each --log-every steps (loss and
-    time), a Qwen3 checkpoint that load_model_files accepts, a tokenizer that splits digits,
+    """The warm-start script at a tiny size: a progress line each --log-every steps (loss,
+    time, ETA), a Qwen3 checkpoint that load_model_files accepts, a tokenizer that splits digits,
     prompts exactly simple_rl's, and solutions the reward scores 1."""
     import subprocess
 
@@ -156,9 +156,12 @@ def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
            "--steps", "2", "--eval-every", "2", "--eval-size", "4", "--log-every", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"^step 1/2 \| loss \d+\.\d{4} \| \d+ s \(\d+\.\d\d s/step\)$",
-                     done.stdout, re.M), done.stdout
-    assert "step 2 | loss" in done.stdout and "held-out greedy accuracy" in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("warm start | ") and "" not in lines, done.stdout  # no blanks
+    clock = r"\d+s \(\d+\.\d\d s/step\) \| ETA \d+s"  # one format, eval or not
+    assert re.fullmatch(rf"step 1/2 \| loss \d+\.\d{{4}} \| {clock}", lines[1]), lines[1]
+    assert re.fullmatch(rf"step 2/2 \| loss \d+\.\d{{4}} \| held-out greedy accuracy "
+                        rf"\d\.\d{{3}} \| {clock}", lines[2]), lines[2]
     files = rl.load_model_files(rl.Config(model=str(out)))
     assert files.args.n_layers == 1 and files.args.enable_weight_tying
     tok = files.tokenizer

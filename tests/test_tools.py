@@ -370,11 +370,11 @@ def test_odd_env_messages_stop_the_run_in_one_sentence_with_exit_7(ckpt, tmp_pat
 
 @pytest.mark.parametrize("name,says", [
     ("ListStop", "its tool_stop ['</calc>'] must be text"),
-    ("LongFirstAtCheck", "on the first problem its reset gave a first message of 1,500 "
-                         "characters, which leaves no room in --max-model-len 128"),
-    ("ResetToolErrorAtCheck", "on the first problem its reset raised ToolError in reset: no "
-                              "such page"),
-    ("SlowAtCheck", "on the first problem its reset ran past --tool-timeout 0.5s."),
+    ("LongFirstAtCheck", "on the first training problem its reset gave a first message of "
+                         "1,500 characters, which leaves no room in --max-model-len 128"),
+    ("ResetToolErrorAtCheck", "on the first training problem its reset raised ToolError in "
+                              "reset: no such page"),
+    ("SlowAtCheck", "on the first training problem its reset ran past --tool-timeout 0.5s."),
 ])
 def test_an_env_check_refuses_in_one_sentence(ckpt, tmp_path, capsys, name, says):
     path = tmp_path / "odd.py"
