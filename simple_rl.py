@@ -4036,8 +4036,7 @@ def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[i
         return []
     before, after = tool_turn_parts(tokenizer, cfg)
     bound = cfg.max_tool_tokens or cfg.max_model_len
-    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                if t.special]
+    specials = special_strings(tokenizer)
     plain = [k for k, m in enumerate(messages)
              if len(m) <= CHARS_PER_TOKEN * bound and not any(s in m for s in specials)]
     texts = [messages[k] for k in plain]
@@ -4056,6 +4055,13 @@ def tool_message_ids(tokenizer, messages: list[str], cfg: Config) -> list[list[i
             own = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
             ids[k] = around[0] + own["input_ids"][:bound] + around[1]
     return ids
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The text of every special token (<|im_end|>, <|endoftext|>): what an env's text must not
+    turn into."""
+    return [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+            if t.special]
 
 
 def tool_turn_parts(tokenizer, cfg: Config) -> tuple[str, str]:
@@ -4079,8 +4085,7 @@ def first_prompt_ids(messages: list[str], tokenizer, cfg: Config,
     """Each reset's own first message as the task's prompts are (format_prompts), its text
     kept text: special-token strings in it are split into plain tokens. RewardError on a
     message with no room left in --max-model-len (where[k] names message k)."""
-    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                if t.special]
+    specials = special_strings(tokenizer)
     before, after = "Q: ", "\nA:"
     if uses_chat_template(cfg, tokenizer) and messages:
         text = chat_texts(tokenizer, [[{"role": "user", "content": TOOL_MARK}]], cfg)[0]

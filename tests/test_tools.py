@@ -176,16 +176,21 @@ def test_a_turn_of_16_tools_of_200_ms_waits_about_one_call(ckpt, tmp_path):
           f"{m['time/tool_calls_s']:.2f} s of calls")
 
 
-def test_a_step_past_tool_timeout_ends_its_episode_and_the_run_goes_on(ckpt, tmp_path,
-                                                                         monkeypatch):
+def step_under_timeout(ckpt, tmp_path, monkeypatch, env: str):
+    """rl_step 0 of the tool env `env` under --tool-timeout 0.5: (metrics, its episodes,
+    the trainer)."""
     kept = []
     plain = rl.episodes_rollout
     monkeypatch.setattr(rl, "episodes_rollout", lambda *a: kept.append(plain(*a)) or kept[-1])
-    trainer = trainer_for(ckpt, tmp_path, env=tool_env(tmp_path, "HangsOnOdd"),
-                          tool_timeout=0.5)
+    trainer = trainer_for(ckpt, tmp_path, env=tool_env(tmp_path, env), tool_timeout=0.5)
     m, _ = rl.rl_step(trainer, 0)
+    return m, kept[0].episodes, trainer
+
+
+def test_a_step_past_tool_timeout_ends_its_episode_and_the_run_goes_on(ckpt, tmp_path,
+                                                                         monkeypatch):
+    m, episodes, trainer = step_under_timeout(ckpt, tmp_path, monkeypatch, "HangsOnOdd")
     assert m["time/tool_s"] < 0.5 * 3 + 1  # at most 3 turns of 0.5 s: a hung call takes 5 s
-    episodes = kept[0].episodes
     late = [e for e in episodes if e.status == "tool_timeout"]
     texts = rl.decode(trainer.tokenizer, [e.turns[0].out.ids for e in episodes])
     odd = [e for e, text in zip(episodes, texts) if len(text) % 2]
@@ -197,13 +202,7 @@ def test_a_step_past_tool_timeout_ends_its_episode_and_the_run_goes_on(ckpt, tmp
 
 def test_a_reset_past_tool_timeout_ends_its_episode_with_its_groups_prompt(ckpt, tmp_path,
                                                                             monkeypatch):
-    kept = []
-    plain = rl.episodes_rollout
-    monkeypatch.setattr(rl, "episodes_rollout", lambda *a: kept.append(plain(*a)) or kept[-1])
-    trainer = trainer_for(ckpt, tmp_path, env=tool_env(tmp_path, "ResetHangs"),
-                          tool_timeout=0.5)
-    m, _ = rl.rl_step(trainer, 0)
-    episodes = kept[0].episodes
+    m, episodes, _ = step_under_timeout(ckpt, tmp_path, monkeypatch, "ResetHangs")
     assert [e.status == "tool_timeout" for e in episodes] == [i == 2 for i in range(16)]
     assert episodes[2].reward == 0.0 and len(episodes[2].turns) == 1
     assert episodes[2].turns[0].context == episodes[0].turns[0].context
