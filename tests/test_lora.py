@@ -234,3 +234,23 @@ def test_vllm_names_map_to_the_trainers_and_the_adapter_binds_to_the_engines_slo
     assert len(names) == 2 * 2 * 2 and not any("k_proj" in n for n in names)
     with pytest.raises(AssertionError, match="not the engine's tensor"):
         rl.push_weights(engine, iter([("x.lora_A.weight", torch.zeros(1))]))
+
+
+def test_lora_flags_on_the_real_command_line(ckpt, tmp_path):
+    """python simple_rl.py itself (the script, not the module): --check accepts a LoRA run and
+    refuses a rank vLLM does not serve, in one sentence."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "simple_rl.py"
+
+    def check(rank):
+        argv = cpu_argv(ckpt(), tmp_path / "runs", lora_rank=rank, run_name=f"r{rank}")
+        return subprocess.run([sys.executable, str(script), *argv, "--check"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    good, bad = check(8), check(7)
+    assert good.returncode == 0 and "check: config: valid" in good.stdout, good.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("simple_rl: error: --lora-rank 7: "
+                                                         "vLLM serves LoRA ranks"), bad.stderr
