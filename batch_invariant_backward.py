@@ -308,21 +308,44 @@ def ref_lora(x: Tensor, y: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) -> 
 def lora_backward(x: Tensor, u: Tensor, a: Sequence[Tensor], b: Sequence[Tensor], gy: Tensor,
                   scale: float) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """y_s = base_s + (u_s B'_s^T), u_s = x A_s^T, B'_s = scale B_s (roundings passed through)
-    =>  g_s = gy_s B'_s,  dA_s = g_s^T x,  dB_s = scale gy_s^T u_s,  dx = sum_s g_s A_s.
+    =>  g_s = gy_s B'_s,  dA_s = g_s^T x,  dB_s = scale gy_s^T u_s,  dx = [g_s]_s [A_s]_s.
 
-    dA and dB in fp32 (the masters' dtype), from GEMMs on compute-dtype operands."""
-    dx = torch.zeros_like(x)
-    da, db = [], []
-    start = 0
-    for u_s, a_s, b_s in zip(u, a, b):
-        a_s, b_s = a_s.flatten(0, -2), b_s.flatten(0, -2)  # (r, K), (n_s, r)
-        g_out = gy[:, start:start + len(b_s)]  # (T, n_s)
-        start += len(b_s)
-        g = g_out @ b_s  # (T, r)
-        db.append(scale * _mm(g_out.t(), u_s.to(x.dtype), torch.float32))  # (n_s, r)
-        da.append(_mm(g.t(), x, torch.float32))  # (r, K)
-        dx += g @ a_s
-    return dx, da, db
+    dA and dB in fp32 (the masters' dtype), from compute-dtype operands, summed over the tokens
+    by `token_sum_mm`; dx is one GEMM over every slice's r columns."""
+    starts = [0]
+    for b_s in b:
+        starts.append(starts[-1] + b_s.shape[-2])
+    gys = [gy[:, lo:hi] for lo, hi in zip(starts, starts[1:])]  # (T, n_s) views
+    g = torch.cat([gy_s @ b_s.flatten(0, -2) for gy_s, b_s in zip(gys, b)], 1)  # (T, S r)
+    r = u.shape[-1]
+    da = token_sum_mm(g, x).split(r)  # S x (r, K)
+    db = [scale * token_sum_mm(gy_s, u_s.to(x.dtype)) for gy_s, u_s in zip(gys, u)]  # (n_s, r)
+    dx = g @ torch.cat([a_s.flatten(0, -2) for a_s in a])  # (T, S r) @ (S r, K)
+    return dx, list(da), db
+
+
+# A weight gradient sums over every token: (M, T) @ (T, N) with M or N the rank (8-64). With
+# split-K off (vLLM's batch-invariant cuBLAS), such a GEMM has a handful of output tiles, each
+# looping over all T tokens: a few SMs of 132 busy. The tokens are cut into chunks instead,
+# each chunk's product on its own tiles (one grouped launch), and the chunks summed in order:
+# every SM busy, the bits fixed by the shapes alone.
+TOKEN_SUM_TILES = 512  # about 4 waves of 128 x 128 tiles on an H200
+
+
+def token_sum_mm(left: Tensor, right: Tensor) -> Tensor:
+    """left^T right = sum_t left[t]^T right[t]: (T, M), (T, N) -> (M, N) in fp32.
+
+    CUDA: C chunks of the T rows (C = TOKEN_SUM_TILES / the tiles of one product, at most one
+    chunk per 256 rows), each summed in fp32 by `grouped_wgrad`, then summed over C in order.
+    CPU: one GEMM on widened operands."""
+    if not left.is_cuda:
+        return _mm(left.t(), right, torch.float32)
+    T, M, N = left.shape[0], left.shape[1], right.shape[1]
+    blk = GROUPED_BLOCK
+    tiles = triton.cdiv(M, blk["BM"]) * triton.cdiv(N, blk["BN"])
+    chunks = max(1, min(triton.cdiv(TOKEN_SUM_TILES, tiles), T // 256))
+    bounds = torch.arange(chunks + 1, device=left.device) * T // chunks  # (C + 1,) int64
+    return grouped_wgrad(left, right, bounds, torch.float32).sum(0)
 
 
 class LoRAFn(torch.autograd.Function):

@@ -89,6 +89,25 @@ def test_lora_every_token_of_every_turn_bitwise_equal_with_prefix_caching(tmp_pa
     assert uncached == digest
 
 
+def test_lora_weight_gradients_sum_every_token_in_chunks():
+    """token_sum_mm (the adapters' dA, dB): the tokens in chunks on their own tiles, the chunks
+    summed in order; within fp32's rounding of an fp64 sum, at chunk counts from 1 to 64 and a
+    T no chunk divides, and the same bits on every call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import batch_invariant_backward as bib
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, M, N in ((32768, 48, 2048), (5001, 16, 6144), (300, 2048, 16), (8192, 6144, 64)):
+        left = torch.randn(T, M, device="cuda", generator=g).to(torch.bfloat16)
+        right = torch.randn(T, N, device="cuda", generator=g).to(torch.bfloat16)
+        out = bib.token_sum_mm(left, right)
+        exact = left.double().t() @ right.double()  # (M, N)
+        assert out.dtype == torch.float32 and out.shape == (M, N)
+        assert (out.double() - exact).abs().max() <= 1e-6 * T ** 0.5 * exact.abs().max() + 1e-3
+        assert torch.equal(out, bib.token_sum_mm(left, right))
+
+
 def big_lora_run(tmp: Path, preset: str, layers: int | None, *flags) -> dict:
     """simple_rl.py --lora-rank 16 on a random checkpoint of a published shape (its layers cut
     to `layers`), at the defaults but for `flags`: metrics and the banner's estimate."""
