@@ -747,12 +747,7 @@ FUSED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
-MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
 
 
 @dataclass
@@ -762,110 +757,6 @@ class ModelFiles:
     tokenizer: object
     eos_ids: list[int]
     tool_ids: list[int] = field(default_factory=list)  # --tool-stop's ids: they end a turn too
-
-
-def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
-    """Path, model args, tokenizer and stop ids, after checking they fit together and the config
-    (`path`: --model already resolved to a directory).
-
-    Opens headers only; nothing here takes more than seconds.
-    """
-    path = path or resolve_checkpoint(cfg.model)
-    hf_cfg = read_qwen3_config(path)
-    args = model_args_from_hf(hf_cfg)
-    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
-         f"the model's max_position_embeddings ({args.max_seq_len}).")
-    check_weight_headers(path, args)
-    check_lora(cfg, args)
-    tokenizer = load_tokenizer(path, args)
-    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
-    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
-         f"do not fit the model's vocab of {args.vocab_size}.")
-    return ModelFiles(path, args, tokenizer, eos_ids)
-
-
-def model_args_from_hf(hf):
-    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
-
-    For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
-    norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
-    TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
-    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
-    """
-    from torchtitan.models.moe import MoEArgs
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
-    rope = getattr(hf, "rope_parameters", None) or {}
-    moe = {}
-    sparse: tuple[int, ...] = ()
-    if hf.model_type == "qwen3_moe":
-        n = hf.num_experts
-        only = set(getattr(hf, "mlp_only_layers", None) or [])
-        step = getattr(hf, "decoder_sparse_step", 1) or 1
-        sparse = tuple(i for i in range(hf.num_hidden_layers)
-                       if i not in only and n > 0 and (i + 1) % step == 0)
-        moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
-                   moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
-                                    top_k=hf.num_experts_per_tok, score_func="softmax",
-                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
-                                    score_before_experts=False, load_balance_coeff=None))
-    args = Qwen3ModelArgs(
-        dim=hf.hidden_size,
-        n_layers=hf.num_hidden_layers,
-        n_heads=hf.num_attention_heads,
-        n_kv_heads=hf.num_key_value_heads,
-        vocab_size=hf.vocab_size,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        hidden_dim=hf.intermediate_size,
-        norm_eps=hf.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
-        max_seq_len=hf.max_position_embeddings,
-        enable_weight_tying=bool(hf.tie_word_embeddings),
-        **moe,
-    )
-    if sparse:
-        args.sparse_layers = sparse
-    return args
-
-
-def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos and config.json's and
-    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
-    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        with contextlib.suppress(json.JSONDecodeError, AttributeError):
-            found.append(json.loads(gen.read_text()).get("eos_token_id"))
-    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
-    return sorted(set(flat))
-
-
-def tool_stop_ids(tokenizer, stops: str) -> list[int]:
-    """The token id of each comma-separated --tool-stop string. vLLM runs without a tokenizer,
-    so a turn ends at a token id (kept as the turn's last generated token), not at a string."""
-    ids = []
-    for stop in filter(None, stops.split(",")):
-        got = tokenizer.encode(stop, add_special_tokens=False)
-        need(len(got) == 1, f"--tool-stop {stop!r} is {len(got)} tokens of the tokenizer, not one "
-             "(a turn ends at a token id: add the string to the tokenizer as one token).")
-        ids += got
-    return ids
-
-
-def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in weight_files(path):
-        try:
-            state.update(load_file(path / f))
-        except Exception as e:
-            raise ConfigError(f"{path / f} could not be read ({e}).") from e
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
-         "would be meaningless.")
-    return state
 
 
 def _adapter(args):
@@ -1356,47 +1247,6 @@ def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     return pool, heldout
 
 
-def gsm8k_problems(data_files: str) -> list[Problem]:
-    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
-
-    Each row has `question` and `answer`; the final answer follows '####'.
-    """
-    rows = read_rows(data_files, "gsm8k")
-    source = data_files or "GSM8K"
-    out = []
-    for q, a in zip(rows["question"], rows["answer"]):
-        need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
-             f"'#### <number>': {str(a)[:60]!r}.")
-        out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
-    return out
-
-
-def jsonl_problems(data_files: str) -> list[Problem]:
-    """Your rows: `question` is the prompt as written, `answer` what the reward compares with
-    (a number is read as the text written in the file)."""
-    rows = read_rows(data_files, "jsonl")
-    out = []
-    for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
-        need(isinstance(a, (str, int, float)) and not isinstance(a, bool), f"{data_files}: row "
-             f"{i} has no answer text or number (got {a!r}).")
-        out.append(Problem(q, str(a)))
-    return out
-
-
-def split_heldout(problems: list[Problem], size: int, source: str):
-    """(training pool, held-out problems) of a file: `size` problems chosen by a fixed shuffle
-    (the same for every --seed), and every other problem whose question they do not repeat."""
-    need(size < len(problems), f"{source} has {len(problems)} problems; --eval-size {size} "
-         "leaves none to train on (lower it; 0: no eval).")
-    g = torch.Generator().manual_seed(EVAL_SEED)
-    chosen = set(torch.randperm(len(problems), generator=g)[:size].tolist())
-    heldout = [p for i, p in enumerate(problems) if i in chosen]
-    questions = {p.question for p in heldout}
-    pool = [p for i, p in enumerate(problems) if i not in chosen and p.question not in questions]
-    need(bool(pool), f"{source}: every problem repeats a held-out question; lower --eval-size.")
-    return pool, heldout
-
-
 def uses_chat_template(cfg: Config, tokenizer) -> bool:
     has = bool(getattr(tokenizer, "chat_template", None))
     need(has or cfg.chat_template != "on", "--chat-template on, but the tokenizer has no chat "
@@ -1491,80 +1341,6 @@ def reward(completion: str, answer: str) -> float:
 RewardFn = Callable[[str, str], float]
 
 
-class RewardError(RuntimeError):
-    """The reward raised or returned something that is not a finite number."""
-
-    def __init__(self, what: str, sample: int, completion: str):
-        super().__init__(what)
-        self.sample = sample  # index among this rank's samples of the step
-        self.completion = completion
-        self.where = f"sample {sample}"  # the caller names it better: see on_every_rank
-
-    def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
-        return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
-
-
-def load_reward(spec: str) -> RewardFn:
-    """--reward FILE.py:FUNCTION: the user's reward(completion, answer) -> float; '' is ours.
-
-    Checked here, before anything slow: the file imports, the function exists and takes
-    (completion, answer).
-    """
-    if not spec:
-        return reward
-    import inspect
-
-    fn, path, name = user_object(spec, "--reward")
-    need(callable(fn), f"--reward: {path} has no function {name!r}.")
-    try:
-        inspect.signature(fn).bind("completion", "answer")
-    except TypeError:
-        raise ConfigError(f"--reward: {name}{inspect.signature(fn)} in {path} must take "
-                          "(completion, answer).") from None
-    except ValueError:  # no signature to inspect (a builtin): the first call will tell
-        pass
-    return fn
-
-
-def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> float:
-    """A first call, before anything slow: an empty completion (a model may stop at once) must
-    get a finite number (returned)."""
-    try:
-        return score(reward_fn, [""], [task.problems[0].answer]).item()
-    except RewardError as e:
-        raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
-
-
-def user_object(spec: str, option: str):
-    """FILE.py:NAME -> (the module's NAME or None, the file's path, NAME), once the file imports."""
-    import importlib.util
-
-    file, name = spec.rsplit(":", 1)
-    path = Path(file).expanduser()
-    need(path.is_file(), f"{option}: {path} is not a file.")
-    module_spec = importlib.util.spec_from_file_location(f"simple_rl_user_{path.stem}", path)
-    need(module_spec is not None and module_spec.loader is not None, f"{option}: {path} cannot "
-         "be imported as a Python module.")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
-        raise ConfigError(f"{option}: importing {path} failed ({type(e).__name__}: {e}).") from e
-    return getattr(module, name, None), path, name
-
-
-def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
-    """reward_fn(text, answer) of every sample, (B,) fp32; RewardError names the first sample
-    whose reward raised (SystemExit included: the reward's, not the run's end; Ctrl-C stays
-    Ctrl-C) or is not a number finite in fp32."""
-    out = []
-    for i, (text, answer) in enumerate(zip(texts, answers)):
-        with user_errors(i, text):
-            value = reward_fn(text, answer)
-        out.append(finite_reward(value, i, text))
-    return torch.tensor(out, dtype=torch.float32)
-
-
 def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
     """group_advantages of the rewards (B*G,); RewardError on the first sample whose group's
@@ -1576,32 +1352,6 @@ def finite_advantages(rewards: torch.Tensor, cfg: Config,
         raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
                           "advantages are not finite", bad[0], text(bad[0]))
     return adv
-
-
-@contextlib.contextmanager
-def user_errors(sample: int, completion: str):
-    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
-    try:
-        yield
-    except ToolError:
-        raise
-    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
-        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
-
-
-def finite_reward(value, sample: int, completion: str) -> float:
-    """value as a float, if it is a number finite in fp32; RewardError otherwise."""
-    try:
-        number = float(value) if isinstance(value, numbers.Real) else math.nan
-    except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
-        number = math.nan
-    if not (math.isfinite(number) and abs(number) <= FP32_MAX):
-        try:
-            shown = repr(value)[:80]
-        except Exception:  # an int of more than 4300 digits, or a repr that raises
-            shown = f"a {type(value).__name__}"
-        raise RewardError(f"returned {shown}, not a finite number in fp32", sample, completion)
-    return number
 
 
 # ==========================================================================
@@ -1666,108 +1416,6 @@ class CalcEnv(RewardEnv):
         if not completion.endswith("</calc>"):
             return None, self.reward_fn(completion, self.answer)
         return str(calculate(completion[: -len("</calc>")].rsplit("<calc>", 1)[-1])), None
-
-
-def calculate(expr: str) -> int:
-    """The value of an integer expression of + - * and parentheses; ToolError if it is none."""
-    import ast
-
-    ops = {"Add": "+", "Sub": "-", "Mult": "*"}
-
-    def value(node) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op).__name__ in ops:
-            return ARITH[ops[type(node.op).__name__]](value(node.left), value(node.right))
-        raise ToolError(f"{expr[:40]!r} is not an integer expression of + - * and parentheses")
-
-    try:
-        return value(ast.parse(expr.strip(), mode="eval").body if len(expr) <= 100 else None)
-    except (SyntaxError, ValueError) as e:
-        raise ToolError(f"{expr[:40]!r} does not parse") from e
-
-
-EMBEDDED_ENVS = ("calc", "lookup")  # --env names of the envs simple_rl holds
-
-
-def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
-    """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
-    of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
-    if not spec:
-        return lambda: RewardEnv(reward_fn)
-    if spec in EMBEDDED_ENVS:
-        return lambda: (CalcEnv if spec == "calc" else LookupEnv)(reward_fn)
-    make, path, name = user_object(spec, "--env")
-    need(callable(make), f"--env: {path} has no class {name!r}.")
-    return make
-
-
-def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
-              tokenizer) -> tuple[Env, str]:
-    """Before anything slow: an env is made, has reset(problem) and step(completion), gives
-    the first problem a text that fits --max-model-len and an empty completion (a model may
-    stop at once) a reward or a tool message. Returns that env (its tool_stop is the default
-    --tool-stop) and --check's line on it."""
-    import inspect
-
-    label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
-    try:
-        env = make_env()
-    except Exception as e:
-        raise ConfigError(f"{label}: making an env raised {type(e).__name__}: {e}.") from e
-    for method, arg in (("reset", "problem"), ("step", "completion")):
-        fn = getattr(env, method, None)
-        need(callable(fn), f"{label}: its env has no method {method}({arg}).")
-        try:
-            inspect.signature(fn).bind(arg)
-        except TypeError:
-            raise ConfigError(f"{label}: {method}{inspect.signature(fn)} must take "
-                              f"({arg}).") from None
-        except ValueError:  # no signature to inspect: the first call will tell
-            pass
-    try:
-        first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
-        first_prompt_ids([first], tokenizer, cfg, ["reset"])
-    except (RewardError, ToolTimeout) as e:  # "reset returned 5, not text", "raised ..."
-        what = str(e) if str(e).startswith("reset") else f"reset {e}"
-        raise ConfigError(f"{label}: on the first training problem its {what}.") from e
-    try:
-        said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
-    except (RewardError, ToolTimeout) as e:
-        raise ConfigError(f"{label}: on an empty completion it {e}.") from e
-    except ToolError as e:
-        said = f"raised ToolError ({shown(str(e))})"
-    stop = getattr(env, "tool_stop", "")
-    need(isinstance(stop, str), f"{label}: its tool_stop {shown(stop)} must be text: "
-         "comma-separated strings, each one token.")
-    return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
-
-
-def env_reset(env: Env, problem: Problem, sample: int) -> str:
-    try:
-        with user_errors(sample, ""):
-            message = env.reset(problem)
-    except ToolError as e:  # no tool was called yet: the env's fault, not the model's
-        raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
-    check_text(message, "reset returned", sample, "")
-    return message
-
-
-def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None]:
-    """env.step(text), checked: a tool message is text; without one, the reward is a finite
-    number. RewardError otherwise (a ToolError passes)."""
-    with user_errors(sample, text):
-        out = env.step(text)
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
-    message, value = out
-    if message is not None:
-        check_text(message, "returned the tool message", sample, text)
-    if message is None or value is not None:
-        value = finite_reward(value, sample, text)
-    return message, value
 
 
 @dataclass
@@ -2058,29 +1706,6 @@ def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Conf
     return loss_total
 
 
-def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: int) -> None:
-    """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
-    the gradient norm is not finite: before the optimizer steps, nothing has changed."""
-    finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
-                          torch.isfinite(norm)])
-    finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()
-    if not all(finite):
-        quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
-        bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
-        all_samples = sorted(set(packed.sample.tolist()))
-        raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
-                             update, updates)
-
-
-def weights_finite(model: nn.Module, device) -> bool:
-    """Every (local shard of every) trained parameter finite, on every rank: one fused pass,
-    one sync."""
-    local = [local_tensor(p.detach()) for p in model.parameters() if p.requires_grad]
-    norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
-    ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
-    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
-
-
 @dataclass
 class Parity:
     n_tokens: int
@@ -2306,15 +1931,6 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     return sums, grad_norm, n_tokens, parity_over_ranks(parity, device)
 
 
-def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
-    """Each metric to TensorBoard at `step` (on rank 0; the other ranks have no writer)."""
-    if writer is not None:
-        with writing(Path(writer.log_dir)):
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, step)
-            writer.flush()
-
-
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
     """Completion texts; ids past the tokenizer's vocab (a model's vocab may be larger) skipped."""
     vocab = len(tokenizer)
@@ -2450,218 +2066,6 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     return digest
 
 
-def signal_on_any_rank(stop: StopRequest, device) -> int:
-    """The Ctrl-C or SIGTERM any rank received (0: none): every rank stops together."""
-    return int(all_reduce(torch.tensor([stop.signal or 0], device=device), dist.ReduceOp.MAX))
-
-
-def save_and_stop(trainer: Trainer, run_dir: Path, source: Path, next_step: int, asked: int,
-                  when: str) -> RunStopped:
-    """After a signal: the checkpoint of the steps done, and the stop (exit 130 or 143)."""
-    print0(f"saving checkpoint step_{next_step:06d}")
-    ckpt = save_checkpoint(run_dir, trainer, next_step, source)
-    code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
-    return RunStopped(f"stopped {when}; checkpoint {ckpt}; continue with --resume {ckpt}", code)
-
-
-def log_row(metrics_log, row: dict) -> None:
-    """A row of metrics.jsonl, flushed (rank 0 has the file open; the others have None)."""
-    if metrics_log is not None:
-        with writing(Path(metrics_log.name)):
-            metrics_log.write(json.dumps(row) + "\n")
-            metrics_log.flush()
-
-
-def close_logs(trainer: Trainer, metrics_log, run_dir: Path) -> None:
-    """metrics.jsonl and TensorBoard closed, each even if the other fails (a disk error: exit
-    6, as at every write)."""
-    try:
-        with writing(run_dir / "metrics.jsonl"):
-            if metrics_log is not None:
-                metrics_log.close()
-    finally:
-        with writing(run_dir):
-            if trainer.writer is not None:
-                trainer.writer.close()
-
-
-def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, float],
-                parity: Parity, metrics_log, step_s: float) -> None:
-    """The step's row in metrics.jsonl (rank 0), its parity line (with the token table every
-    --parity-every steps, the run's first, and any that differs) and its step line."""
-    cfg = trainer.cfg
-    log_row(metrics_log, {"step": step, **{k: v for k, v in metrics.items()
-                                           if not k.startswith("weight_delta/")}})
-    bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
-    if bitwise or not parity.n_mismatch:  # with reference kernels setup said once why
-        if parity.n_mismatch or step % cfg.parity_every == 0 or first:
-            print0(parity.table)
-        print0(parity_line(parity))
-    print0(format_step(step, cfg.steps, metrics, step_s, step_s * (cfg.steps - step - 1)))
-
-
-def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
-    memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
-    held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-    kl = f" | kl {m['kl_div']:.4f}" if "kl_div" in m else ""  # only with --kl-coef > 0
-    routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
-               f"{int(m['determinism/routing_tokens'])} | "
-               if "determinism/routing_mismatch" in m else "")
-    turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
-             if "episode/turns_mean" in m else "")  # episodes of several turns
-    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
-            f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
-            f"{m['completion_len_mean']:.1f}{turns} | mismatched "
-            f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
-            f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
-            f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
-
-
-def format_duration(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
-                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
-                 times: tuple[float, float, float]) -> dict[str, float]:
-    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
-    from their summed token sums, and reward and length statistics over every sample, taken
-    in the step's prompt order (so they equal a single process's)."""
-    G = cfg.group_size
-    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
-    routing = {"determinism/routing_mismatch": parity.routing_mismatch,
-               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
-    lengths = generated_lengths(rollout)
-    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
-                   rollout.stopped[j * G:(j + 1) * G],
-                   [episode_row(e) for e in rollout.episodes[j * G:(j + 1) * G]] if cfg.env
-                   else []) for j in range(n_prompts)]
-    every = in_prompt_order(all_gather_objects(per_prompt))
-    all_rewards = torch.tensor([r for rs, _, _, _ in every for r in rs])
-    lens = torch.tensor([n for _, ns, _, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss, _ in every for s in ss]
-    rows = [row for *_, rs in every for row in rs]
-    return {
-        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
-        **({"kl_div": kl} if cfg.kl_coef > 0 else {}),  # no reference model: no KL to show
-        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
-        "grad_norm": float(grad_norm),
-        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-        "completion_len_mean": lens.mean().item(),
-        "completion_stopped_frac": sum(stopped) / len(stopped),
-        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
-        "determinism/max_abs_diff": parity.max_abs_diff,
-        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
-        "time/step_s": sum(times),
-        **routing,
-        **(episode_metrics(rows) if cfg.env else {}),  # episodes of several turns
-    }
-
-
-def episode_row(e: Episode) -> tuple:
-    """(turns, tool calls, status, generated tokens per turn, tool tokens, seconds in
-    env.step)."""
-    tool = sum(len(turn.context) for turn in e.turns[1:])
-    return len(e.turns), e.tool_calls, e.status, [len(t.out.ids) for t in e.turns], tool, e.tool_s
-
-
-def episode_metrics(rows: list[tuple]) -> dict[str, float]:
-    """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
-    the parity check compared at each turn; the seconds of the env.step calls, summed."""
-    n = len(rows)
-    turns, calls, status, per_turn, tool, seconds = zip(*rows)
-    generated = [sum(c) for c in per_turn]
-    checked = {f"determinism/tokens_turn{k + 1}": sum(c[k] for c in per_turn if len(c) > k)
-               for k in range(max(turns))}
-    return {"episode/turns_mean": sum(turns) / n, "episode/tool_calls_mean": sum(calls) / n,
-            "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
-            **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
-            "episode/generated_tokens_mean": sum(generated) / n,
-            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_calls_s": sum(seconds),
-            **checked}
-
-
-def in_prompt_order(per_rank: list[list]) -> list:
-    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
-    out = []
-    for j in range(max(len(x) for x in per_rank)):
-        out += [x[j] for x in per_rank if j < len(x)]
-    return out
-
-
-def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
-                  per_param: bool) -> dict[str, float]:
-    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
-
-    Reconstructed from the optimizer's state, without a copy of the old weights:
-        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
-    One parameter's temporaries at a time; local shards summed over ranks.
-    """
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    wd = group["weight_decay"]
-    eps = group["eps"]
-    b1, b2 = group["betas"]
-    if not optimizer.state:
-        return {}
-    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
-    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
-    index = {k: i for i, k in enumerate(keys)}
-    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
-    for name, p in named.items():
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
-        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
-        old = (w + step) / (1 - lr * wd)
-        row = torch.stack([(w - old).square().sum(), old.square().sum()])
-        sq[index[layer_of(name)]] += row
-        if per_param:
-            sq[index[name]] += row
-    sq = all_reduce(sq).sqrt().tolist()  # one host sync
-    out = {}
-    for key, (delta, old) in zip(keys, sq):
-        out[f"weight_delta/{key}/magnitude"] = delta
-        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
-    return out
-
-
-def layer_of(name: str) -> str:
-    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-
-
-def device_in_use(device: torch.device) -> int:
-    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
-def memory_metrics(device: torch.device, rollout_in_use: int) -> dict[str, float]:
-    """GiB per GPU, the largest over ranks, read right after the update: the GPU in use after
-    the rollout (the engine awake beside the blocks the trainer's allocator keeps cached, which
-    a push frees if the engine needs them) and at the update's peak: in use now plus what
-    PyTorch's allocator has released since its reserved peak. Also PyTorch's peaks in the
-    update, allocated and reserved; both count the sleeping engine's weights and KV cache too
-    (vLLM's sleep mode takes them from a PyTorch memory pool and unmaps them while asleep)."""
-    allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
-    update_peak = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
-    gib = all_reduce(torch.tensor([rollout_in_use, update_peak, allocated, reserved],
-                                  dtype=torch.float64, device=device), dist.ReduceOp.MAX) / 2**30
-    rollout, update, allocated, reserved = gib.tolist()
-    return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
-            "memory/update_gib": update, "memory/peak_allocated_gib": allocated,
-            "memory/peak_reserved_gib": reserved}
-
-
 def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
           device_type: str = "cuda"):
     """Build (or rebuild from a checkpoint) everything `train` needs; returns
@@ -2749,13 +2153,6 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     return trainer, start, run_dir, files.path
 
 
-def check_ranks(cfg: Config, world: int) -> None:
-    need(world <= cfg.num_prompts, f"{world} ranks but --num-prompts {cfg.num_prompts}: every "
-         "rank needs at least one prompt per step.")
-    need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
-         "with python, not torchrun.")
-
-
 def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks,
                  engine: Engine | None = None):
     """The policy and, with --kl-coef > 0, a frozen copy of it: (model, ref_model or None),
@@ -2787,62 +2184,6 @@ def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks:
     return model, ref_model
 
 
-def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
-    """TensorBoard with the config and the dashboard's layout; after a resume, without what
-    was logged after the checkpoint."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    quiet_writer_thread()
-    with writing(run_dir):
-        trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
-        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
-        moe = bool(sparse_layers(trainer.model.args))
-        trainer.writer.add_custom_scalars(tensorboard_layout(moe, bool(trainer.cfg.env)))
-    if resumed_at is not None:
-        purge_after(run_dir / "metrics.jsonl", resumed_at)
-
-
-def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
-               run_dir: Path) -> str:
-    n = count_params(files.args)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    memory = f" | {memory} (estimate)" if memory else ""
-    lora = lora_spec(cfg, files.args)
-    if lora:
-        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
-                 f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
-    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
-            f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
-
-
-def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
-                 empty: float, env: str = "") -> str:
-    """--check's answer: one line per thing checked, each of which passed."""
-    run_dir = Path(cfg.log_dir) / cfg.run_name
-    where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
-             "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
-    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
-    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
-    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
-    lines = [
-        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
-        f"run directory {run_dir}: {where}",
-        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
-           "run's (sha256)"] if ckpt else []),
-        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
-        "every safetensors header agree",
-        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
-        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
-        f"training problems, {len(task.eval_problems)} held out; the longest prompt "
-        f"({max(lengths)} tokens) fits --max-model-len",
-        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
-        "on an empty completion",
-        *([env] if env else []),
-        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
-    ]
-    return "\n".join(f"check: {line}" for line in lines)
-
-
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW on the fp32 masters (or their shards; under LoRA the adapters'); fused on CUDA
     (deterministic)."""
@@ -2850,66 +2191,6 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     fused = params[0].device.type == "cuda"
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay, fused=fused)
-
-
-def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
-    """The Custom Scalars dashboard: the signals to act on first, one series per chart
-    (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
-    Qwen3-MoE also the tokens whose experts differ from vLLM's.
-
-    TensorBoard reads a Multiline chart's tag as a regular expression matched at the start of
-    each tag, so each is anchored: `determinism/mismatched_tokens` alone, not `..._total` too.
-    The held-out accuracy is a Margin chart (value, lower, upper: exact tags), which TensorBoard
-    never smooths: its few points keep their values (a smoothed line of 6 evals starts at its
-    first, then lags), and the axis, which leaves out the outer 5% of the values it draws,
-    keeps the first and the last of a few evals in view (each point brings three values).
-    """
-    def charts(*titled):  # (title, tag): Multiline; (title, (value, lower, upper)): Margin
-        return {title: ["Margin", list(tag)] if isinstance(tag, tuple)
-                else ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in titled}
-
-    layout = {
-        "simple_rl": charts(
-            ("reward (mean over the step's samples)", "reward_mean"),
-            ("held-out accuracy (greedy, %, 95% interval)",
-             ("eval/accuracy_pct", "eval/accuracy_low_pct", "eval/accuracy_high_pct")),
-            ("loss", "loss"),
-            ("KL to the initial policy (with --kl-coef > 0)", "kl_div"),
-            ("entropy (nats per token)", "entropy"),
-            # a running total: smoothing cannot hide a mismatch, and the line never comes back
-            ("mismatched tokens, run total (must stay 0)", "determinism/mismatched_tokens_total"),
-            ("step time (s)", "time/step_s"),
-        ),
-        "simple_rl details": charts(
-            ("reward std", "reward_std"),
-            ("policy-gradient loss", "pg_loss"),
-            ("mismatched tokens per step", "determinism/mismatched_tokens"),
-            ("rollout time (s)", "time/rollout_s"),
-            ("engine sleep time, within the rollout (s)", "time/engine_sleep_s"),
-            ("update time (s)", "time/train_s"),
-            ("weight push time (s)", "time/push_s"),
-            ("GPU memory in use (GiB)", "memory/in_use_gib"),
-            ("completion length (tokens)", "completion_len_mean"),
-            ("grad norm", "grad_norm"),
-        ),
-    }
-    if moe:
-        layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
-                                           "determinism/routing_mismatch")))
-    if tools:  # --env: episodes of several turns
-        layout["simple_rl"].update(charts(
-            ("episodes that call the tool", "episode/tool_call_frac"),
-            ("held-out episodes that call the tool (greedy)", "eval/tool_call_frac")))
-        layout["simple_rl details"].update(charts(
-            ("turns per episode", "episode/turns_mean"),
-            ("tool calls per episode", "episode/tool_calls_mean"),
-            ("episodes ended by a tool error", "episode/tool_error_frac"),
-            ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
-            ("episodes cut at --max-model-len", "episode/context_frac"),
-            ("episodes cut at --max-turns", "episode/max_turns_frac"),
-            ("tool tokens per episode", "episode/tool_tokens_mean"),
-            ("time waiting on the env's calls (s)", "time/tool_s")))
-    return layout
 
 
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -2963,8 +2244,8 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 # The RL story ends here. What follows is plumbing a researcher need not read: config
 # parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
 # patches, LoRA's engine slot and names, the tools' threads and text, checkpoints and resume,
-# the run directory and export, the memory estimate, console filtering, stops (signals, NaN,
-# OOM) and the parity debugger.
+# the run directory and export, logging, the memory estimate, console filtering, stops
+# (signals, NaN, OOM) and the parity debugger.
 # ==========================================================================
 
 
@@ -3189,6 +2470,33 @@ def resolve_checkpoint(name: str) -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
+MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
+
+
+def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
+    """Path, model args, tokenizer and stop ids, after checking they fit together and the config
+    (`path`: --model already resolved to a directory).
+
+    Opens headers only; nothing here takes more than seconds.
+    """
+    path = path or resolve_checkpoint(cfg.model)
+    hf_cfg = read_qwen3_config(path)
+    args = model_args_from_hf(hf_cfg)
+    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
+         f"the model's max_position_embeddings ({args.max_seq_len}).")
+    check_weight_headers(path, args)
+    check_lora(cfg, args)
+    tokenizer = load_tokenizer(path, args)
+    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
+    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
+         f"do not fit the model's vocab of {args.vocab_size}.")
+    return ModelFiles(path, args, tokenizer, eos_ids)
+
+
 def check_lora(cfg: Config, args) -> None:
     """What --lora-* asks of this model: experts take no adapter (vLLM's MoE LoRA kernels are
     not the trainer's), and r fits within every adapted layer's input and output slices."""
@@ -3331,6 +2639,50 @@ def check_moe_config(raw: dict, file: Path) -> None:
          "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
     need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
          "true or false.")
+
+
+def model_args_from_hf(hf):
+    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
+
+    For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
+    norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
+    TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
+    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
+    """
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    rope = getattr(hf, "rope_parameters", None) or {}
+    moe = {}
+    sparse: tuple[int, ...] = ()
+    if hf.model_type == "qwen3_moe":
+        n = hf.num_experts
+        only = set(getattr(hf, "mlp_only_layers", None) or [])
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        sparse = tuple(i for i in range(hf.num_hidden_layers)
+                       if i not in only and n > 0 and (i + 1) % step == 0)
+        moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
+                   moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
+                                    top_k=hf.num_experts_per_tok, score_func="softmax",
+                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
+                                    score_before_experts=False, load_balance_coeff=None))
+    args = Qwen3ModelArgs(
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads,
+        vocab_size=hf.vocab_size,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        hidden_dim=hf.intermediate_size,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
+        max_seq_len=hf.max_position_embeddings,
+        enable_weight_tying=bool(hf.tie_word_embeddings),
+        **moe,
+    )
+    if sparse:
+        args.sparse_layers = sparse
+    return args
     # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
     # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
 
@@ -3355,6 +2707,46 @@ def load_tokenizer(path: Path, args):
     need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
          f"the tokenizer in {path} encodes text to nothing.")
     return tokenizer
+
+
+def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and config.json's and
+    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
+    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            found.append(json.loads(gen.read_text()).get("eos_token_id"))
+    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
+    return sorted(set(flat))
+
+
+def tool_stop_ids(tokenizer, stops: str) -> list[int]:
+    """The token id of each comma-separated --tool-stop string. vLLM runs without a tokenizer,
+    so a turn ends at a token id (kept as the turn's last generated token), not at a string."""
+    ids = []
+    for stop in filter(None, stops.split(",")):
+        got = tokenizer.encode(stop, add_special_tokens=False)
+        need(len(got) == 1, f"--tool-stop {stop!r} is {len(got)} tokens of the tokenizer, not one "
+             "(a turn ends at a token id: add the string to the tokenizer as one token).")
+        ids += got
+    return ids
+
+
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in weight_files(path):
+        try:
+            state.update(load_file(path / f))
+        except Exception as e:
+            raise ConfigError(f"{path / f} could not be read ({e}).") from e
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
+         "would be meaningless.")
+    return state
 
 
 def read_rows(data_files: str, task: str) -> dict[str, list]:
@@ -3435,6 +2827,164 @@ def read_with_datasets(data_files: str, task: str) -> list[dict]:
     return rows.to_list()
 
 
+def gsm8k_problems(data_files: str) -> list[Problem]:
+    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
+
+    Each row has `question` and `answer`; the final answer follows '####'.
+    """
+    rows = read_rows(data_files, "gsm8k")
+    source = data_files or "GSM8K"
+    out = []
+    for q, a in zip(rows["question"], rows["answer"]):
+        need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
+             f"'#### <number>': {str(a)[:60]!r}.")
+        out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
+    return out
+
+
+def jsonl_problems(data_files: str) -> list[Problem]:
+    """Your rows: `question` is the prompt as written, `answer` what the reward compares with
+    (a number is read as the text written in the file)."""
+    rows = read_rows(data_files, "jsonl")
+    out = []
+    for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
+        need(isinstance(a, (str, int, float)) and not isinstance(a, bool), f"{data_files}: row "
+             f"{i} has no answer text or number (got {a!r}).")
+        out.append(Problem(q, str(a)))
+    return out
+
+
+def split_heldout(problems: list[Problem], size: int, source: str):
+    """(training pool, held-out problems) of a file: `size` problems chosen by a fixed shuffle
+    (the same for every --seed), and every other problem whose question they do not repeat."""
+    need(size < len(problems), f"{source} has {len(problems)} problems; --eval-size {size} "
+         "leaves none to train on (lower it; 0: no eval).")
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    chosen = set(torch.randperm(len(problems), generator=g)[:size].tolist())
+    heldout = [p for i, p in enumerate(problems) if i in chosen]
+    questions = {p.question for p in heldout}
+    pool = [p for i, p in enumerate(problems) if i not in chosen and p.question not in questions]
+    need(bool(pool), f"{source}: every problem repeats a held-out question; lower --eval-size.")
+    return pool, heldout
+
+
+def user_object(spec: str, option: str):
+    """FILE.py:NAME -> (the module's NAME or None, the file's path, NAME), once the file imports."""
+    import importlib.util
+
+    file, name = spec.rsplit(":", 1)
+    path = Path(file).expanduser()
+    need(path.is_file(), f"{option}: {path} is not a file.")
+    module_spec = importlib.util.spec_from_file_location(f"simple_rl_user_{path.stem}", path)
+    need(module_spec is not None and module_spec.loader is not None, f"{option}: {path} cannot "
+         "be imported as a Python module.")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
+        raise ConfigError(f"{option}: importing {path} failed ({type(e).__name__}: {e}).") from e
+    return getattr(module, name, None), path, name
+
+
+def load_reward(spec: str) -> RewardFn:
+    """--reward FILE.py:FUNCTION: the user's reward(completion, answer) -> float; '' is ours.
+
+    Checked here, before anything slow: the file imports, the function exists and takes
+    (completion, answer).
+    """
+    if not spec:
+        return reward
+    import inspect
+
+    fn, path, name = user_object(spec, "--reward")
+    need(callable(fn), f"--reward: {path} has no function {name!r}.")
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError:
+        raise ConfigError(f"--reward: {name}{inspect.signature(fn)} in {path} must take "
+                          "(completion, answer).") from None
+    except ValueError:  # no signature to inspect (a builtin): the first call will tell
+        pass
+    return fn
+
+
+def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> float:
+    """A first call, before anything slow: an empty completion (a model may stop at once) must
+    get a finite number (returned)."""
+    try:
+        return score(reward_fn, [""], [task.problems[0].answer]).item()
+    except RewardError as e:
+        raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
+
+
+def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
+    """reward_fn(text, answer) of every sample, (B,) fp32; RewardError names the first sample
+    whose reward raised (SystemExit included: the reward's, not the run's end; Ctrl-C stays
+    Ctrl-C) or is not a number finite in fp32."""
+    out = []
+    for i, (text, answer) in enumerate(zip(texts, answers)):
+        with user_errors(i, text):
+            value = reward_fn(text, answer)
+        out.append(finite_reward(value, i, text))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+EMBEDDED_ENVS = ("calc", "lookup")  # --env names of the envs simple_rl holds
+
+
+def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
+    """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
+    of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
+    if not spec:
+        return lambda: RewardEnv(reward_fn)
+    if spec in EMBEDDED_ENVS:
+        return lambda: (CalcEnv if spec == "calc" else LookupEnv)(reward_fn)
+    make, path, name = user_object(spec, "--env")
+    need(callable(make), f"--env: {path} has no class {name!r}.")
+    return make
+
+
+def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
+              tokenizer) -> tuple[Env, str]:
+    """Before anything slow: an env is made, has reset(problem) and step(completion), gives
+    the first problem a text that fits --max-model-len and an empty completion (a model may
+    stop at once) a reward or a tool message. Returns that env (its tool_stop is the default
+    --tool-stop) and --check's line on it."""
+    import inspect
+
+    label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
+    try:
+        env = make_env()
+    except Exception as e:
+        raise ConfigError(f"{label}: making an env raised {type(e).__name__}: {e}.") from e
+    for method, arg in (("reset", "problem"), ("step", "completion")):
+        fn = getattr(env, method, None)
+        need(callable(fn), f"{label}: its env has no method {method}({arg}).")
+        try:
+            inspect.signature(fn).bind(arg)
+        except TypeError:
+            raise ConfigError(f"{label}: {method}{inspect.signature(fn)} must take "
+                              f"({arg}).") from None
+        except ValueError:  # no signature to inspect: the first call will tell
+            pass
+    try:
+        first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
+        first_prompt_ids([first], tokenizer, cfg, ["reset"])
+    except (RewardError, ToolTimeout) as e:  # "reset returned 5, not text", "raised ..."
+        what = str(e) if str(e).startswith("reset") else f"reset {e}"
+        raise ConfigError(f"{label}: on the first training problem its {what}.") from e
+    try:
+        said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
+    except (RewardError, ToolTimeout) as e:
+        raise ConfigError(f"{label}: on an empty completion it {e}.") from e
+    except ToolError as e:
+        said = f"raised ToolError ({shown(str(e))})"
+    stop = getattr(env, "tool_stop", "")
+    need(isinstance(stop, str), f"{label}: its tool_stop {shown(stop)} must be text: "
+         "comma-separated strings, each one token.")
+    return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
+
+
 # ==========================================================================
 # Errors and exit codes
 # ==========================================================================
@@ -3470,6 +3020,19 @@ class NonFiniteError(RuntimeError):
             return "nothing was applied"
         return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
                 "none saved")
+
+
+class RewardError(RuntimeError):
+    """The reward raised or returned something that is not a finite number."""
+
+    def __init__(self, what: str, sample: int, completion: str):
+        super().__init__(what)
+        self.sample = sample  # index among this rank's samples of the step
+        self.completion = completion
+        self.where = f"sample {sample}"  # the caller names it better: see on_every_rank
+
+    def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
+        return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
 
 
 # Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
@@ -3521,6 +3084,13 @@ def init_ranks(device_type: str) -> Ranks:
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def check_ranks(cfg: Config, world: int) -> None:
+    need(world <= cfg.num_prompts, f"{world} ranks but --num-prompts {cfg.num_prompts}: every "
+         "rank needs at least one prompt per step.")
+    need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
+         "with python, not torchrun.")
 
 
 def world_size() -> int:
@@ -4129,6 +3699,78 @@ def check_text(message, lead: str, sample: int, completion: str) -> None:
     except UnicodeEncodeError as e:
         raise RewardError(f"{lead} with a lone surrogate ({message[e.start]!r} at "
                           f"character {e.start}), not text", sample, completion) from None
+
+
+def env_reset(env: Env, problem: Problem, sample: int) -> str:
+    try:
+        with user_errors(sample, ""):
+            message = env.reset(problem)
+    except ToolError as e:  # no tool was called yet: the env's fault, not the model's
+        raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
+    check_text(message, "reset returned", sample, "")
+    return message
+
+
+def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None]:
+    """env.step(text), checked: a tool message is text; without one, the reward is a finite
+    number. RewardError otherwise (a ToolError passes)."""
+    with user_errors(sample, text):
+        out = env.step(text)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
+    message, value = out
+    if message is not None:
+        check_text(message, "returned the tool message", sample, text)
+    if message is None or value is not None:
+        value = finite_reward(value, sample, text)
+    return message, value
+
+
+@contextlib.contextmanager
+def user_errors(sample: int, completion: str):
+    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
+    try:
+        yield
+    except ToolError:
+        raise
+    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
+        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
+
+
+def finite_reward(value, sample: int, completion: str) -> float:
+    """value as a float, if it is a number finite in fp32; RewardError otherwise."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) else math.nan
+    except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
+        number = math.nan
+    if not (math.isfinite(number) and abs(number) <= FP32_MAX):
+        try:
+            shown = repr(value)[:80]
+        except Exception:  # an int of more than 4300 digits, or a repr that raises
+            shown = f"a {type(value).__name__}"
+        raise RewardError(f"returned {shown}, not a finite number in fp32", sample, completion)
+    return number
+
+
+def calculate(expr: str) -> int:
+    """The value of an integer expression of + - * and parentheses; ToolError if it is none."""
+    import ast
+
+    ops = {"Add": "+", "Sub": "-", "Mult": "*"}
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op).__name__ in ops:
+            return ARITH[ops[type(node.op).__name__]](value(node.left), value(node.right))
+        raise ToolError(f"{expr[:40]!r} is not an integer expression of + - * and parentheses")
+
+    try:
+        return value(ast.parse(expr.strip(), mode="eval").body if len(expr) <= 100 else None)
+    except (SyntaxError, ValueError) as e:
+        raise ToolError(f"{expr[:40]!r} does not parse") from e
 
 
 # ==========================================================================
@@ -5018,6 +4660,334 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 
 
 # ==========================================================================
+# Logging: metrics.jsonl, TensorBoard, the console's lines
+# ==========================================================================
+
+
+def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
+    """TensorBoard with the config and the dashboard's layout; after a resume, without what
+    was logged after the checkpoint."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    quiet_writer_thread()
+    with writing(run_dir):
+        trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
+        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
+        moe = bool(sparse_layers(trainer.model.args))
+        trainer.writer.add_custom_scalars(tensorboard_layout(moe, bool(trainer.cfg.env)))
+    if resumed_at is not None:
+        purge_after(run_dir / "metrics.jsonl", resumed_at)
+
+
+def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
+               run_dir: Path) -> str:
+    n = count_params(files.args)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    memory = f" | {memory} (estimate)" if memory else ""
+    lora = lora_spec(cfg, files.args)
+    if lora:
+        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
+                 f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
+    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
+            f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
+
+
+def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
+                 empty: float, env: str = "") -> str:
+    """--check's answer: one line per thing checked, each of which passed."""
+    run_dir = Path(cfg.log_dir) / cfg.run_name
+    where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
+             "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
+    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
+    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
+    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
+    lines = [
+        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
+        f"run directory {run_dir}: {where}",
+        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
+           "run's (sha256)"] if ckpt else []),
+        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
+        "every safetensors header agree",
+        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
+        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
+        f"training problems, {len(task.eval_problems)} held out; the longest prompt "
+        f"({max(lengths)} tokens) fits --max-model-len",
+        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
+        "on an empty completion",
+        *([env] if env else []),
+        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
+    ]
+    return "\n".join(f"check: {line}" for line in lines)
+
+
+def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
+    """The Custom Scalars dashboard: the signals to act on first, one series per chart
+    (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
+    Qwen3-MoE also the tokens whose experts differ from vLLM's.
+
+    TensorBoard reads a Multiline chart's tag as a regular expression matched at the start of
+    each tag, so each is anchored: `determinism/mismatched_tokens` alone, not `..._total` too.
+    The held-out accuracy is a Margin chart (value, lower, upper: exact tags), which TensorBoard
+    never smooths: its few points keep their values (a smoothed line of 6 evals starts at its
+    first, then lags), and the axis, which leaves out the outer 5% of the values it draws,
+    keeps the first and the last of a few evals in view (each point brings three values).
+    """
+    def charts(*titled):  # (title, tag): Multiline; (title, (value, lower, upper)): Margin
+        return {title: ["Margin", list(tag)] if isinstance(tag, tuple)
+                else ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in titled}
+
+    layout = {
+        "simple_rl": charts(
+            ("reward (mean over the step's samples)", "reward_mean"),
+            ("held-out accuracy (greedy, %, 95% interval)",
+             ("eval/accuracy_pct", "eval/accuracy_low_pct", "eval/accuracy_high_pct")),
+            ("loss", "loss"),
+            ("KL to the initial policy (with --kl-coef > 0)", "kl_div"),
+            ("entropy (nats per token)", "entropy"),
+            # a running total: smoothing cannot hide a mismatch, and the line never comes back
+            ("mismatched tokens, run total (must stay 0)", "determinism/mismatched_tokens_total"),
+            ("step time (s)", "time/step_s"),
+        ),
+        "simple_rl details": charts(
+            ("reward std", "reward_std"),
+            ("policy-gradient loss", "pg_loss"),
+            ("mismatched tokens per step", "determinism/mismatched_tokens"),
+            ("rollout time (s)", "time/rollout_s"),
+            ("engine sleep time, within the rollout (s)", "time/engine_sleep_s"),
+            ("update time (s)", "time/train_s"),
+            ("weight push time (s)", "time/push_s"),
+            ("GPU memory in use (GiB)", "memory/in_use_gib"),
+            ("completion length (tokens)", "completion_len_mean"),
+            ("grad norm", "grad_norm"),
+        ),
+    }
+    if moe:
+        layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
+                                           "determinism/routing_mismatch")))
+    if tools:  # --env: episodes of several turns
+        layout["simple_rl"].update(charts(
+            ("episodes that call the tool", "episode/tool_call_frac"),
+            ("held-out episodes that call the tool (greedy)", "eval/tool_call_frac")))
+        layout["simple_rl details"].update(charts(
+            ("turns per episode", "episode/turns_mean"),
+            ("tool calls per episode", "episode/tool_calls_mean"),
+            ("episodes ended by a tool error", "episode/tool_error_frac"),
+            ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
+            ("episodes cut at --max-model-len", "episode/context_frac"),
+            ("episodes cut at --max-turns", "episode/max_turns_frac"),
+            ("tool tokens per episode", "episode/tool_tokens_mean"),
+            ("time waiting on the env's calls (s)", "time/tool_s")))
+    return layout
+
+
+def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
+    """Each metric to TensorBoard at `step` (on rank 0; the other ranks have no writer)."""
+    if writer is not None:
+        with writing(Path(writer.log_dir)):
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
+
+
+def log_row(metrics_log, row: dict) -> None:
+    """A row of metrics.jsonl, flushed (rank 0 has the file open; the others have None)."""
+    if metrics_log is not None:
+        with writing(Path(metrics_log.name)):
+            metrics_log.write(json.dumps(row) + "\n")
+            metrics_log.flush()
+
+
+def close_logs(trainer: Trainer, metrics_log, run_dir: Path) -> None:
+    """metrics.jsonl and TensorBoard closed, each even if the other fails (a disk error: exit
+    6, as at every write)."""
+    try:
+        with writing(run_dir / "metrics.jsonl"):
+            if metrics_log is not None:
+                metrics_log.close()
+    finally:
+        with writing(run_dir):
+            if trainer.writer is not None:
+                trainer.writer.close()
+
+
+def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, float],
+                parity: Parity, metrics_log, step_s: float) -> None:
+    """The step's row in metrics.jsonl (rank 0), its parity line (with the token table every
+    --parity-every steps, the run's first, and any that differs) and its step line."""
+    cfg = trainer.cfg
+    log_row(metrics_log, {"step": step, **{k: v for k, v in metrics.items()
+                                           if not k.startswith("weight_delta/")}})
+    bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
+    if bitwise or not parity.n_mismatch:  # with reference kernels setup said once why
+        if parity.n_mismatch or step % cfg.parity_every == 0 or first:
+            print0(parity.table)
+        print0(parity_line(parity))
+    print0(format_step(step, cfg.steps, metrics, step_s, step_s * (cfg.steps - step - 1)))
+
+
+def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
+    memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
+    held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    kl = f" | kl {m['kl_div']:.4f}" if "kl_div" in m else ""  # only with --kl-coef > 0
+    routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
+               f"{int(m['determinism/routing_tokens'])} | "
+               if "determinism/routing_mismatch" in m else "")
+    turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
+             if "episode/turns_mean" in m else "")  # episodes of several turns
+    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
+            f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
+            f"{m['completion_len_mean']:.1f}{turns} | mismatched "
+            f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
+            f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
+            f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
+
+
+def format_duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
+                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
+                 times: tuple[float, float, float]) -> dict[str, float]:
+    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
+    from their summed token sums, and reward and length statistics over every sample, taken
+    in the step's prompt order (so they equal a single process's)."""
+    G = cfg.group_size
+    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    routing = {"determinism/routing_mismatch": parity.routing_mismatch,
+               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
+    lengths = generated_lengths(rollout)
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
+                   rollout.stopped[j * G:(j + 1) * G],
+                   [episode_row(e) for e in rollout.episodes[j * G:(j + 1) * G]] if cfg.env
+                   else []) for j in range(n_prompts)]
+    every = in_prompt_order(all_gather_objects(per_prompt))
+    all_rewards = torch.tensor([r for rs, _, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss, _ in every for s in ss]
+    rows = [row for *_, rs in every for row in rs]
+    return {
+        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
+        **({"kl_div": kl} if cfg.kl_coef > 0 else {}),  # no reference model: no KL to show
+        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
+        "grad_norm": float(grad_norm),
+        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        "completion_len_mean": lens.mean().item(),
+        "completion_stopped_frac": sum(stopped) / len(stopped),
+        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
+        "determinism/max_abs_diff": parity.max_abs_diff,
+        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
+        "time/step_s": sum(times),
+        **routing,
+        **(episode_metrics(rows) if cfg.env else {}),  # episodes of several turns
+    }
+
+
+def episode_row(e: Episode) -> tuple:
+    """(turns, tool calls, status, generated tokens per turn, tool tokens, seconds in
+    env.step)."""
+    tool = sum(len(turn.context) for turn in e.turns[1:])
+    return len(e.turns), e.tool_calls, e.status, [len(t.out.ids) for t in e.turns], tool, e.tool_s
+
+
+def episode_metrics(rows: list[tuple]) -> dict[str, float]:
+    """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
+    the parity check compared at each turn; the seconds of the env.step calls, summed."""
+    n = len(rows)
+    turns, calls, status, per_turn, tool, seconds = zip(*rows)
+    generated = [sum(c) for c in per_turn]
+    checked = {f"determinism/tokens_turn{k + 1}": sum(c[k] for c in per_turn if len(c) > k)
+               for k in range(max(turns))}
+    return {"episode/turns_mean": sum(turns) / n, "episode/tool_calls_mean": sum(calls) / n,
+            "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
+            **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
+            "episode/generated_tokens_mean": sum(generated) / n,
+            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_calls_s": sum(seconds),
+            **checked}
+
+
+def in_prompt_order(per_rank: list[list]) -> list:
+    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
+    out = []
+    for j in range(max(len(x) for x in per_rank)):
+        out += [x[j] for x in per_rank if j < len(x)]
+    return out
+
+
+def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
+                  per_param: bool) -> dict[str, float]:
+    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
+
+    Reconstructed from the optimizer's state, without a copy of the old weights:
+        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
+    One parameter's temporaries at a time; local shards summed over ranks.
+    """
+    group = optimizer.param_groups[0]
+    lr = group["lr"]
+    wd = group["weight_decay"]
+    eps = group["eps"]
+    b1, b2 = group["betas"]
+    if not optimizer.state:
+        return {}
+    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
+    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
+    index = {k: i for i, k in enumerate(keys)}
+    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
+    for name, p in named.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
+        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+        old = (w + step) / (1 - lr * wd)
+        row = torch.stack([(w - old).square().sum(), old.square().sum()])
+        sq[index[layer_of(name)]] += row
+        if per_param:
+            sq[index[name]] += row
+    sq = all_reduce(sq).sqrt().tolist()  # one host sync
+    out = {}
+    for key, (delta, old) in zip(keys, sq):
+        out[f"weight_delta/{key}/magnitude"] = delta
+        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
+    return out
+
+
+def layer_of(name: str) -> str:
+    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def device_in_use(device: torch.device) -> int:
+    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def memory_metrics(device: torch.device, rollout_in_use: int) -> dict[str, float]:
+    """GiB per GPU, the largest over ranks, read right after the update: the GPU in use after
+    the rollout (the engine awake beside the blocks the trainer's allocator keeps cached, which
+    a push frees if the engine needs them) and at the update's peak: in use now plus what
+    PyTorch's allocator has released since its reserved peak. Also PyTorch's peaks in the
+    update, allocated and reserved; both count the sleeping engine's weights and KV cache too
+    (vLLM's sleep mode takes them from a PyTorch memory pool and unmaps them while asleep)."""
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    update_peak = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
+    gib = all_reduce(torch.tensor([rollout_in_use, update_peak, allocated, reserved],
+                                  dtype=torch.float64, device=device), dist.ReduceOp.MAX) / 2**30
+    rollout, update, allocated, reserved = gib.tolist()
+    return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
+            "memory/update_gib": update, "memory/peak_allocated_gib": allocated,
+            "memory/peak_reserved_gib": reserved}
+
+
+# ==========================================================================
 # Memory estimate
 # ==========================================================================
 
@@ -5418,6 +5388,43 @@ def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
     return RunStopped(f"out of GPU memory at step {step} (estimate {est:.0f} GiB per GPU); "
                       "add GPUs with torchrun --nproc-per-node N or lower --micro-batch-tokens. "
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
+
+
+def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: int) -> None:
+    """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
+    the gradient norm is not finite: before the optimizer steps, nothing has changed."""
+    finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
+                          torch.isfinite(norm)])
+    finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()
+    if not all(finite):
+        quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
+        bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
+        all_samples = sorted(set(packed.sample.tolist()))
+        raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
+                             update, updates)
+
+
+def weights_finite(model: nn.Module, device) -> bool:
+    """Every (local shard of every) trained parameter finite, on every rank: one fused pass,
+    one sync."""
+    local = [local_tensor(p.detach()) for p in model.parameters() if p.requires_grad]
+    norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
+    ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
+    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+
+
+def signal_on_any_rank(stop: StopRequest, device) -> int:
+    """The Ctrl-C or SIGTERM any rank received (0: none): every rank stops together."""
+    return int(all_reduce(torch.tensor([stop.signal or 0], device=device), dist.ReduceOp.MAX))
+
+
+def save_and_stop(trainer: Trainer, run_dir: Path, source: Path, next_step: int, asked: int,
+                  when: str) -> RunStopped:
+    """After a signal: the checkpoint of the steps done, and the stop (exit 130 or 143)."""
+    print0(f"saving checkpoint step_{next_step:06d}")
+    ckpt = save_checkpoint(run_dir, trainer, next_step, source)
+    code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
+    return RunStopped(f"stopped {when}; checkpoint {ckpt}; continue with --resume {ckpt}", code)
 
 
 # ==========================================================================
