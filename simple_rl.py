@@ -106,7 +106,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -272,7 +272,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops = ops
-        self.compute_weight: torch.Tensor | None = None  # set by weights_cast_once
+        self.compute_weight: torch.Tensor | None = None  # weights_cast_once's cast: same bits
         self.lora: LoRA | None = None  # set by add_lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -559,6 +559,10 @@ def weights_cast_once(model: Qwen3):
     each forward saves for its backward anyway, so peak memory does not grow. Leave before the
     optimizer step: the casts are of the weights as they were on entry.
 
+    The contract: a Linear (or the tied head) whose `compute_weight` is set, or GroupedExperts
+    whose `compute_weights` are, computes with it instead of casting its master in the
+    forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
+    forward or a gradient changes, only how often the cast runs. On exit they are None again.
     Nothing to do under FSDP2 (the all-gather casts) or when the masters are the compute dtype.
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
@@ -747,12 +751,7 @@ FUSED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
-MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
 
 
 @dataclass
@@ -762,110 +761,6 @@ class ModelFiles:
     tokenizer: object
     eos_ids: list[int]
     tool_ids: list[int] = field(default_factory=list)  # --tool-stop's ids: they end a turn too
-
-
-def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
-    """Path, model args, tokenizer and stop ids, after checking they fit together and the config
-    (`path`: --model already resolved to a directory).
-
-    Opens headers only; nothing here takes more than seconds.
-    """
-    path = path or resolve_checkpoint(cfg.model)
-    hf_cfg = read_qwen3_config(path)
-    args = model_args_from_hf(hf_cfg)
-    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
-         f"the model's max_position_embeddings ({args.max_seq_len}).")
-    check_weight_headers(path, args)
-    check_lora(cfg, args)
-    tokenizer = load_tokenizer(path, args)
-    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
-    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
-         f"do not fit the model's vocab of {args.vocab_size}.")
-    return ModelFiles(path, args, tokenizer, eos_ids)
-
-
-def model_args_from_hf(hf):
-    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
-
-    For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
-    norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
-    TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
-    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
-    """
-    from torchtitan.models.moe import MoEArgs
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
-    rope = getattr(hf, "rope_parameters", None) or {}
-    moe = {}
-    sparse: tuple[int, ...] = ()
-    if hf.model_type == "qwen3_moe":
-        n = hf.num_experts
-        only = set(getattr(hf, "mlp_only_layers", None) or [])
-        step = getattr(hf, "decoder_sparse_step", 1) or 1
-        sparse = tuple(i for i in range(hf.num_hidden_layers)
-                       if i not in only and n > 0 and (i + 1) % step == 0)
-        moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
-                   moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
-                                    top_k=hf.num_experts_per_tok, score_func="softmax",
-                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
-                                    score_before_experts=False, load_balance_coeff=None))
-    args = Qwen3ModelArgs(
-        dim=hf.hidden_size,
-        n_layers=hf.num_hidden_layers,
-        n_heads=hf.num_attention_heads,
-        n_kv_heads=hf.num_key_value_heads,
-        vocab_size=hf.vocab_size,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        hidden_dim=hf.intermediate_size,
-        norm_eps=hf.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
-        max_seq_len=hf.max_position_embeddings,
-        enable_weight_tying=bool(hf.tie_word_embeddings),
-        **moe,
-    )
-    if sparse:
-        args.sparse_layers = sparse
-    return args
-
-
-def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos and config.json's and
-    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
-    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        with contextlib.suppress(json.JSONDecodeError, AttributeError):
-            found.append(json.loads(gen.read_text()).get("eos_token_id"))
-    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
-    return sorted(set(flat))
-
-
-def tool_stop_ids(tokenizer, stops: str) -> list[int]:
-    """The token id of each comma-separated --tool-stop string. vLLM runs without a tokenizer,
-    so a turn ends at a token id (kept as the turn's last generated token), not at a string."""
-    ids = []
-    for stop in filter(None, stops.split(",")):
-        got = tokenizer.encode(stop, add_special_tokens=False)
-        need(len(got) == 1, f"--tool-stop {stop!r} is {len(got)} tokens of the tokenizer, not one "
-             "(a turn ends at a token id: add the string to the tokenizer as one token).")
-        ids += got
-    return ids
-
-
-def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in weight_files(path):
-        try:
-            state.update(load_file(path / f))
-        except Exception as e:
-            raise ConfigError(f"{path / f} could not be read ({e}).") from e
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
-         "would be meaningless.")
-    return state
 
 
 def _adapter(args):
@@ -983,33 +878,21 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args,
 
 
 @dataclass
-class Rollout:
-    prompts: list[list[int]]  # one per sample (each prompt repeated G times)
-    completions: list[list[int]]  # sampled token ids
-    logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
-    stopped: list[bool]  # ended at EOS (False: hit max_new_tokens)
-    # Qwen3-MoE: per sample, the experts vLLM chose for the position that predicts each
-    # generated token, (C, layers, k) ints (every layer; a dense layer's rows are 0), or None
-    # where the engine returned none. None for a dense model.
-    routed: list[torch.Tensor | None] | None = None
-    # Episodes of several turns: a completion is everything after the first prompt, the model's
-    # tokens and the tools' (model[b][t]: token t is the model's); None: every token is.
-    model: list[list[bool]] | None = None
-    episodes: list[Episode] | None = None
-
-
-@dataclass
 class Completion:
-    """One sample of one request, as an engine returns it."""
+    """One sample of one request, as an engine returns it: one turn of an episode."""
     ids: list[int]  # generated token ids (a stop id, when it ended at one, is the last)
-    logprobs: list[float]  # the engine's logprob of each
+    logprobs: list[float]  # the engine's logprob of each (Python floats hold fp32 exactly)
     stopped: bool  # ended at a stop id (eos or a tool stop), not at its token limit
-    routed: torch.Tensor | None = None  # Qwen3-MoE: (len(ids), layers, k) experts, or None
+    # Qwen3-MoE: the experts vLLM chose at the position that predicts each generated token,
+    # (len(ids), layers, k) ints (every layer; a dense layer's rows are 0), or None where the
+    # engine returned none
+    routed: torch.Tensor | None = None
 
 
 class Engine:
     """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
-    `generate`, `sleep` and `push`. `rollout`, turn 1 of a step's episodes, is `generate`."""
+    `generate`, `sleep` and `push`. Every turn of every episode, the first included, is one
+    `generate` call over the episodes that go on; `rollout` is a step's first turn."""
 
     cfg: Config
     moe = False
@@ -1020,20 +903,14 @@ class Engine:
         sample is seeded seeds[j] + k (None and temperature 0: greedy)."""
         raise NotImplementedError
 
-    def rollout(self, prompts: list[list[int]], indices: list[int], step: int) -> Rollout:
-        """G samples of each prompt; prompt j has the seed of its index in the whole step."""
+    def rollout(self, prompts: list[list[int]], indices: list[int],
+                step: int) -> list[list[Completion]]:
+        """Turn 1 of a step's episodes: G samples of each prompt; prompt j has the seed of its
+        index in the whole step."""
         cfg = self.cfg
-        outs = self.generate(prompts, cfg.group_size, [sample_seed(cfg, step, i) for i in indices],
+        return self.generate(prompts, cfg.group_size,
+                             [sample_seed(cfg, step, i) for i in indices],
                              [cfg.max_new_tokens] * len(prompts), cfg.temperature)
-        samples = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
-        logprobs = [x for _, c in samples for x in c.logprobs]
-        return Rollout(
-            prompts=[list(p) for p, _ in samples],
-            completions=[c.ids for _, c in samples],
-            logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
-            stopped=[c.stopped for _, c in samples],
-            routed=[c.routed for _, c in samples] if self.moe else None,
-        )
 
 
 # Decode steps of up to this many sequences replay CUDA graphs; vLLM's default cap, 512, left
@@ -1061,42 +938,23 @@ class VLLMEngine(Engine):
         self.cfg = cfg
         self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
-        samples = samples_per_rank(cfg, ranks.world)
-        graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
-        kv = kv_cache_bytes(cfg, files.args, ranks.world)
-        total = torch.cuda.get_device_properties(ranks.device).total_memory
-        weights = 2 * count_params(files.args)
-        self.wake_bytes = weights + kv  # what a sleeping engine maps again to take a push
         # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
         # the routing-parity check: a GPU buffer of max_num_batched_tokens x layers x k int32,
         # a D2H copy per step, and a CPU table of a byte per KV slot, layer and k.
         self.moe = bool(sparse_layers(files.args))
-        # LoRA: one adapter slot (max_loras 1) on the layers of --lora-targets; the trainer
+        # LoRA: one adapter slot on the layers of --lora-targets (engine_lora_args); the trainer
         # adopts the base weights and binds its adapter casts to the slot (no second copy)
         self.lora = lora_spec(cfg, files.args)
-        if self.lora:
-            self.wake_bytes = kv  # the weights stay while the trainer runs: it computes with them
-            layers = {LORA_LAYERS[p][0].split(".")[1] for p, (_, names) in LORA_LAYERS.items()
-                      if set(names) & set(self.lora.targets)}
-            lora_args = dict(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=1,
-                             lora_target_modules=sorted(layers))
-        self.llm = LLM(
-            model=str(files.path),
-            skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
+        # KV cache, sequences, batched tokens: sized after the story ends ("Memory estimate")
+        sizes, self.wake_bytes = engine_memory(cfg, files.args, ranks, self.lora is not None)
+        graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
+        # What makes vLLM's numbers the trainer's: its kernels (patched above), its logprobs, the
+        # attention backend, and no compiler.
+        parity = dict(
             dtype=cfg.dtype,
             seed=cfg.seed,
-            max_model_len=cfg.max_model_len,
-            kv_cache_memory_bytes=kv,
-            # vLLM still checks at start that this fraction is free; ask for what it will use
-            gpu_memory_utilization=min(0.9, max(0.05, (weights + kv + 6 * 2**30) / total)),
-            enable_sleep_mode=cfg.engine_sleep,
-            enable_prefix_caching=cfg.prefix_caching,
-            use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
-            distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
             enable_return_routed_experts=self.moe,
-            max_num_seqs=samples,  # every sample decodes in every step
-            max_num_batched_tokens=max(samples, 8192),
             attention_backend="FLASH_ATTN",
             # Schedule step t + 1 while the GPU runs step t: the same kernels on the same rows.
             async_scheduling=True,
@@ -1105,10 +963,21 @@ class VLLMEngine(Engine):
             enforce_eager=not graphs,
             compilation_config=CompilationConfig(
                 mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                max_cudagraph_capture_size=min(samples, CUDA_GRAPH_MAX_BATCH),
+                max_cudagraph_capture_size=min(sizes["max_num_seqs"], CUDA_GRAPH_MAX_BATCH),
                 # every request has the adapter: no graphs for requests without one
                 cudagraph_specialize_lora=False) if graphs else None,
-            **(lora_args if self.lora else {}),
+        )
+        self.llm = LLM(
+            model=str(files.path),
+            **parity,
+            **sizes,
+            max_model_len=cfg.max_model_len,
+            enable_sleep_mode=cfg.engine_sleep,
+            enable_prefix_caching=cfg.prefix_caching,
+            skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
+            use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
+            distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+            **(engine_lora_args(self.lora) if self.lora else {}),
         )
         self.lora_request = start_adapter(self, files) if self.lora else None
 
@@ -1230,10 +1099,10 @@ class Packed:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]],
-         model: list[list[bool]] | None = None) -> Packed:
+         generated: list[list[bool]] | None = None) -> Packed:
     """Samples back to back, no padding; token t of completion b is predicted at
-    start_b + P_b - 1 + t. The targets are every completion token, or those model[b][t] marks
-    (an episode's tool tokens are context, not targets)."""
+    start_b + P_b - 1 + t. The targets are every completion token, or those generated[b][t]
+    marks (an episode's tool tokens are context, not targets)."""
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
     L = P + C
@@ -1242,8 +1111,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     positions = torch.arange(len(tokens)) - torch.repeat_interleave(starts, L)
     sample = torch.repeat_interleave(torch.arange(len(C)), C)
     offset = torch.arange(int(C.sum())) - torch.repeat_interleave(torch.cumsum(C, 0) - C, C)
-    if model is not None:
-        keep = torch.tensor([m for ms in model for m in ms], dtype=torch.bool)  # (sum C,)
+    if generated is not None:
+        keep = torch.tensor([m for ms in generated for m in ms], dtype=torch.bool)  # (sum C,)
         sample, offset = sample[keep], offset[keep]
     return Packed(
         tokens=tokens,
@@ -1356,47 +1225,6 @@ def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     return pool, heldout
 
 
-def gsm8k_problems(data_files: str) -> list[Problem]:
-    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
-
-    Each row has `question` and `answer`; the final answer follows '####'.
-    """
-    rows = read_rows(data_files, "gsm8k")
-    source = data_files or "GSM8K"
-    out = []
-    for q, a in zip(rows["question"], rows["answer"]):
-        need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
-             f"'#### <number>': {str(a)[:60]!r}.")
-        out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
-    return out
-
-
-def jsonl_problems(data_files: str) -> list[Problem]:
-    """Your rows: `question` is the prompt as written, `answer` what the reward compares with
-    (a number is read as the text written in the file)."""
-    rows = read_rows(data_files, "jsonl")
-    out = []
-    for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
-        need(isinstance(a, (str, int, float)) and not isinstance(a, bool), f"{data_files}: row "
-             f"{i} has no answer text or number (got {a!r}).")
-        out.append(Problem(q, str(a)))
-    return out
-
-
-def split_heldout(problems: list[Problem], size: int, source: str):
-    """(training pool, held-out problems) of a file: `size` problems chosen by a fixed shuffle
-    (the same for every --seed), and every other problem whose question they do not repeat."""
-    need(size < len(problems), f"{source} has {len(problems)} problems; --eval-size {size} "
-         "leaves none to train on (lower it; 0: no eval).")
-    g = torch.Generator().manual_seed(EVAL_SEED)
-    chosen = set(torch.randperm(len(problems), generator=g)[:size].tolist())
-    heldout = [p for i, p in enumerate(problems) if i in chosen]
-    questions = {p.question for p in heldout}
-    pool = [p for i, p in enumerate(problems) if i not in chosen and p.question not in questions]
-    need(bool(pool), f"{source}: every problem repeats a held-out question; lower --eval-size.")
-    return pool, heldout
-
-
 def uses_chat_template(cfg: Config, tokenizer) -> bool:
     has = bool(getattr(tokenizer, "chat_template", None))
     need(has or cfg.chat_template != "on", "--chat-template on, but the tokenizer has no chat "
@@ -1491,80 +1319,6 @@ def reward(completion: str, answer: str) -> float:
 RewardFn = Callable[[str, str], float]
 
 
-class RewardError(RuntimeError):
-    """The reward raised or returned something that is not a finite number."""
-
-    def __init__(self, what: str, sample: int, completion: str):
-        super().__init__(what)
-        self.sample = sample  # index among this rank's samples of the step
-        self.completion = completion
-        self.where = f"sample {sample}"  # the caller names it better: see on_every_rank
-
-    def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
-        return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
-
-
-def load_reward(spec: str) -> RewardFn:
-    """--reward FILE.py:FUNCTION: the user's reward(completion, answer) -> float; '' is ours.
-
-    Checked here, before anything slow: the file imports, the function exists and takes
-    (completion, answer).
-    """
-    if not spec:
-        return reward
-    import inspect
-
-    fn, path, name = user_object(spec, "--reward")
-    need(callable(fn), f"--reward: {path} has no function {name!r}.")
-    try:
-        inspect.signature(fn).bind("completion", "answer")
-    except TypeError:
-        raise ConfigError(f"--reward: {name}{inspect.signature(fn)} in {path} must take "
-                          "(completion, answer).") from None
-    except ValueError:  # no signature to inspect (a builtin): the first call will tell
-        pass
-    return fn
-
-
-def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> float:
-    """A first call, before anything slow: an empty completion (a model may stop at once) must
-    get a finite number (returned)."""
-    try:
-        return score(reward_fn, [""], [task.problems[0].answer]).item()
-    except RewardError as e:
-        raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
-
-
-def user_object(spec: str, option: str):
-    """FILE.py:NAME -> (the module's NAME or None, the file's path, NAME), once the file imports."""
-    import importlib.util
-
-    file, name = spec.rsplit(":", 1)
-    path = Path(file).expanduser()
-    need(path.is_file(), f"{option}: {path} is not a file.")
-    module_spec = importlib.util.spec_from_file_location(f"simple_rl_user_{path.stem}", path)
-    need(module_spec is not None and module_spec.loader is not None, f"{option}: {path} cannot "
-         "be imported as a Python module.")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
-        raise ConfigError(f"{option}: importing {path} failed ({type(e).__name__}: {e}).") from e
-    return getattr(module, name, None), path, name
-
-
-def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
-    """reward_fn(text, answer) of every sample, (B,) fp32; RewardError names the first sample
-    whose reward raised (SystemExit included: the reward's, not the run's end; Ctrl-C stays
-    Ctrl-C) or is not a number finite in fp32."""
-    out = []
-    for i, (text, answer) in enumerate(zip(texts, answers)):
-        with user_errors(i, text):
-            value = reward_fn(text, answer)
-        out.append(finite_reward(value, i, text))
-    return torch.tensor(out, dtype=torch.float32)
-
-
 def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
     """group_advantages of the rewards (B*G,); RewardError on the first sample whose group's
@@ -1576,32 +1330,6 @@ def finite_advantages(rewards: torch.Tensor, cfg: Config,
         raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
                           "advantages are not finite", bad[0], text(bad[0]))
     return adv
-
-
-@contextlib.contextmanager
-def user_errors(sample: int, completion: str):
-    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
-    try:
-        yield
-    except ToolError:
-        raise
-    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
-        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
-
-
-def finite_reward(value, sample: int, completion: str) -> float:
-    """value as a float, if it is a number finite in fp32; RewardError otherwise."""
-    try:
-        number = float(value) if isinstance(value, numbers.Real) else math.nan
-    except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
-        number = math.nan
-    if not (math.isfinite(number) and abs(number) <= FP32_MAX):
-        try:
-            shown = repr(value)[:80]
-        except Exception:  # an int of more than 4300 digits, or a repr that raises
-            shown = f"a {type(value).__name__}"
-        raise RewardError(f"returned {shown}, not a finite number in fp32", sample, completion)
-    return number
 
 
 # ==========================================================================
@@ -1643,7 +1371,8 @@ class Env:
 
 
 class RewardEnv(Env):
-    """One turn, scored by reward_fn(completion, answer)."""
+    """One turn, scored by reward_fn(completion, answer): without --env, this step is where a
+    training reward comes from (`score`, after the story ends, is only --check's first call)."""
 
     def __init__(self, reward_fn: RewardFn = reward):
         self.reward_fn = reward_fn
@@ -1658,7 +1387,8 @@ class RewardEnv(Env):
 
 class CalcEnv(RewardEnv):
     """--env calc: a turn that ends in <calc>EXPR</calc> (integers, + - *, parentheses) gets
-    EXPR's value as the tool's message; a turn without one is scored by reward_fn."""
+    EXPR's value as the tool's message (`calculate`, with the tools after the story ends); a
+    turn without one is scored by reward_fn."""
 
     tool_stop = "</calc>"
 
@@ -1666,108 +1396,6 @@ class CalcEnv(RewardEnv):
         if not completion.endswith("</calc>"):
             return None, self.reward_fn(completion, self.answer)
         return str(calculate(completion[: -len("</calc>")].rsplit("<calc>", 1)[-1])), None
-
-
-def calculate(expr: str) -> int:
-    """The value of an integer expression of + - * and parentheses; ToolError if it is none."""
-    import ast
-
-    ops = {"Add": "+", "Sub": "-", "Mult": "*"}
-
-    def value(node) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op).__name__ in ops:
-            return ARITH[ops[type(node.op).__name__]](value(node.left), value(node.right))
-        raise ToolError(f"{expr[:40]!r} is not an integer expression of + - * and parentheses")
-
-    try:
-        return value(ast.parse(expr.strip(), mode="eval").body if len(expr) <= 100 else None)
-    except (SyntaxError, ValueError) as e:
-        raise ToolError(f"{expr[:40]!r} does not parse") from e
-
-
-EMBEDDED_ENVS = ("calc", "lookup")  # --env names of the envs simple_rl holds
-
-
-def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
-    """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
-    of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
-    if not spec:
-        return lambda: RewardEnv(reward_fn)
-    if spec in EMBEDDED_ENVS:
-        return lambda: (CalcEnv if spec == "calc" else LookupEnv)(reward_fn)
-    make, path, name = user_object(spec, "--env")
-    need(callable(make), f"--env: {path} has no class {name!r}.")
-    return make
-
-
-def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
-              tokenizer) -> tuple[Env, str]:
-    """Before anything slow: an env is made, has reset(problem) and step(completion), gives
-    the first problem a text that fits --max-model-len and an empty completion (a model may
-    stop at once) a reward or a tool message. Returns that env (its tool_stop is the default
-    --tool-stop) and --check's line on it."""
-    import inspect
-
-    label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
-    try:
-        env = make_env()
-    except Exception as e:
-        raise ConfigError(f"{label}: making an env raised {type(e).__name__}: {e}.") from e
-    for method, arg in (("reset", "problem"), ("step", "completion")):
-        fn = getattr(env, method, None)
-        need(callable(fn), f"{label}: its env has no method {method}({arg}).")
-        try:
-            inspect.signature(fn).bind(arg)
-        except TypeError:
-            raise ConfigError(f"{label}: {method}{inspect.signature(fn)} must take "
-                              f"({arg}).") from None
-        except ValueError:  # no signature to inspect: the first call will tell
-            pass
-    try:
-        first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
-        first_prompt_ids([first], tokenizer, cfg, ["reset"])
-    except (RewardError, ToolTimeout) as e:  # "reset returned 5, not text", "raised ..."
-        what = str(e) if str(e).startswith("reset") else f"reset {e}"
-        raise ConfigError(f"{label}: on the first training problem its {what}.") from e
-    try:
-        said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
-    except (RewardError, ToolTimeout) as e:
-        raise ConfigError(f"{label}: on an empty completion it {e}.") from e
-    except ToolError as e:
-        said = f"raised ToolError ({shown(str(e))})"
-    stop = getattr(env, "tool_stop", "")
-    need(isinstance(stop, str), f"{label}: its tool_stop {shown(stop)} must be text: "
-         "comma-separated strings, each one token.")
-    return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
-
-
-def env_reset(env: Env, problem: Problem, sample: int) -> str:
-    try:
-        with user_errors(sample, ""):
-            message = env.reset(problem)
-    except ToolError as e:  # no tool was called yet: the env's fault, not the model's
-        raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
-    check_text(message, "reset returned", sample, "")
-    return message
-
-
-def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None]:
-    """env.step(text), checked: a tool message is text; without one, the reward is a finite
-    number. RewardError otherwise (a ToolError passes)."""
-    with user_errors(sample, text):
-        out = env.step(text)
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
-    message, value = out
-    if message is not None:
-        check_text(message, "returned the tool message", sample, text)
-    if message is None or value is not None:
-        value = finite_reward(value, sample, text)
-    return message, value
 
 
 @dataclass
@@ -1800,67 +1428,123 @@ class Episode:
 EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error", "tool_timeout")
 
 
-def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]], n: int,
-                 where: Callable[[int], str]) -> tuple[list[Env], list[list[int]]]:
+@dataclass
+class Rollout:
+    """A step's episodes as the trainer packs them (episodes_rollout): sample b is its first
+    prompt, then everything after it, the model's turns and the tools' messages."""
+    prompts: list[list[int]]  # each episode's first prompt (a problem's, G times)
+    completions: list[list[int]]  # everything after it
+    generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
+    logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
+    stopped: list[bool]  # the episode completed: its env scored a turn that ended at a stop id
+    # Qwen3-MoE: per sample, the experts vLLM chose for its generated tokens (Completion.routed,
+    # the turns concatenated), or None where the engine returned none; None for a dense model
+    routed: list[torch.Tensor | None] | None
+    episodes: list[Episode]
+
+
+def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]],
+                 n: int) -> tuple[list[Env | None], list[list[int]]]:
     """n fresh envs per problem, reset, and each problem's first prompt as ids: the task's
     (prompt_ids) when reset gives the question, else its message formatted as the task's (the
-    chat template's user turn, or 'Q: ...\\nA:'); where(i) names episode i in an error. An env
-    whose reset ran past --tool-timeout is None: its episode ends at once."""
+    chat template's user turn, or 'Q: ...\\nA:'). An env whose reset ran past --tool-timeout
+    is None: its episode ends at once. A RewardError's `sample` is its episode (j n + k)."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * n)]
-    messages, late = reset_all(envs, problems, n, trainer.cfg, where)
+    messages, late = reset_all(envs, problems, n, trainer.cfg)
     envs = [None if i in late else env for i, env in enumerate(envs)]
     own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
     prompts = list(prompt_ids)
     for j, ids in zip(own, first_prompt_ids([messages[j * n] for j in own], trainer.tokenizer,
-                                            trainer.cfg, [where(j * n) for j in own])):
+                                            trainer.cfg, [j * n for j in own])):
         prompts[j] = ids
     return envs, prompts
 
 
+def start_episodes(envs: list[Env | None], prompts: list[list[int]],
+                   outs: list[list[Completion]]) -> list[Episode]:
+    """Every episode after its first turn: prompt j's n completions outs[j] begin episodes
+    j n, ..., j n + n - 1, whose envs are envs[j n + k]."""
+    turns = [Turn(list(p), c) for p, cs in zip(prompts, outs) for c in cs]
+    return [Episode(env, [turn]) for env, turn in zip(envs, turns)]
+
+
 def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
-         seed: Callable[[int, int], int | None], temperature: float,
-         where: Callable[[int], str]) -> float:
+         seed: Callable[[int, int], int | None], temperature: float) -> float:
     """Advance every episode until it ends, all together. After each turn, every live
-    episode's env reads the turn's text; a tool message is rendered to ids and appended, and
-    the episodes that go on get their next turn from one engine.generate over all of them.
-    seed(i, k) seeds episode i's turn k (0: the first, already generated). The envs of a turn
-    run in parallel (call_tools); returns the seconds the turns waited on them."""
-    live = [i for i, e in enumerate(episodes) if e.env is not None]
+    episode's env reads the turn's text (`env_turn`); a tool message is rendered to ids and
+    appended (`going_on`), and the episodes that go on get their next turn from one
+    engine.generate over all of them (`next_turns`). seed(i, k) seeds episode i's turn k (0:
+    the first, already generated). Returns the seconds the turns waited on the envs."""
     for e in episodes:
         e.status = "running" if e.env is not None else "tool_timeout"  # its reset ran too long
+    live = [i for i, e in enumerate(episodes) if e.env is not None]
     waited = 0.0
     for turn in range(1, cfg.max_turns + 1):
-        texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
-        t0 = time.perf_counter()
-        called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
-                             for i, text in zip(live, texts)], cfg)
-        waited += time.perf_counter() - t0
-        messages = {}
-        for i, out in zip(live, called):
-            try:
-                message = end_turn(episodes[i], out, turn == cfg.max_turns)
-            except RewardError as e:
-                e.where = f"{where(i)}, turn {turn}"
-                raise
-            if message is not None:
-                messages[i] = message
-        going = []
-        for (i, message), ids in zip(messages.items(),
-                                     tool_message_ids(tokenizer, list(messages.values()), cfg)):
-            context = episodes[i].ids() + ids
-            if len(context) + 1 > cfg.max_model_len:  # no room left for a token
-                episodes[i].status = "context"
-            else:
-                going.append((i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
+        messages, seconds = env_turn(episodes, live, tokenizer, cfg, turn)
+        waited += seconds
+        going = going_on(episodes, messages, tokenizer, cfg)
         if not going:
             return waited
-        outs = engine.generate([episodes[i].ids() + ids for i, ids, _ in going], 1,
-                               [seed(i, turn) for i, _, _ in going], [m for _, _, m in going],
-                               temperature)
-        for (i, ids, m), (out,) in zip(going, outs):
-            episodes[i].turns.append(Turn(ids, out, capped=m < cfg.max_new_tokens))
-        live = [i for i, _, _ in going]
+        next_turns(engine, episodes, going, [seed(g.episode, turn) for g in going], temperature,
+                   cfg)
+        live = [g.episode for g in going]
+    return waited
+
+
+def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
+             turn: int) -> tuple[dict[int, str], float]:
+    """The envs of the live episodes read their last turn's text, in parallel (call_tools and
+    env_step's checks: "Tools", after the story ends): the tool message of each episode that
+    goes on ({episode: message}), and the seconds the calls took. end_turn sets the others'
+    status and reward; a RewardError records its turn."""
+    texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
+    t0 = time.perf_counter()
+    called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
+                         for i, text in zip(live, texts)], cfg)
+    seconds = time.perf_counter() - t0
+    messages = {}
+    for i, out in zip(live, called):
+        try:
+            message = end_turn(episodes[i], out, turn == cfg.max_turns)
+        except RewardError as e:
+            e.turn = turn
+            raise
+        if message is not None:
+            messages[i] = message
+    return messages, seconds
+
+
+class Going(NamedTuple):
+    episode: int  # its index
+    ids: list[int]  # the tool message's ids: the next turn's context
+    max_tokens: int  # the next turn's token limit: --max-new-tokens, or what --max-model-len left
+
+
+def going_on(episodes: list[Episode], messages: dict[int, str], tokenizer,
+             cfg: Config) -> list[Going]:
+    """The episodes whose tool message leaves room for a token in --max-model-len; the others
+    end as "context"."""
+    going = []
+    for (i, message), ids in zip(messages.items(),
+                                 tool_message_ids(tokenizer, list(messages.values()), cfg)):
+        context = episodes[i].ids() + ids
+        if len(context) + 1 > cfg.max_model_len:  # no room left for a token
+            episodes[i].status = "context"
+        else:
+            going.append(Going(i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
+    return going
+
+
+def next_turns(engine: Engine, episodes: list[Episode], going: list[Going],
+               seeds: list[int | None], temperature: float, cfg: Config) -> None:
+    """One engine.generate over the episodes that go on: each gets its tool message and its
+    next turn."""
+    outs = engine.generate([episodes[g.episode].ids() + g.ids for g in going], 1, seeds,
+                           [g.max_tokens for g in going], temperature)
+    for g, (out,) in zip(going, outs):  # n = 1: one completion a request
+        capped = g.max_tokens < cfg.max_new_tokens
+        episodes[g.episode].turns.append(Turn(g.ids, out, capped=capped))
 
 
 def end_turn(episode: Episode, called: tuple[object, float], last: bool) -> str | None:
@@ -1888,32 +1572,25 @@ def end_turn(episode: Episode, called: tuple[object, float], last: bool) -> str 
 
 def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
     """The episodes as the trainer packs them: the first turn's prompt, then the rest (the
-    model's turns and the tools' ids, marked in `model`), vLLM's logprobs of the model's."""
-    completions, model, routed = [], [], []
+    model's turns and the tools' ids, marked in `generated`), vLLM's logprobs of the model's."""
+    completions, generated, routed = [], [], []
     for e in episodes:
         parts = [(turn.context if k else [], turn.out.ids) for k, turn in enumerate(e.turns)]
         completions.append([t for tool, ids in parts for t in tool + ids])
-        model.append([m for tool, ids in parts for m in [False] * len(tool) + [True] * len(ids)])
+        generated.append([m for tool, ids in parts
+                          for m in [False] * len(tool) + [True] * len(ids)])
         got = [turn.out.routed for turn in e.turns]
         routed.append(None if any(r is None for r in got) else torch.cat(got))
     logprobs = [x for e in episodes for turn in e.turns for x in turn.out.logprobs]
     return Rollout(
         prompts=[e.turns[0].context for e in episodes],
         completions=completions,
-        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        generated=generated,
+        logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
         stopped=[e.status == "completed" for e in episodes],
         routed=routed if moe else None,
-        model=model,
         episodes=episodes,
     )
-
-
-def first_turns(rollout: Rollout) -> list[Completion]:
-    """An engine's Rollout (turn 1) as one Completion per sample."""
-    logprobs = rollout.logprobs.split([len(c) for c in rollout.completions])
-    routed = rollout.routed or [None] * len(rollout.completions)
-    return [Completion(c, lp.tolist(), s, r) for c, lp, s, r
-            in zip(rollout.completions, logprobs, rollout.stopped, routed)]
 
 
 # ==========================================================================
@@ -1971,18 +1648,24 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
     return micro_batches(lengths, cfg.micro_batch_tokens)
 
 
+class Update(NamedTuple):
+    """What train_step computes: its first update's numbers (those the rollout's policy gives)."""
+    sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
+    grad_norm: torch.Tensor  # () the global gradient norm, before clipping
+    logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
+    routing: torch.Tensor | None  # (N, sparse layers, k) int32: its experts (Qwen3-MoE)
+
+
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
-               n_micro: int | None = None, n_tokens: int | None = None, routing=None):
+               n_micro: int | None = None, n_tokens: int | None = None) -> Update:
     """`updates_per_batch` optimizer steps over all micro-batches of this rank's samples.
 
     old_logp (N,) and adv (B,) live on the model's device. n_micro: micro-batches every rank
     runs (FSDP's collectives need the same count on every rank; a rank with fewer runs
     zero-weight ones); n_tokens: generated tokens over all ranks, the loss's denominator.
-    Returns this rank's token sums of (pg, kl, entropy, ratio, clipped), the global grad norm
-    of the first update, and its logprobs (N,): what the parity check compares; a given
-    routing (N, sparse layers, k) gets the first update's experts (Qwen3-MoE). Raises
-    NonFiniteError (on every rank at once) if a logprob, the loss or the gradient norm is not
-    finite before an optimizer step, or a weight after it.
+    Returns the first update's token sums, global grad norm, logprobs (N,) and experts: what
+    the parity check compares. Raises NonFiniteError (on every rank at once) if a logprob,
+    the loss or the gradient norm is not finite before an optimizer step, or a weight after it.
     """
     device = old_logp.device
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
@@ -1990,29 +1673,23 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
     # rank's part is scaled by the world size (a power of two: exact).
     scale = world_size() / n_tokens
-    logps = torch.empty(len(packed.targets), dtype=torch.float32, device=device)  # (N,)
-    sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
-    grad_norm = torch.zeros((), device=device)
-    first_logp = logps
+    first = None
     for update in range(cfg.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
-        first = update == 0
-        loss_total = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, scale,
-                                          logps, sums if first else None,
-                                          routing if first else None)
-        # clip on the global norm; every rank agrees that all is finite before stepping
+        done = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, scale)
+        # clip on the global norm; every rank agrees that all is finite before stepping (the
+        # NaN checks are with the stops, after the story ends)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        check_finite(logps, loss_total, norm, packed, update, cfg.updates_per_batch)
-        if update == 0:
-            grad_norm = norm.detach()
-            first_logp = logps.clone() if cfg.updates_per_batch > 1 else logps
+        check_finite(done.logprobs, done.loss, norm, packed, update, cfg.updates_per_batch)
+        if first is None:
+            first = Update(done.sums, norm.detach(), done.logprobs, done.routing)
         optimizer.step()
         if not weights_finite(model, device):
             raise NonFiniteError("weights after the optimizer step", [], update,
                                  cfg.updates_per_batch)
     optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the rollout's until next step
-    return sums, grad_norm, first_logp
+    return first
 
 
 def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None, device) -> list:
@@ -2026,14 +1703,25 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None, device) 
     return [(batch.to(device), owned, samples, w) for batch, owned, samples, w in parts]
 
 
-def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Config,
-                         scale: float, logps, sums, routing=None) -> torch.Tensor:
-    """Forward + backward of every micro-batch; gradients accumulate in fp32.
+class Pass(NamedTuple):
+    """One forward and backward over every micro-batch (accumulate_gradients)."""
+    loss: torch.Tensor  # () the summed loss
+    logprobs: torch.Tensor  # (N,) fp32
+    sums: torch.Tensor  # (5,) token sums of pg, kl, entropy, ratio, clipped
+    routing: torch.Tensor | None  # (N, sparse layers, k) int32 experts (Qwen3-MoE), else None
 
-    Fills logps (N,) with this pass's logprobs and, when given, adds the token sums of (pg,
-    kl, entropy, ratio, clipped) to sums (5,) and fills routing (N, sparse layers, k) with
-    the experts chosen. Returns the summed loss (0-dim)."""
-    loss_total = torch.zeros((), device=old_logp.device)
+
+def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Config,
+                         scale: float) -> Pass:
+    """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
+    pass's summed loss, logprobs, token sums and (Qwen3-MoE) the experts it chose."""
+    device = old_logp.device
+    loss_total = torch.zeros((), device=device)
+    logps = torch.empty(len(old_logp), dtype=torch.float32, device=device)  # (N,)
+    sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
+    sparse = sparse_layers(model.args)
+    routing = torch.empty(len(old_logp), len(sparse), model.args.moe_args.top_k,
+                          dtype=torch.int32, device=device) if sparse else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, samples, weight in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
@@ -2052,33 +1740,9 @@ def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Conf
                 continue  # a padding micro-batch: its collectives ran, its numbers don't count
             loss_total += loss.detach()
             logps[owned] = logp.detach()
-            if sums is not None:
-                sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
-                                     clipped.sum()]).detach()
-    return loss_total
-
-
-def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: int) -> None:
-    """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
-    the gradient norm is not finite: before the optimizer steps, nothing has changed."""
-    finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
-                          torch.isfinite(norm)])
-    finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()
-    if not all(finite):
-        quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
-        bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
-        all_samples = sorted(set(packed.sample.tolist()))
-        raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
-                             update, updates)
-
-
-def weights_finite(model: nn.Module, device) -> bool:
-    """Every (local shard of every) trained parameter finite, on every rank: one fused pass,
-    one sync."""
-    local = [local_tensor(p.detach()) for p in model.parameters() if p.requires_grad]
-    norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
-    ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
-    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+            sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
+                                 clipped.sum()]).detach()
+    return Pass(loss_total, logps, sums, routing)
 
 
 @dataclass
@@ -2205,114 +1869,118 @@ class Trainer:
 
 
 def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
-    """rollout -> reward -> advantages -> update (+ parity check) -> weight push -> metrics."""
-    cfg = trainer.cfg
-    ranks = trainer.ranks
-    device = trainer.ranks.device
-    G = trainer.cfg.group_size
-
-    # 1. Rollout: this rank's share of the step's prompts, G episodes each. Turn 1 samples G
-    # completions of each prompt, seeded by its index; later turns continue every live episode.
+    """One step in five phases, each a call: rollout -> rewards and advantages -> update (with
+    the parity check) -> weight push -> metrics."""
+    cfg, device = trainer.cfg, trainer.ranks.device
+    G = cfg.group_size
+    # This rank's share of the step's prompts (their indices in the step: i mod world == rank)
+    # and the problem each one is (chosen); an error names a sample by its problem.
     chosen = step_problems(len(trainer.task.problems), cfg.num_prompts, step, cfg.seed)
-    mine = my_prompts(cfg.num_prompts, ranks)
-    problems = [trainer.task.problems[chosen[i]] for i in mine]
+    mine = my_prompts(cfg.num_prompts, trainer.ranks)
 
-    def where(s: int) -> str:
+    def sample_name(s: int) -> str:
         return f"sample {s % G} of training problem {chosen[mine[s // G]]}"
 
-    def episodes() -> tuple[Rollout, torch.Tensor, torch.Tensor]:
-        envs, prompts = new_episodes(trainer, problems, [trainer.task.prompt_ids[chosen[i]]
-                                                         for i in mine], G, where)
-        first = trainer.engine.rollout(prompts, mine, step)
-        played = [Episode(env, [Turn(p, c)]) for env, p, c in
-                  zip(envs, first.prompts, first_turns(first))]
-        waited = play(trainer.engine, trainer.tokenizer, cfg, played,
-                      lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
-                      cfg.temperature, where)
-        # 2. Advantages from each episode's reward: a prompt's G episodes are all on this rank.
-        # Here, so that rewards whose group's advantages overflow fp32 stop every rank.
-        rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)  # (B*G,)
-        try:
-            adv = finite_advantages(rewards, cfg, lambda i: decode(
-                trainer.tokenizer, [played[i].turns[-1].out.ids])[0])
-        except RewardError as e:
-            e.where = where(e.sample)
-            raise
-        return episodes_rollout(played, first.routed is not None), rewards, adv, waited
-
     t0 = time.perf_counter()
-    rollout, rewards, adv, waited = on_every_rank(trainer, episodes)
+    # 1. Rollout: G episodes of each prompt, played to their ends.
+    rollout, waited = on_every_rank(trainer, lambda: roll_out(trainer, step, mine, chosen),
+                                    sample_name)
+    # 2. Rewards and advantages, per group (a prompt's G episodes are all on this rank).
+    rewards, adv = on_every_rank(trainer, lambda: rewards_and_advantages(trainer, rollout),
+                                 sample_name)
     adv = adv.to(device)
-    cuda = device.type == "cuda"
-    rollout_in_use = device_in_use(device)  # the engine's peak: weights and a full KV cache
-    t_sleep = time.perf_counter()
-    trainer.engine.sleep()  # the trainer gets the KV cache's memory until the push
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)  # memory_metrics reads the update's peaks
+    rollout_in_use, sleep_s = engine_to_sleep(trainer)  # the update gets the KV cache's memory
     t1 = time.perf_counter()
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
-    sums, grad_norm, n_tokens, parity = update_with_parity(trainer, rollout, adv, step, mine)
-    memory = memory_metrics(device, rollout_in_use) if cuda else {}
+    update, n_tokens, parity = update_with_parity(trainer, rollout, adv, step, mine)
+    memory = memory_metrics(device, rollout_in_use) if device.type == "cuda" else {}
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
-    trainer.engine.push(policy_weights(trainer.model))
-    if cuda:
-        torch.cuda.synchronize()  # the push is asynchronous: time it whole
+    push_policy(trainer)
     t3 = time.perf_counter()
 
-    # 5. Metrics over every rank; TensorBoard on rank 0.
-    metrics = step_metrics(cfg, rollout, rewards, len(mine), sums, n_tokens, grad_norm, parity,
-                           times=(t1 - t0, t2 - t1, t3 - t2))
-    metrics["time/engine_sleep_s"] = t1 - t_sleep  # within time/rollout_s
-    if cfg.env:  # the slowest rank's wait on its tools, within time/rollout_s
-        metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=device),
-                                            dist.ReduceOp.MAX).item()
+    # 5. Metrics over every rank; TensorBoard on rank 0 (the "Logging" plumbing).
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
-    metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
-    named = dict(trainer.model.named_parameters())
-    metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
-    metrics.update(memory)
+    metrics = step_metrics(cfg, rollout, rewards, len(mine), update.sums, n_tokens,
+                           update.grad_norm, parity, times=(t1 - t0, t2 - t1, t3 - t2))
+    metrics.update(run_metrics(trainer, parity, sleep_s, waited, memory))
     write_scalars(trainer.writer, metrics, step)
     return metrics, parity
 
 
+def roll_out(trainer: Trainer, step: int, mine: list[int],
+             chosen: list[int]) -> tuple[Rollout, float]:
+    """G episodes of each of this rank's prompts (mine: their indices in the step; chosen[i]:
+    prompt i's problem). Turn 1 samples G completions of each prompt, seeded by its index in
+    the step (Engine.rollout); `play` continues every live episode. Returns the rollout and
+    the seconds its turns waited on the envs."""
+    cfg, task = trainer.cfg, trainer.task
+    G = cfg.group_size
+    envs, prompts = new_episodes(trainer, [task.problems[chosen[i]] for i in mine],
+                                 [task.prompt_ids[chosen[i]] for i in mine], G)
+    episodes = start_episodes(envs, prompts, trainer.engine.rollout(prompts, mine, step))
+    waited = play(trainer.engine, trainer.tokenizer, cfg, episodes,
+                  lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
+                  cfg.temperature)
+    return episodes_rollout(episodes, bool(sparse_layers(trainer.model.args))), waited
+
+
+def rewards_and_advantages(trainer: Trainer,
+                           rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each episode's reward, the env's (B*G,) fp32, and its advantage within its group. The
+    rewards come from the episodes' envs as they ended (for one turn, RewardEnv: --reward);
+    RewardError on a group whose advantages overflow fp32."""
+    episodes = rollout.episodes
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (B*G,)
+    adv = finite_advantages(rewards, trainer.cfg, lambda i: decode(
+        trainer.tokenizer, [episodes[i].turns[-1].out.ids])[0])
+    return rewards, adv
+
+
+def engine_to_sleep(trainer: Trainer) -> tuple[int, float]:
+    """The engine frees its KV cache (and weights) for the update, until the push. Returns the
+    GPU bytes in use before (the rollout's peak: weights and a full KV cache) and the seconds
+    it took."""
+    device = trainer.ranks.device
+    rollout_in_use = device_in_use(device)  # the memory metrics are under "Logging"
+    t0 = time.perf_counter()
+    trainer.engine.sleep()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # memory_metrics reads the update's peaks
+    return rollout_in_use, time.perf_counter() - t0
+
+
 def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, step: int,
-                       mine: list[int]) -> tuple[torch.Tensor, torch.Tensor, int, Parity]:
+                       mine: list[int]) -> tuple[Update, int, Parity]:
     """`train_step` on this rank's samples, whose first forward is the trainer's side of the
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
-    (token sums, grad norm, generated tokens over all ranks, parity over all ranks)."""
+    (the update, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    packed = pack(rollout.prompts, rollout.completions, rollout.model)
+    packed = pack(rollout.prompts, rollout.completions, rollout.generated)
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
-    sparse = sparse_layers(trainer.model.args)
-    routing = torch.empty(len(packed.targets), len(sparse), trainer.model.args.moe_args.top_k,
-                          dtype=torch.int32, device=device) if sparse else None
     try:
-        sums, grad_norm, trainer_logp = train_step(
-            trainer.model, trainer.ref_model, trainer.optimizer, packed,
-            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens, routing)
+        update = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
+                            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.step = step
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
-    parity = parity_report(rollout.logprobs, trainer_logp, packed.targets, cfg.parity_rows)
+    parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
+    sparse = sparse_layers(trainer.model.args)
     if sparse:
         parity.moe = True
         if rollout.routed:
             parity.routing_tokens, parity.routing_mismatch = routing_report(
-                rollout.routed, routing, generated_lengths(rollout), sparse)
-    return sums, grad_norm, n_tokens, parity_over_ranks(parity, device)
+                rollout.routed, update.routing, generated_lengths(rollout), sparse)
+    return update, n_tokens, parity_over_ranks(parity, device)
 
 
-def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
-    """Each metric to TensorBoard at `step` (on rank 0; the other ranks have no writer)."""
-    if writer is not None:
-        with writing(Path(writer.log_dir)):
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, step)
-            writer.flush()
+def push_policy(trainer: Trainer) -> None:
+    trainer.engine.push(policy_weights(trainer.model))
+    if trainer.ranks.device.type == "cuda":
+        torch.cuda.synchronize()  # the push is asynchronous: time it whole
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
@@ -2324,17 +1992,19 @@ def decode(tokenizer, completions: list[list[int]]) -> list[str]:
 
 def generated_lengths(rollout: Rollout) -> list[int]:
     """Tokens the model generated, per sample (an episode's tool tokens are not its)."""
-    return [len(c) if rollout.model is None else sum(m)
-            for c, m in zip(rollout.completions, rollout.model or rollout.completions)]
+    return [sum(g) for g in rollout.generated]
 
 
-def on_every_rank(trainer: Trainer, fn: Callable):
+def on_every_rank(trainer: Trainer, fn: Callable, name: Callable[[int], str]):
     """fn()'s result. If a reward or env failed in it on any rank (or a stop came while its
     tools ran), every rank raises that RewardError (ToolsStopped), so none waits in a
-    collective."""
+    collective. The one place a RewardError is named: name(sample), and its turn."""
     try:
         out, failure = fn(), None
-    except (RewardError, ToolsStopped) as e:
+    except RewardError as e:
+        e.where = name(e.sample) + (f", turn {e.turn}" if e.turn else "")
+        out, failure = None, e
+    except ToolsStopped as e:
         out, failure = None, e
     if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
         flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
@@ -2354,22 +2024,8 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     task, cfg = trainer.task, trainer.cfg
     mine = my_prompts(len(task.eval_problems), trainer.ranks)
     t0 = time.perf_counter()
-
-    def where(i: int) -> str:
-        return f"held-out problem {mine[i]}"
-
-    def episodes() -> list[Episode]:
-        envs, prompts = new_episodes(trainer, [task.eval_problems[i] for i in mine],
-                                     [task.eval_prompt_ids[i] for i in mine], 1, where)
-        if not prompts:
-            return []
-        outs = trainer.engine.generate(prompts, 1, [None] * len(prompts),
-                                       [cfg.max_new_tokens] * len(prompts), 0.0)
-        played = [Episode(env, [Turn(p, c)]) for env, p, (c,) in zip(envs, prompts, outs)]
-        play(trainer.engine, trainer.tokenizer, cfg, played, lambda i, turn: None, 0.0, where)
-        return played
-
-    played = on_every_rank(trainer, episodes)
+    played = on_every_rank(trainer, lambda: greedy_episodes(trainer, mine),
+                           lambda i: f"held-out problem {mine[i]}")
     rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
     sums = torch.tensor([rewards.sum().item(), rewards.square().sum().item(),
                          sum(e.generated() for e in played),
@@ -2388,6 +2044,20 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     return metrics
 
 
+def greedy_episodes(trainer: Trainer, mine: list[int]) -> list[Episode]:
+    """One greedy episode of each held-out problem in `mine`, played to its end."""
+    task, cfg = trainer.task, trainer.cfg
+    envs, prompts = new_episodes(trainer, [task.eval_problems[i] for i in mine],
+                                 [task.eval_prompt_ids[i] for i in mine], 1)
+    if not prompts:
+        return []
+    outs = trainer.engine.generate(prompts, 1, [None] * len(prompts),
+                                   [cfg.max_new_tokens] * len(prompts), 0.0)
+    episodes = start_episodes(envs, prompts, outs)
+    play(trainer.engine, trainer.tokenizer, cfg, episodes, lambda i, turn: None, 0.0)
+    return episodes
+
+
 def eval_due(cfg: Config, step: int) -> bool:
     """Evaluate before step `step` (after `step` updates): at 0, every --eval-every steps, and
     after the last step."""
@@ -2398,6 +2068,7 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
+    Its logs, stops and checkpoints are plumbing: "Logging", "Stops", "Checkpoints & resume".
 
     Ctrl-C or SIGTERM lets the current step (or the last eval, or the export) finish, saves a
     checkpoint and closes TensorBoard.
@@ -2405,7 +2076,6 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     or pushed, writes a diagnostic and keeps the last good checkpoint.
     """
     cfg = trainer.cfg
-    device = trainer.ranks.device
     with writing(run_dir / "metrics.jsonl"):
         metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
     began, done = time.perf_counter(), 0
@@ -2423,10 +2093,7 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                     raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
                                      f"mismatched tokens and {parity.routing_mismatch} routed "
                                      "to other experts.", EXIT_PARITY)
-                asked = signal_on_any_rank(stop, device)
-                if asked:
-                    raise save_and_stop(trainer, run_dir, source, step + 1, asked,
-                                        f"after step {step}")
+                stop_if_asked(stop, trainer, run_dir, source, step + 1, f"after step {step}")
                 if cfg.save_every and (step + 1) % cfg.save_every == 0:
                     print0(f"saving checkpoint step_{step + 1:06d}")
                     save_checkpoint(run_dir, trainer, step + 1, source)
@@ -2436,230 +2103,16 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                 log_row(metrics_log, {"step": cfg.steps, **final})
                 print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
                        f" ({len(trainer.task.eval_problems)} problems, greedy)")
-            asked = signal_on_any_rank(stop, device)  # during the last eval: no export
-            if asked:
-                raise save_and_stop(trainer, run_dir, source, cfg.steps, asked,
-                                    "after the last step, before the final export")
+            # a stop during the last eval: no export
+            stop_if_asked(stop, trainer, run_dir, source, cfg.steps,
+                          "after the last step, before the final export")
             digest = export_final(trainer, run_dir, source)
-            asked = signal_on_any_rank(stop, device)  # during the export, which is whole
-            if asked:
-                raise save_and_stop(trainer, run_dir, source, cfg.steps, asked,
-                                    f"after the final export ({export_dir(cfg, run_dir)})")
+            # a stop during the export, which is whole
+            stop_if_asked(stop, trainer, run_dir, source, cfg.steps,
+                          f"after the final export ({export_dir(cfg, run_dir)})")
     finally:
         close_logs(trainer, metrics_log, run_dir)
     return digest
-
-
-def signal_on_any_rank(stop: StopRequest, device) -> int:
-    """The Ctrl-C or SIGTERM any rank received (0: none): every rank stops together."""
-    return int(all_reduce(torch.tensor([stop.signal or 0], device=device), dist.ReduceOp.MAX))
-
-
-def save_and_stop(trainer: Trainer, run_dir: Path, source: Path, next_step: int, asked: int,
-                  when: str) -> RunStopped:
-    """After a signal: the checkpoint of the steps done, and the stop (exit 130 or 143)."""
-    print0(f"saving checkpoint step_{next_step:06d}")
-    ckpt = save_checkpoint(run_dir, trainer, next_step, source)
-    code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
-    return RunStopped(f"stopped {when}; checkpoint {ckpt}; continue with --resume {ckpt}", code)
-
-
-def log_row(metrics_log, row: dict) -> None:
-    """A row of metrics.jsonl, flushed (rank 0 has the file open; the others have None)."""
-    if metrics_log is not None:
-        with writing(Path(metrics_log.name)):
-            metrics_log.write(json.dumps(row) + "\n")
-            metrics_log.flush()
-
-
-def close_logs(trainer: Trainer, metrics_log, run_dir: Path) -> None:
-    """metrics.jsonl and TensorBoard closed, each even if the other fails (a disk error: exit
-    6, as at every write)."""
-    try:
-        with writing(run_dir / "metrics.jsonl"):
-            if metrics_log is not None:
-                metrics_log.close()
-    finally:
-        with writing(run_dir):
-            if trainer.writer is not None:
-                trainer.writer.close()
-
-
-def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, float],
-                parity: Parity, metrics_log, step_s: float) -> None:
-    """The step's row in metrics.jsonl (rank 0), its parity line (with the token table every
-    --parity-every steps, the run's first, and any that differs) and its step line."""
-    cfg = trainer.cfg
-    log_row(metrics_log, {"step": step, **{k: v for k, v in metrics.items()
-                                           if not k.startswith("weight_delta/")}})
-    bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
-    if bitwise or not parity.n_mismatch:  # with reference kernels setup said once why
-        if parity.n_mismatch or step % cfg.parity_every == 0 or first:
-            print0(parity.table)
-        print0(parity_line(parity))
-    print0(format_step(step, cfg.steps, metrics, step_s, step_s * (cfg.steps - step - 1)))
-
-
-def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
-    memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
-    held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
-    kl = f" | kl {m['kl_div']:.4f}" if "kl_div" in m else ""  # only with --kl-coef > 0
-    routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
-               f"{int(m['determinism/routing_tokens'])} | "
-               if "determinism/routing_mismatch" in m else "")
-    turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
-             if "episode/turns_mean" in m else "")  # episodes of several turns
-    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
-            f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
-            f"{m['completion_len_mean']:.1f}{turns} | mismatched "
-            f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
-            f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
-            f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
-
-
-def format_duration(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
-                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
-                 times: tuple[float, float, float]) -> dict[str, float]:
-    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
-    from their summed token sums, and reward and length statistics over every sample, taken
-    in the step's prompt order (so they equal a single process's)."""
-    G = cfg.group_size
-    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
-    routing = {"determinism/routing_mismatch": parity.routing_mismatch,
-               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
-    lengths = generated_lengths(rollout)
-    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
-                   rollout.stopped[j * G:(j + 1) * G],
-                   [episode_row(e) for e in rollout.episodes[j * G:(j + 1) * G]] if cfg.env
-                   else []) for j in range(n_prompts)]
-    every = in_prompt_order(all_gather_objects(per_prompt))
-    all_rewards = torch.tensor([r for rs, _, _, _ in every for r in rs])
-    lens = torch.tensor([n for _, ns, _, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss, _ in every for s in ss]
-    rows = [row for *_, rs in every for row in rs]
-    return {
-        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
-        **({"kl_div": kl} if cfg.kl_coef > 0 else {}),  # no reference model: no KL to show
-        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
-        "grad_norm": float(grad_norm),
-        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-        "completion_len_mean": lens.mean().item(),
-        "completion_stopped_frac": sum(stopped) / len(stopped),
-        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
-        "determinism/max_abs_diff": parity.max_abs_diff,
-        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
-        "time/step_s": sum(times),
-        **routing,
-        **(episode_metrics(rows) if cfg.env else {}),  # episodes of several turns
-    }
-
-
-def episode_row(e: Episode) -> tuple:
-    """(turns, tool calls, status, generated tokens per turn, tool tokens, seconds in
-    env.step)."""
-    tool = sum(len(turn.context) for turn in e.turns[1:])
-    return len(e.turns), e.tool_calls, e.status, [len(t.out.ids) for t in e.turns], tool, e.tool_s
-
-
-def episode_metrics(rows: list[tuple]) -> dict[str, float]:
-    """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
-    the parity check compared at each turn; the seconds of the env.step calls, summed."""
-    n = len(rows)
-    turns, calls, status, per_turn, tool, seconds = zip(*rows)
-    generated = [sum(c) for c in per_turn]
-    checked = {f"determinism/tokens_turn{k + 1}": sum(c[k] for c in per_turn if len(c) > k)
-               for k in range(max(turns))}
-    return {"episode/turns_mean": sum(turns) / n, "episode/tool_calls_mean": sum(calls) / n,
-            "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
-            **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
-            "episode/generated_tokens_mean": sum(generated) / n,
-            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_calls_s": sum(seconds),
-            **checked}
-
-
-def in_prompt_order(per_rank: list[list]) -> list:
-    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
-    out = []
-    for j in range(max(len(x) for x in per_rank)):
-        out += [x[j] for x in per_rank if j < len(x)]
-    return out
-
-
-def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
-                  per_param: bool) -> dict[str, float]:
-    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
-
-    Reconstructed from the optimizer's state, without a copy of the old weights:
-        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
-    One parameter's temporaries at a time; local shards summed over ranks.
-    """
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    wd = group["weight_decay"]
-    eps = group["eps"]
-    b1, b2 = group["betas"]
-    if not optimizer.state:
-        return {}
-    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
-    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
-    index = {k: i for i, k in enumerate(keys)}
-    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
-    for name, p in named.items():
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
-        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
-        old = (w + step) / (1 - lr * wd)
-        row = torch.stack([(w - old).square().sum(), old.square().sum()])
-        sq[index[layer_of(name)]] += row
-        if per_param:
-            sq[index[name]] += row
-    sq = all_reduce(sq).sqrt().tolist()  # one host sync
-    out = {}
-    for key, (delta, old) in zip(keys, sq):
-        out[f"weight_delta/{key}/magnitude"] = delta
-        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
-    return out
-
-
-def layer_of(name: str) -> str:
-    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-
-
-def device_in_use(device: torch.device) -> int:
-    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
-
-
-def memory_metrics(device: torch.device, rollout_in_use: int) -> dict[str, float]:
-    """GiB per GPU, the largest over ranks, read right after the update: the GPU in use after
-    the rollout (the engine awake beside the blocks the trainer's allocator keeps cached, which
-    a push frees if the engine needs them) and at the update's peak: in use now plus what
-    PyTorch's allocator has released since its reserved peak. Also PyTorch's peaks in the
-    update, allocated and reserved; both count the sleeping engine's weights and KV cache too
-    (vLLM's sleep mode takes them from a PyTorch memory pool and unmaps them while asleep)."""
-    allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
-    update_peak = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
-    gib = all_reduce(torch.tensor([rollout_in_use, update_peak, allocated, reserved],
-                                  dtype=torch.float64, device=device), dist.ReduceOp.MAX) / 2**30
-    rollout, update, allocated, reserved = gib.tolist()
-    return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
-            "memory/update_gib": update, "memory/peak_allocated_gib": allocated,
-            "memory/peak_reserved_gib": reserved}
 
 
 def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -2684,24 +2137,12 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))
     check_ranks(cfg, ranks.world)
 
-    # 3. Every check that needs no GPU: a resume reads only the files its run read; then model
-    # files, tokenizer, the run's prompts and the reward (headers and text only, seconds).
-    model_dir = resolve_checkpoint(cfg.model)
-    inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
-    check_unchanged(cfg, inputs, expect)
-    files = load_model_files(cfg, model_dir)
-    task = load_task(cfg, files.tokenizer)
-    reward_fn = load_reward(cfg.reward)
-    empty = check_reward(reward_fn, cfg.reward, task)
-    make_env = load_env(cfg.env, reward_fn)
-    env, checked = check_env(make_env, cfg, task, files.tokenizer) if cfg.env else (None, "")
-    stops = cfg.tool_stop or getattr(env, "tool_stop", "")
-    files = dataclasses.replace(files, tool_ids=tool_stop_ids(files.tokenizer, stops))
-    if files.tool_ids:
-        tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
-    if cfg.check:  # nothing made, no engine: say what was checked
-        print0(check_report(cfg, ckpt, files, task, empty, checked))
+    # 3. Every check that needs no GPU, in seconds: the files a resume's run read, model files,
+    # tokenizer, prompts, reward and env ("Model and data files", after the story ends).
+    checked = check_inputs(cfg, ckpt, expect)
+    if checked is None:  # --check: nothing made, no engine; it said what was checked
         return None
+    files, task, reward_fn, make_env, inputs = checked
     if engine_factory is None:  # the GPU, the environment parity needs and vLLM
         if not gpu_first:
             prepare_environment(cfg)
@@ -2709,13 +2150,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     prompts = prompt_range(task, cfg)
     cfg = with_micro_batch(cfg, files.args, ranks, prompts)  # the run's config keeps the choice
     memory = check_memory(cfg, files.args, ranks, prompts) if device_type == "cuda" else ""
-    lora = lora_spec(cfg, files.args)
-    loaded: dict = {}  # rank 0 reads every weight (checked finite) and later hands out shards
-    if not (lora and engine_factory is VLLMEngine):  # else the engine's are the trainer's
-        print0(f"reading the weights of {files.path} (each checked finite)")
-        read = lambda: loaded.update(state=load_hf_state_dict(files.path))  # noqa: E731
-        read() if lora else on_rank0(read)  # a LoRA run's every rank holds the whole base
-    hf_state = loaded.get("state", {})
+    hf_state = read_weights(cfg, files, engine_factory is VLLMEngine)  # "Model and data files"
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
     # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
@@ -2736,24 +2171,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
-    # 5. Logging, on rank 0: TensorBoard (after a resume, without what followed the checkpoint).
-    if ranks.main:
-        open_logs(trainer, run_dir, start if ckpt else None)
-    if ckpt:
-        where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
-        print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
-    print0(run_banner(cfg, files, ranks.world, kernels.name, memory, run_dir))
-    if kernels.name == "reference":
-        print0("reference kernels are plain PyTorch, not vLLM's: differing tokens in the parity "
-               "line are expected (only --kernels vllm on a GPU is bitwise)")
+    # 5. Logging: TensorBoard on rank 0, and the run's first lines ("Logging").
+    start_logs(trainer, run_dir, ckpt, start, files, memory)
     return trainer, start, run_dir, files.path
-
-
-def check_ranks(cfg: Config, world: int) -> None:
-    need(world <= cfg.num_prompts, f"{world} ranks but --num-prompts {cfg.num_prompts}: every "
-         "rank needs at least one prompt per step.")
-    need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
-         "with python, not torchrun.")
 
 
 def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks,
@@ -2787,62 +2207,6 @@ def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks:
     return model, ref_model
 
 
-def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
-    """TensorBoard with the config and the dashboard's layout; after a resume, without what
-    was logged after the checkpoint."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    quiet_writer_thread()
-    with writing(run_dir):
-        trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
-        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
-        moe = bool(sparse_layers(trainer.model.args))
-        trainer.writer.add_custom_scalars(tensorboard_layout(moe, bool(trainer.cfg.env)))
-    if resumed_at is not None:
-        purge_after(run_dir / "metrics.jsonl", resumed_at)
-
-
-def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
-               run_dir: Path) -> str:
-    n = count_params(files.args)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    memory = f" | {memory} (estimate)" if memory else ""
-    lora = lora_spec(cfg, files.args)
-    if lora:
-        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
-                 f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
-    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
-            f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
-
-
-def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
-                 empty: float, env: str = "") -> str:
-    """--check's answer: one line per thing checked, each of which passed."""
-    run_dir = Path(cfg.log_dir) / cfg.run_name
-    where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
-             "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
-    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
-    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
-    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
-    lines = [
-        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
-        f"run directory {run_dir}: {where}",
-        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
-           "run's (sha256)"] if ckpt else []),
-        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
-        "every safetensors header agree",
-        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
-        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
-        f"training problems, {len(task.eval_problems)} held out; the longest prompt "
-        f"({max(lengths)} tokens) fits --max-model-len",
-        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
-        "on an empty completion",
-        *([env] if env else []),
-        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
-    ]
-    return "\n".join(f"check: {line}" for line in lines)
-
-
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW on the fp32 masters (or their shards; under LoRA the adapters'); fused on CUDA
     (deterministic)."""
@@ -2850,66 +2214,6 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     fused = params[0].device.type == "cuda"
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              weight_decay=cfg.weight_decay, fused=fused)
-
-
-def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
-    """The Custom Scalars dashboard: the signals to act on first, one series per chart
-    (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
-    Qwen3-MoE also the tokens whose experts differ from vLLM's.
-
-    TensorBoard reads a Multiline chart's tag as a regular expression matched at the start of
-    each tag, so each is anchored: `determinism/mismatched_tokens` alone, not `..._total` too.
-    The held-out accuracy is a Margin chart (value, lower, upper: exact tags), which TensorBoard
-    never smooths: its few points keep their values (a smoothed line of 6 evals starts at its
-    first, then lags), and the axis, which leaves out the outer 5% of the values it draws,
-    keeps the first and the last of a few evals in view (each point brings three values).
-    """
-    def charts(*titled):  # (title, tag): Multiline; (title, (value, lower, upper)): Margin
-        return {title: ["Margin", list(tag)] if isinstance(tag, tuple)
-                else ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in titled}
-
-    layout = {
-        "simple_rl": charts(
-            ("reward (mean over the step's samples)", "reward_mean"),
-            ("held-out accuracy (greedy, %, 95% interval)",
-             ("eval/accuracy_pct", "eval/accuracy_low_pct", "eval/accuracy_high_pct")),
-            ("loss", "loss"),
-            ("KL to the initial policy (with --kl-coef > 0)", "kl_div"),
-            ("entropy (nats per token)", "entropy"),
-            # a running total: smoothing cannot hide a mismatch, and the line never comes back
-            ("mismatched tokens, run total (must stay 0)", "determinism/mismatched_tokens_total"),
-            ("step time (s)", "time/step_s"),
-        ),
-        "simple_rl details": charts(
-            ("reward std", "reward_std"),
-            ("policy-gradient loss", "pg_loss"),
-            ("mismatched tokens per step", "determinism/mismatched_tokens"),
-            ("rollout time (s)", "time/rollout_s"),
-            ("engine sleep time, within the rollout (s)", "time/engine_sleep_s"),
-            ("update time (s)", "time/train_s"),
-            ("weight push time (s)", "time/push_s"),
-            ("GPU memory in use (GiB)", "memory/in_use_gib"),
-            ("completion length (tokens)", "completion_len_mean"),
-            ("grad norm", "grad_norm"),
-        ),
-    }
-    if moe:
-        layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
-                                           "determinism/routing_mismatch")))
-    if tools:  # --env: episodes of several turns
-        layout["simple_rl"].update(charts(
-            ("episodes that call the tool", "episode/tool_call_frac"),
-            ("held-out episodes that call the tool (greedy)", "eval/tool_call_frac")))
-        layout["simple_rl details"].update(charts(
-            ("turns per episode", "episode/turns_mean"),
-            ("tool calls per episode", "episode/tool_calls_mean"),
-            ("episodes ended by a tool error", "episode/tool_error_frac"),
-            ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
-            ("episodes cut at --max-model-len", "episode/context_frac"),
-            ("episodes cut at --max-turns", "episode/max_turns_frac"),
-            ("tool tokens per episode", "episode/tool_tokens_mean"),
-            ("time waiting on the env's calls (s)", "time/tool_s")))
-    return layout
 
 
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
@@ -2963,8 +2267,8 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 # The RL story ends here. What follows is plumbing a researcher need not read: config
 # parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
 # patches, LoRA's engine slot and names, the tools' threads and text, checkpoints and resume,
-# the run directory and export, the memory estimate, console filtering, stops (signals, NaN,
-# OOM) and the parity debugger.
+# the run directory and export, logging, the memory estimate, console filtering, stops
+# (signals, NaN, OOM) and the parity debugger.
 # ==========================================================================
 
 
@@ -3189,6 +2493,33 @@ def resolve_checkpoint(name: str) -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
+MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
+
+
+def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
+    """Path, model args, tokenizer and stop ids, after checking they fit together and the config
+    (`path`: --model already resolved to a directory).
+
+    Opens headers only; nothing here takes more than seconds.
+    """
+    path = path or resolve_checkpoint(cfg.model)
+    hf_cfg = read_qwen3_config(path)
+    args = model_args_from_hf(hf_cfg)
+    need(cfg.max_model_len <= args.max_seq_len, f"--max-model-len {cfg.max_model_len} exceeds "
+         f"the model's max_position_embeddings ({args.max_seq_len}).")
+    check_weight_headers(path, args)
+    check_lora(cfg, args)
+    tokenizer = load_tokenizer(path, args)
+    eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
+    need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
+         f"do not fit the model's vocab of {args.vocab_size}.")
+    return ModelFiles(path, args, tokenizer, eos_ids)
+
+
 def check_lora(cfg: Config, args) -> None:
     """What --lora-* asks of this model: experts take no adapter (vLLM's MoE LoRA kernels are
     not the trainer's), and r fits within every adapted layer's input and output slices."""
@@ -3331,6 +2662,50 @@ def check_moe_config(raw: dict, file: Path) -> None:
          "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
     need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
          "true or false.")
+
+
+def model_args_from_hf(hf):
+    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
+
+    For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
+    norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
+    TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
+    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
+    """
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    rope = getattr(hf, "rope_parameters", None) or {}
+    moe = {}
+    sparse: tuple[int, ...] = ()
+    if hf.model_type == "qwen3_moe":
+        n = hf.num_experts
+        only = set(getattr(hf, "mlp_only_layers", None) or [])
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        sparse = tuple(i for i in range(hf.num_hidden_layers)
+                       if i not in only and n > 0 and (i + 1) % step == 0)
+        moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
+                   moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
+                                    top_k=hf.num_experts_per_tok, score_func="softmax",
+                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
+                                    score_before_experts=False, load_balance_coeff=None))
+    args = Qwen3ModelArgs(
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads,
+        vocab_size=hf.vocab_size,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        hidden_dim=hf.intermediate_size,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
+        max_seq_len=hf.max_position_embeddings,
+        enable_weight_tying=bool(hf.tie_word_embeddings),
+        **moe,
+    )
+    if sparse:
+        args.sparse_layers = sparse
+    return args
     # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
     # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
 
@@ -3355,6 +2730,46 @@ def load_tokenizer(path: Path, args):
     need(len(tokenizer.encode("What is 2 + 3?", add_special_tokens=False)) > 0,
          f"the tokenizer in {path} encodes text to nothing.")
     return tokenizer
+
+
+def stop_token_ids(path: Path, tokenizer, hf_cfg) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and config.json's and
+    generation_config.json's eos ids (Qwen3 lists both <|im_end|> and <|endoftext|>)."""
+    found = [tokenizer.eos_token_id, hf_cfg.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            found.append(json.loads(gen.read_text()).get("eos_token_id"))
+    flat = [i for x in found for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
+    return sorted(set(flat))
+
+
+def tool_stop_ids(tokenizer, stops: str) -> list[int]:
+    """The token id of each comma-separated --tool-stop string. vLLM runs without a tokenizer,
+    so a turn ends at a token id (kept as the turn's last generated token), not at a string."""
+    ids = []
+    for stop in filter(None, stops.split(",")):
+        got = tokenizer.encode(stop, add_special_tokens=False)
+        need(len(got) == 1, f"--tool-stop {stop!r} is {len(got)} tokens of the tokenizer, not one "
+             "(a turn ends at a token id: add the string to the tokenizer as one token).")
+        ids += got
+    return ids
+
+
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in weight_files(path):
+        try:
+            state.update(load_file(path / f))
+        except Exception as e:
+            raise ConfigError(f"{path / f} could not be read ({e}).") from e
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
+         "would be meaningless.")
+    return state
 
 
 def read_rows(data_files: str, task: str) -> dict[str, list]:
@@ -3435,6 +2850,203 @@ def read_with_datasets(data_files: str, task: str) -> list[dict]:
     return rows.to_list()
 
 
+def gsm8k_problems(data_files: str) -> list[Problem]:
+    """GSM8K's train split: from local parquet/jsonl files, else from the hub through `datasets`.
+
+    Each row has `question` and `answer`; the final answer follows '####'.
+    """
+    rows = read_rows(data_files, "gsm8k")
+    source = data_files or "GSM8K"
+    out = []
+    for q, a in zip(rows["question"], rows["answer"]):
+        need(isinstance(a, str) and "####" in a, f"{source}: an answer without "
+             f"'#### <number>': {str(a)[:60]!r}.")
+        out.append(Problem(f"{q} {ANSWER_FORMAT}", a.split("####")[-1].strip()))
+    return out
+
+
+def jsonl_problems(data_files: str) -> list[Problem]:
+    """Your rows: `question` is the prompt as written, `answer` what the reward compares with
+    (a number is read as the text written in the file)."""
+    rows = read_rows(data_files, "jsonl")
+    out = []
+    for i, (q, a) in enumerate(zip(rows["question"], rows["answer"])):
+        need(isinstance(a, (str, int, float)) and not isinstance(a, bool), f"{data_files}: row "
+             f"{i} has no answer text or number (got {a!r}).")
+        out.append(Problem(q, str(a)))
+    return out
+
+
+def split_heldout(problems: list[Problem], size: int, source: str):
+    """(training pool, held-out problems) of a file: `size` problems chosen by a fixed shuffle
+    (the same for every --seed), and every other problem whose question they do not repeat."""
+    need(size < len(problems), f"{source} has {len(problems)} problems; --eval-size {size} "
+         "leaves none to train on (lower it; 0: no eval).")
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    chosen = set(torch.randperm(len(problems), generator=g)[:size].tolist())
+    heldout = [p for i, p in enumerate(problems) if i in chosen]
+    questions = {p.question for p in heldout}
+    pool = [p for i, p in enumerate(problems) if i not in chosen and p.question not in questions]
+    need(bool(pool), f"{source}: every problem repeats a held-out question; lower --eval-size.")
+    return pool, heldout
+
+
+def user_object(spec: str, option: str):
+    """FILE.py:NAME -> (the module's NAME or None, the file's path, NAME), once the file imports."""
+    import importlib.util
+
+    file, name = spec.rsplit(":", 1)
+    path = Path(file).expanduser()
+    need(path.is_file(), f"{option}: {path} is not a file.")
+    module_spec = importlib.util.spec_from_file_location(f"simple_rl_user_{path.stem}", path)
+    need(module_spec is not None and module_spec.loader is not None, f"{option}: {path} cannot "
+         "be imported as a Python module.")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # SyntaxError, ImportError, SystemExit: the user's file, not ours
+        raise ConfigError(f"{option}: importing {path} failed ({type(e).__name__}: {e}).") from e
+    return getattr(module, name, None), path, name
+
+
+def load_reward(spec: str) -> RewardFn:
+    """--reward FILE.py:FUNCTION: the user's reward(completion, answer) -> float; '' is ours.
+
+    Checked here, before anything slow: the file imports, the function exists and takes
+    (completion, answer).
+    """
+    if not spec:
+        return reward
+    import inspect
+
+    fn, path, name = user_object(spec, "--reward")
+    need(callable(fn), f"--reward: {path} has no function {name!r}.")
+    try:
+        inspect.signature(fn).bind("completion", "answer")
+    except TypeError:
+        raise ConfigError(f"--reward: {name}{inspect.signature(fn)} in {path} must take "
+                          "(completion, answer).") from None
+    except ValueError:  # no signature to inspect (a builtin): the first call will tell
+        pass
+    return fn
+
+
+def check_reward(reward_fn: RewardFn, spec: str, task: Task) -> float:
+    """A first call, before anything slow: an empty completion (a model may stop at once) must
+    get a finite number (returned)."""
+    try:
+        return score(reward_fn, [""], [task.problems[0].answer]).item()
+    except RewardError as e:
+        raise ConfigError(f"--reward {spec}: on an empty completion it {e}.") from e
+
+
+def score(reward_fn: RewardFn, texts: list[str], answers: list[str]) -> torch.Tensor:
+    """reward_fn(text, answer) of every sample, (B,) fp32, outside any episode: check_reward's
+    first call and the benchmarks. A training step's rewards are its episodes' (RewardEnv.step
+    through env_step, with the same checks). RewardError names the first sample whose reward
+    raised (SystemExit included: the reward's, not the run's end; Ctrl-C stays Ctrl-C) or is
+    not a number finite in fp32."""
+    out = []
+    for i, (text, answer) in enumerate(zip(texts, answers)):
+        with user_errors(i, text):
+            value = reward_fn(text, answer)
+        out.append(finite_reward(value, i, text))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+EMBEDDED_ENVS = ("calc", "lookup")  # --env names of the envs simple_rl holds
+
+
+def load_env(spec: str, reward_fn: RewardFn) -> Callable[[], Env]:
+    """--env: '' (one turn, scored by reward_fn), calc, or FILE.py:NAME: a class (any callable
+    of no arguments) whose objects have reset(problem) and step(completion), as Env's."""
+    if not spec:
+        return lambda: RewardEnv(reward_fn)
+    if spec in EMBEDDED_ENVS:
+        return lambda: (CalcEnv if spec == "calc" else LookupEnv)(reward_fn)
+    make, path, name = user_object(spec, "--env")
+    need(callable(make), f"--env: {path} has no class {name!r}.")
+    return make
+
+
+def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
+              tokenizer) -> tuple[Env, str]:
+    """Before anything slow: an env is made, has reset(problem) and step(completion), gives
+    the first problem a text that fits --max-model-len and an empty completion (a model may
+    stop at once) a reward or a tool message. Returns that env (its tool_stop is the default
+    --tool-stop) and --check's line on it."""
+    import inspect
+
+    label = f"--env {cfg.env}" if cfg.env else f"--reward {cfg.reward}"
+    try:
+        env = make_env()
+    except Exception as e:
+        raise ConfigError(f"{label}: making an env raised {type(e).__name__}: {e}.") from e
+    for method, arg in (("reset", "problem"), ("step", "completion")):
+        fn = getattr(env, method, None)
+        need(callable(fn), f"{label}: its env has no method {method}({arg}).")
+        try:
+            inspect.signature(fn).bind(arg)
+        except TypeError:
+            raise ConfigError(f"{label}: {method}{inspect.signature(fn)} must take "
+                              f"({arg}).") from None
+        except ValueError:  # no signature to inspect: the first call will tell
+            pass
+    try:
+        first = call_once(lambda: env_reset(env, task.problems[0], 0), cfg)
+        first_prompt_ids([first], tokenizer, cfg, [0])
+    except (RewardError, ToolTimeout) as e:  # "reset returned 5, not text", "raised ..."
+        what = str(e) if str(e).startswith("reset") else f"reset {e}"
+        raise ConfigError(f"{label}: on the first training problem its {what}.") from e
+    try:
+        said = f"returned {shown(call_once(lambda: env_step(env, '', 0), cfg))}"
+    except (RewardError, ToolTimeout) as e:
+        raise ConfigError(f"{label}: on an empty completion it {e}.") from e
+    except ToolError as e:
+        said = f"raised ToolError ({shown(str(e))})"
+    stop = getattr(env, "tool_stop", "")
+    need(isinstance(stop, str), f"{label}: its tool_stop {shown(stop)} must be text: "
+         "comma-separated strings, each one token.")
+    return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
+
+
+def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
+    """Every check that needs no GPU (headers and text only, seconds): a resume reads only the
+    files its run read; then model files, tokenizer, the run's prompts, the reward and the env.
+    Returns (files, task, reward_fn, make_env, the files read by name), or None after --check
+    has said what it checked."""
+    model_dir = resolve_checkpoint(cfg.model)
+    inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
+    check_unchanged(cfg, inputs, expect)
+    files = load_model_files(cfg, model_dir)
+    task = load_task(cfg, files.tokenizer)
+    reward_fn = load_reward(cfg.reward)
+    empty = check_reward(reward_fn, cfg.reward, task)
+    make_env = load_env(cfg.env, reward_fn)
+    env, checked = check_env(make_env, cfg, task, files.tokenizer) if cfg.env else (None, "")
+    stops = cfg.tool_stop or getattr(env, "tool_stop", "")
+    files = dataclasses.replace(files, tool_ids=tool_stop_ids(files.tokenizer, stops))
+    if files.tool_ids:
+        tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
+    if cfg.check:
+        print0(check_report(cfg, ckpt, files, task, empty, checked))
+        return None
+    return files, task, reward_fn, make_env, inputs
+
+
+def read_weights(cfg: Config, files: ModelFiles, vllm: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, checked finite, on rank 0 (it later hands out the shards; {}
+    elsewhere), or on every rank for a LoRA run (each holds the whole base); none for a LoRA
+    run on vLLM (`vllm`), whose trainer adopts the engine's own weights."""
+    lora = lora_spec(cfg, files.args)
+    loaded: dict = {}
+    if not (lora and vllm):
+        print0(f"reading the weights of {files.path} (each checked finite)")
+        read = lambda: loaded.update(state=load_hf_state_dict(files.path))  # noqa: E731
+        read() if lora else on_rank0(read)
+    return loaded.get("state", {})
+
+
 # ==========================================================================
 # Errors and exit codes
 # ==========================================================================
@@ -3470,6 +3082,20 @@ class NonFiniteError(RuntimeError):
             return "nothing was applied"
         return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
                 "none saved")
+
+
+class RewardError(RuntimeError):
+    """The reward raised or returned something that is not a finite number."""
+
+    def __init__(self, what: str, sample: int, completion: str):
+        super().__init__(what)
+        self.sample = sample  # index among this rank's episodes (of the step, or of the eval)
+        self.completion = completion
+        self.turn: int | None = None  # the turn whose text the env read (env_turn), if any
+        self.where = f"sample {sample}"  # on_every_rank names it by its problem
+
+    def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
+        return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
 
 
 # Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
@@ -3521,6 +3147,13 @@ def init_ranks(device_type: str) -> Ranks:
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
+
+
+def check_ranks(cfg: Config, world: int) -> None:
+    need(world <= cfg.num_prompts, f"{world} ranks but --num-prompts {cfg.num_prompts}: every "
+         "rank needs at least one prompt per step.")
+    need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
+         "with python, not torchrun.")
 
 
 def world_size() -> int:
@@ -3849,6 +3482,14 @@ def lora_spec(cfg: Config, args) -> LoRASpec | None:
     return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
 
 
+def engine_lora_args(lora: LoRASpec) -> dict:
+    """vLLM's LoRA arguments: one adapter slot (max_loras 1) on the layers of --lora-targets."""
+    layers = {LORA_LAYERS[p][0].split(".")[1] for p, (_, names) in LORA_LAYERS.items()
+              if set(names) & set(lora.targets)}
+    return dict(enable_lora=True, max_lora_rank=lora.rank, max_loras=1,
+                lora_target_modules=sorted(layers))
+
+
 def vllm_lora_layer(name: str) -> str:
     """The trainer's LoRA module `layers.3.attention.wqkv.lora` -> vLLM's LoRA layer
     `model.layers.3.self_attn.qkv_proj`."""
@@ -3991,8 +3632,8 @@ def late_calls(started: list, results: list, now: float, timeout: float) -> list
             if timeout and r is None and t is not None and now - t >= timeout]
 
 
-def reset_all(envs: list[Env], problems: list[Problem], n: int, cfg: Config,
-              where: Callable[[int], str]) -> tuple[list[str], set[int]]:
+def reset_all(envs: list[Env], problems: list[Problem], n: int,
+              cfg: Config) -> tuple[list[str], set[int]]:
     """Every env reset (n per problem, in parallel): each episode's first message, and the
     episodes whose reset ran past --tool-timeout (they get their group's message, or the
     problem's question, and end at once). RewardError names the first bad episode."""
@@ -4001,18 +3642,14 @@ def reset_all(envs: list[Env], problems: list[Problem], n: int, cfg: Config,
     late = {i for i, out in enumerate(outs) if isinstance(out, ToolTimeout)}
     messages = []
     for i, out in enumerate(outs):
-        try:
-            if isinstance(out, BaseException) and i not in late:
-                raise out
-            group = [m for m in outs[i - i % n:i - i % n + n] if isinstance(m, str)]
-            messages.append(out if i not in late else group[0] if group else
-                            problems[i // n].question)
-            if group and messages[-1] != group[0]:  # a prompt's n samples share its prefill
-                raise RewardError("reset gave the episodes of one problem different first "
-                                  "messages", i, messages[-1])
-        except RewardError as e:
-            e.where = where(i)
-            raise
+        if isinstance(out, BaseException) and i not in late:
+            raise out
+        group = [m for m in outs[i - i % n:i - i % n + n] if isinstance(m, str)]
+        messages.append(out if i not in late else group[0] if group else
+                        problems[i // n].question)
+        if group and messages[-1] != group[0]:  # a prompt's n samples share its prefill
+            raise RewardError("reset gave the episodes of one problem different first "
+                              "messages", i, messages[-1])
     return messages, late
 
 
@@ -4081,10 +3718,10 @@ def tool_turn_parts(tokenizer, cfg: Config) -> tuple[str, str]:
 
 
 def first_prompt_ids(messages: list[str], tokenizer, cfg: Config,
-                     where: list[str]) -> list[list[int]]:
+                     samples: list[int]) -> list[list[int]]:
     """Each reset's own first message as the task's prompts are (format_prompts), its text
     kept text: special-token strings in it are split into plain tokens. RewardError on a
-    message with no room left in --max-model-len (where[k] names message k)."""
+    message with no room left in --max-model-len (message k is episode samples[k]'s)."""
     specials = special_strings(tokenizer)
     before, after = "Q: ", "\nA:"
     if uses_chat_template(cfg, tokenizer) and messages:
@@ -4103,10 +3740,8 @@ def first_prompt_ids(messages: list[str], tokenizer, cfg: Config,
         else:
             ids = format_prompts([Problem(m, "")], tokenizer, cfg)[0]
         if len(ids) + 1 > cfg.max_model_len:
-            error = RewardError(f"gave a first message of {len(m):,} characters, which leaves "
-                                f"no room in --max-model-len {cfg.max_model_len}", 0, "")
-            error.where = where[k]
-            raise error
+            raise RewardError(f"gave a first message of {len(m):,} characters, which leaves "
+                              f"no room in --max-model-len {cfg.max_model_len}", samples[k], "")
         out.append(ids)
     return out
 
@@ -4129,6 +3764,78 @@ def check_text(message, lead: str, sample: int, completion: str) -> None:
     except UnicodeEncodeError as e:
         raise RewardError(f"{lead} with a lone surrogate ({message[e.start]!r} at "
                           f"character {e.start}), not text", sample, completion) from None
+
+
+def env_reset(env: Env, problem: Problem, sample: int) -> str:
+    try:
+        with user_errors(sample, ""):
+            message = env.reset(problem)
+    except ToolError as e:  # no tool was called yet: the env's fault, not the model's
+        raise RewardError(f"raised ToolError in reset: {e}", sample, "") from e
+    check_text(message, "reset returned", sample, "")
+    return message
+
+
+def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None]:
+    """env.step(text), checked: a tool message is text; without one, the reward is a finite
+    number. RewardError otherwise (a ToolError passes)."""
+    with user_errors(sample, text):
+        out = env.step(text)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise RewardError(f"returned {shown(out)}, not (tool message, reward)", sample, text)
+    message, value = out
+    if message is not None:
+        check_text(message, "returned the tool message", sample, text)
+    if message is None or value is not None:
+        value = finite_reward(value, sample, text)
+    return message, value
+
+
+@contextlib.contextmanager
+def user_errors(sample: int, completion: str):
+    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
+    try:
+        yield
+    except ToolError:
+        raise
+    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
+        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
+
+
+def finite_reward(value, sample: int, completion: str) -> float:
+    """value as a float, if it is a number finite in fp32; RewardError otherwise."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) else math.nan
+    except (OverflowError, ValueError, TypeError):  # 10**400, or a Real that is not
+        number = math.nan
+    if not (math.isfinite(number) and abs(number) <= FP32_MAX):
+        try:
+            shown = repr(value)[:80]
+        except Exception:  # an int of more than 4300 digits, or a repr that raises
+            shown = f"a {type(value).__name__}"
+        raise RewardError(f"returned {shown}, not a finite number in fp32", sample, completion)
+    return number
+
+
+def calculate(expr: str) -> int:
+    """The value of an integer expression of + - * and parentheses; ToolError if it is none."""
+    import ast
+
+    ops = {"Add": "+", "Sub": "-", "Mult": "*"}
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op).__name__ in ops:
+            return ARITH[ops[type(node.op).__name__]](value(node.left), value(node.right))
+        raise ToolError(f"{expr[:40]!r} is not an integer expression of + - * and parentheses")
+
+    try:
+        return value(ast.parse(expr.strip(), mode="eval").body if len(expr) <= 100 else None)
+    except (SyntaxError, ValueError) as e:
+        raise ToolError(f"{expr[:40]!r} does not parse") from e
 
 
 # ==========================================================================
@@ -5018,6 +4725,367 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 
 
 # ==========================================================================
+# Logging: metrics.jsonl, TensorBoard, the console's lines
+# ==========================================================================
+
+
+def start_logs(trainer: Trainer, run_dir: Path, ckpt: Path | None, start: int,
+               files: ModelFiles, memory: str) -> None:
+    """TensorBoard on rank 0 (after a resume, without what followed the checkpoint), then the
+    run's first lines: the resume, the banner and, with reference kernels, why tokens differ."""
+    kernels = trainer.model.ops.name
+    if trainer.ranks.main:
+        open_logs(trainer, run_dir, start if ckpt else None)
+    if ckpt:
+        where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
+        print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
+    print0(run_banner(trainer.cfg, files, trainer.ranks.world, kernels, memory, run_dir))
+    if kernels == "reference":
+        print0("reference kernels are plain PyTorch, not vLLM's: differing tokens in the parity "
+               "line are expected (only --kernels vllm on a GPU is bitwise)")
+
+
+def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
+    """TensorBoard with the config and the dashboard's layout; after a resume, without what
+    was logged after the checkpoint."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    quiet_writer_thread()
+    with writing(run_dir):
+        trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
+        trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
+        moe = bool(sparse_layers(trainer.model.args))
+        trainer.writer.add_custom_scalars(tensorboard_layout(moe, bool(trainer.cfg.env)))
+    if resumed_at is not None:
+        purge_after(run_dir / "metrics.jsonl", resumed_at)
+
+
+def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
+               run_dir: Path) -> str:
+    n = count_params(files.args)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    memory = f" | {memory} (estimate)" if memory else ""
+    lora = lora_spec(cfg, files.args)
+    if lora:
+        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
+                 f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
+    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
+            f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
+
+
+def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
+                 empty: float, env: str = "") -> str:
+    """--check's answer: one line per thing checked, each of which passed."""
+    run_dir = Path(cfg.log_dir) / cfg.run_name
+    where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
+             "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
+    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
+    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
+    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
+    lines = [
+        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
+        f"run directory {run_dir}: {where}",
+        *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
+           "run's (sha256)"] if ckpt else []),
+        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
+        "every safetensors header agree",
+        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
+        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
+        f"training problems, {len(task.eval_problems)} held out; the longest prompt "
+        f"({max(lengths)} tokens) fits --max-model-len",
+        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
+        "on an empty completion",
+        *([env] if env else []),
+        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
+    ]
+    return "\n".join(f"check: {line}" for line in lines)
+
+
+def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
+    """The Custom Scalars dashboard: the signals to act on first, one series per chart
+    (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
+    Qwen3-MoE also the tokens whose experts differ from vLLM's.
+
+    TensorBoard reads a Multiline chart's tag as a regular expression matched at the start of
+    each tag, so each is anchored: `determinism/mismatched_tokens` alone, not `..._total` too.
+    The held-out accuracy is a Margin chart (value, lower, upper: exact tags), which TensorBoard
+    never smooths: its few points keep their values (a smoothed line of 6 evals starts at its
+    first, then lags), and the axis, which leaves out the outer 5% of the values it draws,
+    keeps the first and the last of a few evals in view (each point brings three values).
+    """
+    def charts(*titled):  # (title, tag): Multiline; (title, (value, lower, upper)): Margin
+        return {title: ["Margin", list(tag)] if isinstance(tag, tuple)
+                else ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in titled}
+
+    layout = {
+        "simple_rl": charts(
+            ("reward (mean over the step's samples)", "reward_mean"),
+            ("held-out accuracy (greedy, %, 95% interval)",
+             ("eval/accuracy_pct", "eval/accuracy_low_pct", "eval/accuracy_high_pct")),
+            ("loss", "loss"),
+            ("KL to the initial policy (with --kl-coef > 0)", "kl_div"),
+            ("entropy (nats per token)", "entropy"),
+            # a running total: smoothing cannot hide a mismatch, and the line never comes back
+            ("mismatched tokens, run total (must stay 0)", "determinism/mismatched_tokens_total"),
+            ("step time (s)", "time/step_s"),
+        ),
+        "simple_rl details": charts(
+            ("reward std", "reward_std"),
+            ("policy-gradient loss", "pg_loss"),
+            ("mismatched tokens per step", "determinism/mismatched_tokens"),
+            ("rollout time (s)", "time/rollout_s"),
+            ("engine sleep time, within the rollout (s)", "time/engine_sleep_s"),
+            ("update time (s)", "time/train_s"),
+            ("weight push time (s)", "time/push_s"),
+            ("GPU memory in use (GiB)", "memory/in_use_gib"),
+            ("completion length (tokens)", "completion_len_mean"),
+            ("grad norm", "grad_norm"),
+        ),
+    }
+    if moe:
+        layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
+                                           "determinism/routing_mismatch")))
+    if tools:  # --env: episodes of several turns
+        layout["simple_rl"].update(charts(
+            ("episodes that call the tool", "episode/tool_call_frac"),
+            ("held-out episodes that call the tool (greedy)", "eval/tool_call_frac")))
+        layout["simple_rl details"].update(charts(
+            ("turns per episode", "episode/turns_mean"),
+            ("tool calls per episode", "episode/tool_calls_mean"),
+            ("episodes ended by a tool error", "episode/tool_error_frac"),
+            ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
+            ("episodes cut at --max-model-len", "episode/context_frac"),
+            ("episodes cut at --max-turns", "episode/max_turns_frac"),
+            ("tool tokens per episode", "episode/tool_tokens_mean"),
+            ("time waiting on the env's calls (s)", "time/tool_s")))
+    return layout
+
+
+def write_scalars(writer, metrics: dict[str, float], step: int) -> None:
+    """Each metric to TensorBoard at `step` (on rank 0; the other ranks have no writer)."""
+    if writer is not None:
+        with writing(Path(writer.log_dir)):
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, step)
+            writer.flush()
+
+
+def log_row(metrics_log, row: dict) -> None:
+    """A row of metrics.jsonl, flushed (rank 0 has the file open; the others have None)."""
+    if metrics_log is not None:
+        with writing(Path(metrics_log.name)):
+            metrics_log.write(json.dumps(row) + "\n")
+            metrics_log.flush()
+
+
+def close_logs(trainer: Trainer, metrics_log, run_dir: Path) -> None:
+    """metrics.jsonl and TensorBoard closed, each even if the other fails (a disk error: exit
+    6, as at every write)."""
+    try:
+        with writing(run_dir / "metrics.jsonl"):
+            if metrics_log is not None:
+                metrics_log.close()
+    finally:
+        with writing(run_dir):
+            if trainer.writer is not None:
+                trainer.writer.close()
+
+
+def report_step(trainer: Trainer, step: int, first: bool, metrics: dict[str, float],
+                parity: Parity, metrics_log, step_s: float) -> None:
+    """The step's row in metrics.jsonl (rank 0), its parity line (with the token table every
+    --parity-every steps, the run's first, and any that differs) and its step line."""
+    cfg = trainer.cfg
+    log_row(metrics_log, {"step": step, **{k: v for k, v in metrics.items()
+                                           if not k.startswith("weight_delta/")}})
+    bitwise = trainer.model.ops.name != "reference"  # reference kernels: differences expected
+    if bitwise or not parity.n_mismatch:  # with reference kernels setup said once why
+        if parity.n_mismatch or step % cfg.parity_every == 0 or first:
+            print0(parity.table)
+        print0(parity_line(parity))
+    print0(format_step(step, cfg.steps, metrics, step_s, step_s * (cfg.steps - step - 1)))
+
+
+def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s: float) -> str:
+    memory = f" | {m['memory/in_use_gib']:.0f} GiB" if "memory/in_use_gib" in m else ""
+    held_out = f" | held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    kl = f" | kl {m['kl_div']:.4f}" if "kl_div" in m else ""  # only with --kl-coef > 0
+    routing = (f"routing {int(m['determinism/routing_mismatch'])}/"
+               f"{int(m['determinism/routing_tokens'])} | "
+               if "determinism/routing_mismatch" in m else "")
+    turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
+             if "episode/turns_mean" in m else "")  # episodes of several turns
+    return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
+            f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
+            f"{m['completion_len_mean']:.1f}{turns} | mismatched "
+            f"{int(m['determinism/mismatched_tokens'])}/{int(m['determinism/tokens'])} | "
+            f"{routing}rollout {m['time/rollout_s']:.1f}s train {m['time/train_s']:.1f}s push "
+            f"{m['time/push_s']:.2f}s{memory} | {step_s:.1f} s/step | ETA {format_duration(eta_s)}")
+
+
+def format_duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts: int,
+                 sums: torch.Tensor, n_tokens: int, grad_norm: torch.Tensor, parity: Parity,
+                 times: tuple[float, float, float]) -> dict[str, float]:
+    """The step's scalars over every rank: token means of (pg, kl, entropy, ratio, clipped)
+    from their summed token sums, and reward and length statistics over every sample, taken
+    in the step's prompt order (so they equal a single process's)."""
+    G = cfg.group_size
+    pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
+    routing = {"determinism/routing_mismatch": parity.routing_mismatch,
+               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
+    lengths = generated_lengths(rollout)
+    per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
+                   rollout.stopped[j * G:(j + 1) * G],
+                   [episode_row(e) for e in rollout.episodes[j * G:(j + 1) * G]] if cfg.env
+                   else []) for j in range(n_prompts)]
+    every = in_prompt_order(all_gather_objects(per_prompt))
+    all_rewards = torch.tensor([r for rs, _, _, _ in every for r in rs])
+    lens = torch.tensor([n for _, ns, _, _ in every for n in ns], dtype=torch.float32)
+    stopped = [s for _, _, ss, _ in every for s in ss]
+    rows = [row for *_, rs in every for row in rs]
+    return {
+        "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
+        **({"kl_div": kl} if cfg.kl_coef > 0 else {}),  # no reference model: no KL to show
+        "entropy": ent, "ratio_mean": ratio, "ratio_clipped_frac": clipped,
+        "grad_norm": float(grad_norm),
+        "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+        "completion_len_mean": lens.mean().item(),
+        "completion_stopped_frac": sum(stopped) / len(stopped),
+        "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
+        "determinism/max_abs_diff": parity.max_abs_diff,
+        "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],
+        "time/step_s": sum(times),
+        **routing,
+        **(episode_metrics(rows) if cfg.env else {}),  # episodes of several turns
+    }
+
+
+def run_metrics(trainer: Trainer, parity: Parity, sleep_s: float, waited: float,
+                memory: dict[str, float]) -> dict[str, float]:
+    """The step's scalars beside step_metrics': the engine's sleep (within time/rollout_s), the
+    slowest rank's wait on its tools (--env, within it too), the run's mismatched tokens, the
+    update's weight deltas and the GPU's memory."""
+    cfg = trainer.cfg
+    metrics = {"time/engine_sleep_s": sleep_s}
+    if cfg.env:
+        metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=trainer.ranks.device),
+                                            dist.ReduceOp.MAX).item()
+    metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
+    named = dict(trainer.model.named_parameters())
+    metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
+    metrics.update(memory)
+    return metrics
+
+
+def episode_row(e: Episode) -> tuple:
+    """(turns, tool calls, status, generated tokens per turn, tool tokens, seconds in
+    env.step)."""
+    tool = sum(len(turn.context) for turn in e.turns[1:])
+    return len(e.turns), e.tool_calls, e.status, [len(t.out.ids) for t in e.turns], tool, e.tool_s
+
+
+def episode_metrics(rows: list[tuple]) -> dict[str, float]:
+    """Means over the step's episodes (every rank); how each ended, as fractions; the tokens
+    the parity check compared at each turn; the seconds of the env.step calls, summed."""
+    n = len(rows)
+    turns, calls, status, per_turn, tool, seconds = zip(*rows)
+    generated = [sum(c) for c in per_turn]
+    checked = {f"determinism/tokens_turn{k + 1}": sum(c[k] for c in per_turn if len(c) > k)
+               for k in range(max(turns))}
+    return {"episode/turns_mean": sum(turns) / n, "episode/tool_calls_mean": sum(calls) / n,
+            "episode/tool_call_frac": sum(c > 0 for c in calls) / n,
+            **{f"episode/{end}_frac": status.count(end) / n for end in EPISODE_ENDS},
+            "episode/generated_tokens_mean": sum(generated) / n,
+            "episode/tool_tokens_mean": sum(tool) / n, "time/tool_calls_s": sum(seconds),
+            **checked}
+
+
+def in_prompt_order(per_rank: list[list]) -> list:
+    """Rank r's lists hold prompts r, r + world, ...: put them back in the step's order."""
+    out = []
+    for j in range(max(len(x) for x in per_rank)):
+        out += [x[j] for x in per_rank if j < len(x)]
+    return out
+
+
+def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
+                  per_param: bool) -> dict[str, float]:
+    """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
+
+    Reconstructed from the optimizer's state, without a copy of the old weights:
+        a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
+    One parameter's temporaries at a time; local shards summed over ranks.
+    """
+    group = optimizer.param_groups[0]
+    lr = group["lr"]
+    wd = group["weight_decay"]
+    eps = group["eps"]
+    b1, b2 = group["betas"]
+    if not optimizer.state:
+        return {}
+    t = float(next(iter(optimizer.state.values()))["step"])  # every parameter's step count
+    keys = sorted({layer_of(n) for n in named} | (set(named) if per_param else set()))
+    index = {k: i for i, k in enumerate(keys)}
+    sq = torch.zeros(len(keys), 2, device=next(iter(named.values())).device)  # delta^2, old^2
+    for name, p in named.items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
+        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+        old = (w + step) / (1 - lr * wd)
+        row = torch.stack([(w - old).square().sum(), old.square().sum()])
+        sq[index[layer_of(name)]] += row
+        if per_param:
+            sq[index[name]] += row
+    sq = all_reduce(sq).sqrt().tolist()  # one host sync
+    out = {}
+    for key, (delta, old) in zip(keys, sq):
+        out[f"weight_delta/{key}/magnitude"] = delta
+        out[f"weight_delta/{key}/relative_change"] = delta / max(old, 1e-30)
+    return out
+
+
+def layer_of(name: str) -> str:
+    """'layers.3.attention.wqkv.weight' -> 'layers.3'; 'norm.weight' -> 'norm'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def device_in_use(device: torch.device) -> int:
+    """Bytes in use on this GPU now, by every allocator (PyTorch's, vLLM's, NCCL's, CUDA's)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def memory_metrics(device: torch.device, rollout_in_use: int) -> dict[str, float]:
+    """GiB per GPU, the largest over ranks, read right after the update: the GPU in use after
+    the rollout (the engine awake beside the blocks the trainer's allocator keeps cached, which
+    a push frees if the engine needs them) and at the update's peak: in use now plus what
+    PyTorch's allocator has released since its reserved peak. Also PyTorch's peaks in the
+    update, allocated and reserved; both count the sleeping engine's weights and KV cache too
+    (vLLM's sleep mode takes them from a PyTorch memory pool and unmaps them while asleep)."""
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    update_peak = device_in_use(device) + reserved - torch.cuda.memory_reserved(device)
+    gib = all_reduce(torch.tensor([rollout_in_use, update_peak, allocated, reserved],
+                                  dtype=torch.float64, device=device), dist.ReduceOp.MAX) / 2**30
+    rollout, update, allocated, reserved = gib.tolist()
+    return {"memory/in_use_gib": max(rollout, update), "memory/rollout_gib": rollout,
+            "memory/update_gib": update, "memory/peak_allocated_gib": allocated,
+            "memory/peak_reserved_gib": reserved}
+
+
+# ==========================================================================
 # Memory estimate
 # ==========================================================================
 
@@ -5235,6 +5303,30 @@ def kv_cache_bytes(cfg: Config, args, world: int) -> int:
     return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * kv_bytes_per_token(args)
 
 
+# vLLM checks at its start that gpu_memory_utilization of the GPU is free, though, given
+# kv_cache_memory_bytes, it sizes its KV cache from those bytes alone. So the fraction asks for
+# what the engine uses: its bf16 weights, the KV cache, and a margin for its activations, CUDA
+# graphs and the CUDA context (a round margin, not a measured one; the fraction stays within
+# 0.05 and 0.9).
+ENGINE_MARGIN = 6 * 2**30
+
+
+def engine_memory(cfg: Config, args, ranks: Ranks, lora: bool) -> tuple[dict, int]:
+    """VLLMEngine's sizing arguments (its KV cache in bytes, the fraction of the GPU it checks is
+    free, the sequences and tokens a step schedules), and the bytes a sleeping engine maps again
+    to take a push: weights and KV cache, or under LoRA the KV cache alone (the weights stay
+    while the trainer runs: it computes with them)."""
+    samples = samples_per_rank(cfg, ranks.world)
+    kv = kv_cache_bytes(cfg, args, ranks.world)
+    total = torch.cuda.get_device_properties(ranks.device).total_memory
+    weights = 2 * count_params(args)
+    sizes = dict(kv_cache_memory_bytes=kv,
+                 gpu_memory_utilization=min(0.9, max(0.05, (weights + kv + ENGINE_MARGIN) / total)),
+                 max_num_seqs=samples,  # every sample decodes in every step
+                 max_num_batched_tokens=max(samples, 8192))
+    return sizes, kv if lora else weights + kv
+
+
 # ==========================================================================
 # Console and environment
 # ==========================================================================
@@ -5420,6 +5512,52 @@ def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
 
 
+def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: int) -> None:
+    """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
+    the gradient norm is not finite: before the optimizer steps, nothing has changed."""
+    finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
+                          torch.isfinite(norm)])
+    finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()
+    if not all(finite):
+        quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
+        bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
+        all_samples = sorted(set(packed.sample.tolist()))
+        raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
+                             update, updates)
+
+
+def weights_finite(model: nn.Module, device) -> bool:
+    """Every (local shard of every) trained parameter finite, on every rank: one fused pass,
+    one sync."""
+    local = [local_tensor(p.detach()) for p in model.parameters() if p.requires_grad]
+    norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
+    ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
+    return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+
+
+def stop_if_asked(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path,
+                  next_step: int, when: str) -> None:
+    """After a Ctrl-C or SIGTERM on any rank, every rank saves the steps done and stops (the
+    RunStopped of save_and_stop); else nothing."""
+    asked = signal_on_any_rank(stop, trainer.ranks.device)
+    if asked:
+        raise save_and_stop(trainer, run_dir, source, next_step, asked, when)
+
+
+def signal_on_any_rank(stop: StopRequest, device) -> int:
+    """The Ctrl-C or SIGTERM any rank received (0: none): every rank stops together."""
+    return int(all_reduce(torch.tensor([stop.signal or 0], device=device), dist.ReduceOp.MAX))
+
+
+def save_and_stop(trainer: Trainer, run_dir: Path, source: Path, next_step: int, asked: int,
+                  when: str) -> RunStopped:
+    """After a signal: the checkpoint of the steps done, and the stop (exit 130 or 143)."""
+    print0(f"saving checkpoint step_{next_step:06d}")
+    ckpt = save_checkpoint(run_dir, trainer, next_step, source)
+    code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
+    return RunStopped(f"stopped {when}; checkpoint {ckpt}; continue with --resume {ckpt}", code)
+
+
 # ==========================================================================
 # Parity debugger: trainer vs vLLM's own model, op by op, on one episode
 # ==========================================================================
@@ -5528,17 +5666,17 @@ def first_episode(trainer: Trainer) -> Episode:
     cfg = trainer.cfg
     j = step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)[0]
 
-    def where(_):
-        return f"sample 0 of training problem {j}"
+    def one() -> Episode:
+        envs, prompts = new_episodes(trainer, [trainer.task.problems[j]],
+                                     [trainer.task.prompt_ids[j]], 1)
+        outs = trainer.engine.generate(prompts, 1, [sample_seed(cfg, 0, 0)],
+                                       [cfg.max_new_tokens], cfg.temperature)
+        episodes = start_episodes(envs, prompts, outs)
+        play(trainer.engine, trainer.tokenizer, cfg, episodes,
+             lambda _, turn: turn_seed(cfg, 0, 0, 0, turn), cfg.temperature)
+        return episodes[0]
 
-    envs, prompts = new_episodes(trainer, [trainer.task.problems[j]], [trainer.task.prompt_ids[j]],
-                                 1, where)
-    (out,), = trainer.engine.generate(prompts, 1, [sample_seed(cfg, 0, 0)], [cfg.max_new_tokens],
-                                      cfg.temperature)
-    episode = Episode(envs[0], [Turn(prompts[0], out)])
-    play(trainer.engine, trainer.tokenizer, cfg, [episode],
-         lambda _, turn: turn_seed(cfg, 0, 0, 0, turn), cfg.temperature, where)
-    return episode
+    return on_every_rank(trainer, one, lambda _: f"sample 0 of training problem {j}")
 
 
 def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episode]
@@ -5575,7 +5713,7 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     need(calls, "--debug-parity: no vLLM module has a name it traces (has vLLM's model changed?)")
     starts.append(max(map(len, calls.values())))
     rollout = episodes_rollout([episode], moe=False)
-    full = pack(rollout.prompts, rollout.completions, rollout.model)
+    full = pack(rollout.prompts, rollout.completions, rollout.generated)
     # vLLM never feeds the last sampled token: drop it from the trainer's input too
     fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],
                               cu_seqlens=full.cu_seqlens - torch.tensor([0, 1], dtype=torch.int32),

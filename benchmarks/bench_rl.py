@@ -490,17 +490,28 @@ def bench_trainer(cfg, engine, model, optimizer, files, ranks, prompts):
 
 
 class Recording:
-    """An engine that keeps its last rollout: its lengths give the step's trained tokens."""
+    """An engine that keeps its last rollout (the step's first turn, which is all of a step
+    without an env) as the trainer packs it: its lengths give the step's trained tokens."""
 
     def __init__(self, engine):
         self.engine, self.last = engine, None
 
     def rollout(self, prompts, indices, step):
-        self.last = self.engine.rollout(prompts, indices, step)
-        return self.last
+        outs = self.engine.rollout(prompts, indices, step)
+        self.last = first_turns(prompts, outs, self.engine.moe)
+        return outs
 
     def __getattr__(self, name):  # sleep, push, greedy, llm: the engine's own
         return getattr(self.engine, name)
+
+
+def first_turns(prompts, outs, moe: bool):
+    """A step's first turn (Engine.rollout's completions) as simple_rl's trainer packs it: one
+    episode of one turn per sample, with no env."""
+    import simple_rl as rl
+
+    episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
+    return rl.episodes_rollout(episodes, moe)
 
 
 def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
@@ -539,7 +550,8 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
     mine = rl.my_prompts(len(prompts), ranks)
     sync(dev)
     t0 = time.perf_counter()
-    ro = engine.rollout([prompts[i] for i in mine], mine, step)
+    mine_prompts = [prompts[i] for i in mine]
+    ro = first_turns(mine_prompts, engine.rollout(mine_prompts, mine, step), engine.moe)
     sync(dev)
     peak = device_used_gib(ranks)
     t1 = time.perf_counter()
@@ -657,7 +669,8 @@ def profile_train_step(
     mine = rl.my_prompts(len(prompts), ranks)
     with profile(activities=activities) as rollout_prof:
         t0 = time.perf_counter()
-        ro = engine.rollout([prompts[i] for i in mine], mine, 10_000)
+        mine_prompts = [prompts[i] for i in mine]
+        ro = first_turns(mine_prompts, engine.rollout(mine_prompts, mine, 10_000), engine.moe)
         sync(ranks.device)
         rollout_s = time.perf_counter() - t0
     engine.sleep()

@@ -102,7 +102,7 @@ def run(args) -> list[dict]:
             spent = time_optimizer(optimizer, dev)  # the optimizer step is timed apart
             sync(dev)
             t0 = time.perf_counter()
-            _, _, logp = rl.train_step(model, None, optimizer, packed, old, adv, cfg)
+            logp = rl.train_step(model, None, optimizer, packed, old, adv, cfg).logprobs
             sync(dev)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0 - spent["s"])

@@ -199,11 +199,11 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
     def rollout():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ro = engine.rollout(prompts, indices, 0)
+        outs = engine.rollout(prompts, indices, 0)
         torch.cuda.synchronize()
-        return ro, time.perf_counter() - t0
+        return [c for cs in outs for c in cs], time.perf_counter() - t0  # one per sample
 
-    ro, _ = rollout()  # warm-up
+    samples, _ = rollout()  # warm-up
     spent = clock_host()
     collections = []  # seconds of each garbage collection during the timed pass
     started = [0.0]
@@ -215,10 +215,11 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
             collections.append(time.perf_counter() - started[0])
 
     gc.callbacks.append(clock_gc)
-    ro, wall = rollout()
+    samples, wall = rollout()
     gc.callbacks.remove(clock_gc)
-    generated = sum(map(len, ro.completions))
-    steps = max(map(len, ro.completions))
+    completions = [c.ids for c in samples]
+    generated = sum(map(len, completions))
+    steps = max(map(len, completions))
     host = {k: sum(v) / steps for k, v in spent.items() if v}
     calls = {k: len(v) / steps for k, v in spent.items() if v}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -234,9 +235,10 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
         extra = dict(host_top=top_functions(pstats.Stats(cprof), steps, host_profile),
                      **sleep_and_wake(engine, host_profile))
     digest = hashlib.sha256()
-    for c in ro.completions:
+    for c in completions:
         digest.update(torch.tensor(c, dtype=torch.int64).numpy().tobytes())
-    digest.update(ro.logprobs.numpy().tobytes())
+    logprobs = [x for c in samples for x in c.logprobs]  # fp32 values, as the trainer's tensor
+    digest.update(torch.tensor(logprobs, dtype=torch.float32).numpy().tobytes())
     return dict(design=design, samples=samples, wall_s=wall, decode_steps=steps,
                 generated=generated, tok_s=generated / wall, step_ms=1e3 * wall / steps,
                 gpu_ms={k: 1e3 * v for k, v in gpu.items()},

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import simple_rl as rl  # noqa: E402
-from helpers import TorchEngine, cpu_argv  # noqa: E402
+from helpers import TorchEngine, cpu_argv, first_turns  # noqa: E402
 
 
 def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0) -> None:
@@ -36,7 +36,7 @@ def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0) -> Non
     ranks, G = trainer.ranks, cfg.group_size
     mine = rl.my_prompts(cfg.num_prompts, ranks)
     chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
-    ro = trainer.engine.rollout([trainer.task.prompt_ids[chosen[i]] for i in mine], mine, 0)
+    ro = first_turns(trainer.engine, [trainer.task.prompt_ids[chosen[i]] for i in mine], mine, 0)
     packed = rl.pack(ro.prompts, ro.completions)
     # fixed advantages, a function of the sample's index in the whole step (the same for any N)
     adv = torch.tensor([((i * G + g) % 5 - 2) / 2 for i in mine for g in range(G)])

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import batch_invariant_backward as bib  # noqa: E402
 import simple_rl as rl  # noqa: E402
-from helpers import make_checkpoint  # noqa: E402
+from helpers import first_turns, make_checkpoint  # noqa: E402
 
 # trainer name fragment -> vLLM name fragment, for comparing the two models' weights
 TO_VLLM = [
@@ -152,7 +152,7 @@ def parity(args) -> dict:
     )
     for step in range(args.steps):
         t0 = time.perf_counter()
-        ro = engine.rollout([prompts[i] for i in mine], mine, step)
+        ro = first_turns(engine, [prompts[i] for i in mine], mine, step)
         engine.sleep()
         t1 = time.perf_counter()
         packed = rl.pack(ro.prompts, ro.completions)
@@ -162,7 +162,7 @@ def parity(args) -> dict:
         )
         adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).cuda()
         n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
-        sums, _, logp = rl.train_step(
+        sums, _, logp, _ = rl.train_step(
             model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg, n_micro, n_tokens
         )
         par = rl.parity_report(ro.logprobs, logp, packed.targets, 6)
@@ -256,7 +256,7 @@ def rollouts(args) -> dict:
     cfg, ranks, engine, model, engine_s = setup(args)
     prompts = prompts_for(args, min(args.vocab, model.args.vocab_size))
     mine = rl.my_prompts(len(prompts), ranks)
-    ro = engine.rollout([prompts[i] for i in mine], mine, 0)
+    ro = first_turns(engine, [prompts[i] for i in mine], mine, 0)
     G = cfg.group_size
     lps = torch.split(ro.logprobs, [len(c) for c in ro.completions])
     per_prompt = [

@@ -235,6 +235,16 @@ class TorchEngine(rl.Engine):
                 m.b[s].copy_(adapter[f"{name}.lora_B.weight"].view(m.b[s].shape))
 
 
+def first_turns(engine, prompts, indices, step) -> rl.Rollout:
+    """A step's first turn (Engine.rollout) as simple_rl's trainer packs it: one-turn episodes
+    with no env (nothing scores them); `stopped`: the turn ended at a stop id."""
+    outs = engine.rollout(prompts, indices, step)
+    episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
+    rollout = rl.episodes_rollout(episodes, engine.moe)
+    rollout.stopped = [c.stopped for cs in outs for c in cs]
+    return rollout
+
+
 class ExactEngine(TorchEngine):
     """The stand-in engine, with its logprobs recomputed by its copy of the policy in the
     trainer's own micro-batches: the trainer's first forward, op for op and shape for shape,
@@ -254,19 +264,22 @@ class ExactEngine(TorchEngine):
     """
 
     def rollout(self, prompts, indices, step):
-        ro = super().rollout(prompts, indices, step)
-        packed = rl.pack(ro.prompts, ro.completions)
-        ro.logprobs = torch.empty(len(packed.targets))  # (N,)
+        outs = super().rollout(prompts, indices, step)
+        samples = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
+        packed = rl.pack([p for p, _ in samples], [c.ids for _, c in samples])
+        logprobs = torch.empty(len(packed.targets))  # (N,)
         routed = []
         with torch.no_grad():
-            for samples in rl.plan_micro_batches(packed, self.cfg):
-                part, owned = rl.sub_pack(packed, samples)
-                ro.logprobs[owned], _ = self.model(part, self.cfg.temperature)
+            for part_samples in rl.plan_micro_batches(packed, self.cfg):
+                part, owned = rl.sub_pack(packed, part_samples)
+                logprobs[owned], _ = self.model(part, self.cfg.temperature)
                 routed += self.routed_rows(part)
+        for (p, c), lp in zip(samples, logprobs.split([len(c.ids) for _, c in samples])):
+            c.logprobs = lp.tolist()  # fp32 values: Python floats hold them exactly
         if rl.sparse_layers(self.model.args):
-            ro.routed = [rl.generated_routing(rows, len(p), len(c))
-                         for rows, p, c in zip(routed, ro.prompts, ro.completions)]
-        return ro
+            for (p, c), rows in zip(samples, routed):
+                c.routed = rl.generated_routing(rows, len(p), len(c.ids))
+        return outs
 
     def routed_rows(self, part) -> list:
         """vLLM's routed_experts of each sample of the forward just run: (L - 1, layers, k)."""

@@ -79,9 +79,9 @@ class OneOff(TorchEngine):
     """The stand-in engine with one token's logprob off per step: a known mismatch."""
 
     def rollout(self, prompts, indices, step):
-        ro = super().rollout(prompts, indices, step)
-        ro.logprobs[0] += 0.5
-        return ro
+        outs = super().rollout(prompts, indices, step)
+        outs[0][0].logprobs[0] += 0.5
+        return outs
 
 
 def test_reference_kernels_say_once_that_tokens_may_differ(ckpt, tmp_path, capsys):

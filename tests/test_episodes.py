@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu, supervised_warm_start
+from helpers import (TorchEngine, cpu_argv, first_turns, main_cpu, run_cpu,
+                     supervised_warm_start)
 
 # A turn-1 text of c characters makes the episode call the tool c % 3 times: 1 to 3 turns,
 # mixed within a prompt's group, the same on any number of ranks.
@@ -111,14 +112,15 @@ def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_
     seeds = [s + j for _, n, ss, _, _ in calls for s in ss for j in range(n)]
     assert len(seeds) == len(set(seeds)) == 8 + sum(t - 1 for t in turns)
     # the packed episode: the targets are exactly the model's tokens of every turn
-    packed = rl.pack(ro.prompts, ro.completions, ro.model)
+    packed = rl.pack(ro.prompts, ro.completions, ro.generated)
     generated = [t for e in eps for turn in e.turns for t in turn.out.ids]
     assert packed.targets.tolist() == generated == [
-        t for c, mask in zip(ro.completions, ro.model) for t, own in zip(c, mask) if own]
+        t for c, mask in zip(ro.completions, ro.generated) for t, own in zip(c, mask) if own]
     assert len(ro.logprobs) == len(generated) == parity.n_tokens == m["determinism/tokens"]
     assert [m[f"determinism/tokens_turn{k}"] for k in (1, 2, 3)] == [
         sum(len(e.turns[k].out.ids) for e in eps if len(e.turns) > k) for k in range(3)]
-    assert sum(not own for mask in ro.model for own in mask) == m["episode/tool_tokens_mean"] * 8
+    assert sum(not own for mask in ro.generated for own in mask) == \
+        m["episode/tool_tokens_mean"] * 8
     assert packed.tokens.tolist() == [t for e in eps for t in e.ids()]
     assert parity.max_abs_diff < 1e-4  # the stand-in's logprobs of every turn, as the trainer's
     assert m["episode/turns_mean"] == sum(turns) / 8
@@ -156,12 +158,13 @@ def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, m
     trainer = make_trainer(ckpt(), tmp_path, eval_size=0)
     cfg = trainer.cfg
     chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
-    want = trainer.engine.rollout([trainer.task.prompt_ids[i] for i in chosen], [0, 1], 0)
+    want = first_turns(trainer.engine, [trainer.task.prompt_ids[i] for i in chosen], [0, 1], 0)
     m, _ = rl.rl_step(trainer, 0)
     ro = seen.rollouts[-1]
     assert ro.prompts == want.prompts and ro.completions == want.completions
     assert torch.equal(ro.logprobs, want.logprobs) and ro.stopped == want.stopped
-    a, b = rl.pack(ro.prompts, ro.completions, ro.model), rl.pack(want.prompts, want.completions)
+    a = rl.pack(ro.prompts, ro.completions, ro.generated)
+    b = rl.pack(want.prompts, want.completions)
     for f in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "sample"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert not any(k.startswith("episode/") for k in m)  # single-turn logs as before
@@ -512,7 +515,7 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
                                           for c, ids in script])
     names = rl.trace_names(model.args.n_layers)
     rollout = rl.episodes_rollout([episode], moe=False)
-    packed = rl.pack(rollout.prompts, rollout.completions, rollout.model)
+    packed = rl.pack(rollout.prompts, rollout.completions, rollout.generated)
     fed = rl.pack([episode.ids()[:-1]], [[]])
     with rl.recording(model, {n: n for n, _ in names}) as calls, torch.no_grad():
         model.hidden(fed)

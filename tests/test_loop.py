@@ -4,7 +4,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv
+from helpers import TorchEngine, cpu_argv, first_turns
 
 TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ratio_mean",
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
@@ -70,15 +70,15 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path):
 def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
     """The logprobs handed to the parity check are exactly the first update's forward."""
     trainer, _ = make_trainer(ckpt(), tmp_path, updates_per_batch=2)
-    ro = trainer.engine.rollout([[5, 6, 7], [8, 9]], [0, 1], 0)
+    ro = first_turns(trainer.engine, [[5, 6, 7], [8, 9]], [0, 1], 0)
     p = rl.pack(ro.prompts, ro.completions)
     with torch.no_grad():
         want, _ = trainer.model(p, trainer.cfg.temperature)
     adv = torch.linspace(-1, 1, len(ro.completions))
-    _, grad_norm, got = rl.train_step(trainer.model, trainer.ref_model, trainer.optimizer, p,
-                                      ro.logprobs, adv, trainer.cfg)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    assert grad_norm > 0
+    got = rl.train_step(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs, adv,
+                        trainer.cfg)
+    torch.testing.assert_close(got.logprobs, want, atol=1e-6, rtol=0)
+    assert got.grad_norm > 0
 
 
 def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckpt, tmp_path):
@@ -86,7 +86,7 @@ def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckp
     for mbt, n_micro in ((32, 3), (4096, 1), (4096, 3)):  # 3 real; 1 real; 1 real + 2 padding
         trainer, _ = make_trainer(ckpt(), tmp_path / f"{mbt}_{n_micro}", micro_batch_tokens=mbt,
                              max_model_len=32)
-        ro = trainer.engine.rollout([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [0, 1], 0)
+        ro = first_turns(trainer.engine, [[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [0, 1], 0)
         p = rl.pack(ro.prompts, ro.completions)
         assert len(rl.plan_micro_batches(p, trainer.cfg)) == (1 if mbt == 4096 else 3)
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)

@@ -94,7 +94,7 @@ def test_each_update_descends_the_hand_written_objective(ckpt):
     # frozen "rollout" logprobs off the policy's by up to 0.5 nats: ratios in and out of the clip
     old = lp0 + torch.linspace(-0.5, 0.5, len(lp0))
     opt = Recorder(model.parameters(), lr=0.01)
-    sums, _, first_lp = rl.train_step(model, ref, opt, packed, old, adv, cfg)
+    sums, _, first_lp, _ = rl.train_step(model, ref, opt, packed, old, adv, cfg)
     assert len(opt.seen) == 2
     N = len(packed.targets)
     for update, (weights, got) in enumerate(opt.seen):
@@ -136,7 +136,14 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
     trainer.engine.push(rl.hf_weights(trainer.model))
     rollouts = []
     rollout = trainer.engine.rollout
-    trainer.engine.rollout = lambda *a: rollouts.append(rollout(*a)) or rollouts[-1]
+
+    def recorded(prompts, indices, step):  # each step's samples, as the trainer packs them
+        outs = rollout(prompts, indices, step)
+        episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
+        rollouts.append(rl.episodes_rollout(episodes, moe=False))
+        return outs
+
+    trainer.engine.rollout = recorded
 
     def kl(model, ro) -> float:  # the token mean of k3 on the rollout's tokens
         packed = rl.pack(ro.prompts, ro.completions)
@@ -222,7 +229,7 @@ def test_a_gradient_above_grad_clip_is_applied_at_exactly_that_norm(ckpt):
         with torch.no_grad():
             old, _ = model(packed, cfg.temperature)
         opt = Recorder(model.parameters(), lr=0.0)
-        _, norm, _ = rl.train_step(model, None, opt, packed, old, adv, cfg)
+        norm = rl.train_step(model, None, opt, packed, old, adv, cfg).grad_norm
         return flat(opt.seen[0][1]).double(), float(norm)  # fp64: a 1M-term fp32 sum drifts
 
     raw, raw_norm = first_gradient(0.0)

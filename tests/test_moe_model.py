@@ -261,7 +261,7 @@ class RoutingEngine(ExactEngine):
         out = super().rollout(prompts, indices, step)
         if self.corrupt:
             args = self.model.args
-            first = out.routed[0][0, rl.sparse_layers(args)[0]]
+            first = out[0][0].routed[0, rl.sparse_layers(args)[0]]
             first[0] = (first[0] + 1) % args.moe_args.num_experts
             while int(first[0]) in first[1:].tolist():
                 first[0] = (first[0] + 1) % args.moe_args.num_experts

@@ -204,11 +204,12 @@ def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
     engine = object.__new__(rl.VLLMEngine)
     engine.cfg, engine.eos_ids, engine.moe = rl.Config(group_size=2), [0], False
     engine.llm = LLM()
-    ro = engine.rollout([[1, 2], [3]], [0, 1], 0)
-    assert ro.prompts == [[1, 2], [1, 2], [3], [3]]
-    assert ro.completions == [[5, 6], [7], [8, 9, 4], []]
-    assert ro.logprobs.tolist() == [-1.0, -2.0, -0.5, -0.25, -0.125, -3.0]
-    assert ro.stopped == [False, True, False, False]
+    outs = engine.rollout([[1, 2], [3]], [0, 1], 0)
+    samples = [c for cs in outs for c in cs]
+    assert [len(cs) for cs in outs] == [2, 2]  # each prompt's G samples
+    assert [c.ids for c in samples] == [[5, 6], [7], [8, 9, 4], []]
+    assert [x for c in samples for x in c.logprobs] == [-1.0, -2.0, -0.5, -0.25, -0.125, -3.0]
+    assert [c.stopped for c in samples] == [False, True, False, False]
     assert all(p["logprobs"] == 0 and p["flat_logprobs"] for p in asked)
 
 

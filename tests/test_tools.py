@@ -260,7 +260,7 @@ def test_special_token_strings_in_tool_and_reset_messages_stay_text(ckpt):
     # the template's own turn markers only: as many special ids as around a plain message
     assert sum(t in special for t in injected) == sum(t in special for t in plain) == 4
     assert SPECIAL in tok.decode(injected)
-    first = rl.first_prompt_ids([SPECIAL], tok, cfg, ["episode 0"])[0]
+    first = rl.first_prompt_ids([SPECIAL], tok, cfg, [0])[0]
     assert sum(t in special for t in first) == 3  # <|im_start|>user ... <|im_end|> <|im_start|>
     assert SPECIAL in tok.decode(first)
     # a marker of simple_rl's in a tool's text is text too
