@@ -161,7 +161,7 @@ class Config:
     reward: str = opt("rollout", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
                       "(default: 1 if the number after 'Answer:' is right, else 0)")
     env: str = opt("rollout", "", "episodes of several turns: calc (arithmetic with a calculator "
-                   "tool), lookup (its own questions, 2-3 dependent <search> calls) or "
+                   "tool), lookup (its own questions, 2-5 dependent <search> calls) or "
                    "FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
     max_turns: int = opt("rollout", 4, "model turns per episode at most (each tool call ends one)")
     max_tool_tokens: int = opt("rollout", 0, "a tool message's tokens at most, the rest cut "
@@ -2407,8 +2407,11 @@ def validate(cfg: Config) -> None:
     need(cfg.env in ("", *EMBEDDED_ENVS) or REWARD_SPEC.fullmatch(cfg.env) is not None,
          f"--env {cfg.env!r} must be calc, lookup or name a Python file and a class in it: "
          "FILE.py:NAME.")
-    need(cfg.env != "lookup" or cfg.eval_size <= 2 * LOOKUP_PEOPLE // 4, f"--eval-size "
-         f"{cfg.eval_size}: the lookup task holds out at most {2 * LOOKUP_PEOPLE // 4} questions.")
+    need(cfg.env != "lookup" or cfg.eval_size <= LOOKUP_PEOPLE // 2, f"--eval-size "
+         f"{cfg.eval_size}: the lookup task holds out at most {LOOKUP_PEOPLE // 2} questions.")
+    need(cfg.env != "lookup" or cfg.max_turns >= LOOKUP_HOPS + 2, f"--max-turns "
+         f"{cfg.max_turns}: the lookup task's questions need up to {LOOKUP_HOPS + 1} searches "
+         f"and an answer; give --max-turns {LOOKUP_HOPS + 2}.")
     need(min(cfg.tool_workers, cfg.tool_timeout, cfg.max_tool_tokens) >= 0, "--tool-workers, "
          "--tool-timeout and --max-tool-tokens must be >= 0 (0: one thread per episode; no "
          "time limit; no cut).")
@@ -3839,15 +3842,17 @@ def calculate(expr: str) -> int:
 
 
 # ==========================================================================
-# The lookup task (--env lookup): questions that need two or three dependent tool calls
+# The lookup task (--env lookup): questions that need two to five dependent tool calls
 # ==========================================================================
 # A generated table of made-up people, each with a mentor and an age, and questions about the
-# age of someone's mentor (two calls: the person, then the mentor) or mentor's mentor (three).
-# The answer of one call is the query of the next. Nothing is downloaded: the table and the
-# questions are the same on every machine and for every --seed (which orders the steps).
+# age of someone's mentor, or the mentor's mentor, and so on up to LOOKUP_HOPS links: search the
+# person, read the mentor's name, search it, ... The answer of one call is the query of the
+# next, and the question alone says how many calls it needs. Nothing is downloaded: the table
+# and the questions are the same on every machine and for every --seed (which orders the steps).
 
 LOOKUP_SEED = 40
 LOOKUP_PEOPLE = 4096
+LOOKUP_HOPS = 4  # mentor links a question chains at most: 2 to LOOKUP_HOPS + 1 calls
 SYLLABLES = ("ka", "lo", "mi", "ra", "ve", "tu", "ne", "so", "di", "pa", "zo", "be", "ri",
              "fa", "gu", "ye")
 LOOKUP_FORMAT = "Look a person up with <search>name</search>."
@@ -3866,16 +3871,21 @@ def lookup_table(n: int = LOOKUP_PEOPLE, seed: int = LOOKUP_SEED) -> dict[str, t
     return {p: (m, rng.randint(20, 89)) for p, m in zip(people, mentors)}
 
 
+def lookup_chain(table: dict[str, tuple[str, int]], name: str, hops: int) -> list[str]:
+    """The people searched to answer a question of `hops` links about name: name, its mentor,
+    the mentor's mentor, ... (hops + 1 names)."""
+    chain = [name]
+    for _ in range(hops):
+        chain.append(table[chain[-1]][0])
+    return chain
+
+
 def lookup_problems(table: dict[str, tuple[str, int]]) -> list[Problem]:
-    """Every question of the table, in a fixed shuffled order: the age of each person's mentor
-    (hops 1: two calls) and of their mentor's mentor (hops 2: three calls)."""
-    out = []
-    for person in table:
-        mentor = table[person][0]
-        out.append(Problem(f"How old is the mentor of {person}? {LOOKUP_FORMAT} "
-                           f"{ANSWER_FORMAT}", str(table[mentor][1])))
-        out.append(Problem(f"How old is the mentor of the mentor of {person}? "
-                           f"{LOOKUP_FORMAT} {ANSWER_FORMAT}", str(table[table[mentor][0]][1])))
+    """Every question of the table, in a fixed shuffled order: for each person and each hops
+    in 1..LOOKUP_HOPS, the age of the person `hops` mentor links away (hops + 1 calls)."""
+    out = [Problem("How old is " + "the mentor of " * hops + f"{person}? {LOOKUP_FORMAT} "
+                   f"{ANSWER_FORMAT}", str(table[lookup_chain(table, person, hops)[-1]][1]))
+           for person in table for hops in range(1, LOOKUP_HOPS + 1)]
     random.Random(LOOKUP_SEED).shuffle(out)
     return out
 

@@ -31,11 +31,13 @@ held-out problems (`rl.EVAL_SEED`).
 
 With `--tool lookup` it warm-starts simple_rl's multi-hop task instead (`--env lookup`): every
 answer searches the person asked about (<search>NAME</search>, the tool's entry as simple_rl
-renders it), and by default 30% (--direct-fraction 0.7 answers at once after that first call)
-go on to the mentor, and the mentor's mentor, as the question needs, then answer right; the
-rest answer the first entry's age, the one asked for only by chance. GRPO must learn to chain.
+renders it). By default 70% then answer that entry's age (--direct-fraction 0.7: right only by
+chance); the rest search the mentor too, and each further mentor the question needs with
+probability --deeper-fraction (0.1), then answer the last entry's age. Such a warm start never
+searches past what the question needs, but rarely as far: a question of one link is answered
+right 30% of the time, of two 3%, of four 0.03%. GRPO must learn to chain, a link at a time.
 
-    python examples/warm_start.py --tool lookup --out warm/lookup --steps 400
+    python examples/warm_start.py --tool lookup --out warm/lookup     # one H200: about 3 minutes
 
 On a CPU the default size takes hours (a step of 256 sequences is about 3 TFLOP of forward and
 backward): its progress lines say how long.
@@ -144,23 +146,33 @@ def tool_answer(problem: rl.Problem, tokenizer) -> list[tuple[list[int], bool]]:
     return [(ids[0], True), (tool, False), (ids[1], True)]
 
 
-LOOKUP_QUESTION = re.compile(r"How old is the mentor of (the mentor of )?(\w+)\?")
+LOOKUP_QUESTION = re.compile(r"How old is ((?:the mentor of )+)(\w+)\?")
 
 
-def lookup_answer(problem: rl.Problem, tokenizer, chain: bool) -> list[tuple[list[int], bool]]:
-    """Searches, as (ids, trained) pieces, each followed by the tool's entry as simple_rl's
-    episode renders it (not trained on), then an answer: with `chain`, every search the
-    question needs and the right age; else the first entry's age (right by chance only)."""
+def lookup_calls(problem: rl.Problem, rng: random.Random, direct: float, deeper: float) -> int:
+    """How many searches the warm start shows for a question: 1 with probability `direct`, else
+    2, then one more for each further link the question needs, each with probability `deeper`
+    (the chain stops at the first miss); never more than the question needs."""
+    links, _ = LOOKUP_QUESTION.match(problem.question).groups()
+    need = 1 + links.count("mentor")
+    calls = 1 if rng.random() < direct else min(2, need)
+    while 1 < calls < need and rng.random() < deeper:
+        calls += 1
+    return calls
+
+
+def lookup_answer(problem: rl.Problem, tokenizer, calls: int) -> list[tuple[list[int], bool]]:
+    """`calls` searches along the question's chain, as (ids, trained) pieces, each followed by
+    the tool's entry as simple_rl's episode renders it (not trained on), then the last entry's
+    age as the answer: right when `calls` is all the question needs."""
     table = rl.lookup_table()
-    twice, name = LOOKUP_QUESTION.match(problem.question).groups()
-    names = [name, table[name][0]] + ([table[table[name][0]][0]] if twice else [])
-    names = names if chain else names[:1]
+    names = rl.lookup_chain(table, LOOKUP_QUESTION.match(problem.question)[2], calls - 1)
     parts = []
     for n in names:
         call = tokenizer(f"<search>{n}</search>", add_special_tokens=False)["input_ids"]
         tool = rl.tool_message_ids(tokenizer, [rl.search(table, n)], rl.Config())[0]
         parts += [(call, True), (tool, False)]
-    age = problem.answer if chain else str(table[name][1])
+    age = str(table[names[-1]][1])
     return parts + [(tokenizer(f"Answer: {age}", add_special_tokens=False)["input_ids"], True)]
 
 
@@ -178,18 +190,17 @@ def make_model(tokenizer, a: argparse.Namespace):
     return Qwen3ForCausalLM(config)
 
 
-def batch_of(problems: list[rl.Problem], direct: list[bool], tokenizer, device,
-             tool: str = ""):
+def batch_of(problems: list[rl.Problem], direct: list, tokenizer, device, tool: str = ""):
     """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only.
     direct[i]: problem i is answered at once, else worked out step by step (with `tool`: by a
-    calculator call)."""
+    calculator call); with tool lookup, direct[i] is its number of searches instead."""
     prompts = rl.format_prompts(problems, tokenizer, rl.Config())  # (B, P_b): simple_rl's ids
     from torch.nn.utils.rnn import pad_sequence
 
     texts = [direct_answer(p) if d or tool == "lookup" else worked_solution(p.question)
              for p, d in zip(problems, direct)]
     answers = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    parts = [lookup_answer(q, tokenizer, not d) if tool == "lookup" else
+    parts = [lookup_answer(q, tokenizer, d) if tool == "lookup" else
              tool_answer(q, tokenizer) if tool and not d else [(c, True)]
              for q, d, c in zip(problems, direct, answers)]
     eos = tokenizer.eos_token_id
@@ -236,6 +247,9 @@ def main() -> None:
                    "purpose: the model still mostly guesses)")
     p.add_argument("--direct-fraction", type=float, default=0.7,
                    help="share of training completions that guess the answer without steps")
+    p.add_argument("--deeper-fraction", type=float, default=0.1,
+                   help="--tool lookup: the chance that a chain of searches goes one link further "
+                   "when the question needs it (above)")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--eval-every", type=int, default=100, help="optimizer steps between evals")
     p.add_argument("--eval-size", type=int, default=256, help="held-out problems per eval")
@@ -285,7 +299,8 @@ def main() -> None:
         problems = rng.sample(lookup_pool, a.batch) if a.tool == "lookup" else [
             q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
             if q.question not in never][: a.batch]
-        direct = [rng.random() < a.direct_fraction for _ in problems]
+        direct = [lookup_calls(q, rng, a.direct_fraction, a.deeper_fraction) for q in problems
+                  ] if a.tool == "lookup" else [rng.random() < a.direct_fraction for _ in problems]
         ids, mask, labels = batch_of(problems, direct, tokenizer, device, a.tool)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss

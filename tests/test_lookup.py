@@ -1,8 +1,9 @@
 """The lookup task (--env lookup, issue 40): a generated table and questions that are the same
-on every machine, each needing two or three dependent <search> calls, and its warm start."""
+on every machine, each needing two to five dependent <search> calls, and its warm start."""
 
 import hashlib
 import json
+import random
 import re
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_the_table_and_questions_are_the_same_in_every_process():
     assert len(table) == rl.LOOKUP_PEOPLE and all(m != p for p, (m, _) in table.items())
     pool, held = rl.lookup_split(rl.Config(env="lookup", eval_size=512, seed=0))
     assert (pool, held) == rl.lookup_split(rl.Config(env="lookup", eval_size=512, seed=7))
-    assert len(held) == 512 and len(pool) == 2 * rl.LOOKUP_PEOPLE - 512
+    assert len(held) == 512 and len(pool) == rl.LOOKUP_HOPS * rl.LOOKUP_PEOPLE - 512
     assert not {p.question for p in held} & {p.question for p in pool}
 
 
@@ -39,7 +40,7 @@ def chain(env: rl.LookupEnv, question: str) -> list[str]:
     """The tool's entries as a model that always searches the last name it read gets them."""
     name = re.search(r"of (\w+)\?", question).group(1)
     entries = []
-    for _ in range(3):
+    for _ in range(rl.LOOKUP_HOPS + 1):
         message, reward = env.step(f"I look up <search>{name}</search>")
         assert reward is None
         entries.append(message)
@@ -47,19 +48,20 @@ def chain(env: rl.LookupEnv, question: str) -> list[str]:
     return entries
 
 
-def test_every_question_needs_two_or_three_calls_each_reading_the_last():
+def test_every_question_needs_two_to_five_calls_each_reading_the_last():
+    assert rl.LOOKUP_HOPS == 4
     problems = rl.lookup_problems(rl.lookup_table())[:400]
-    hops = [2 + p.question.count("the mentor of the mentor") for p in problems]
-    assert 150 < hops.count(3) < 250 and hops.count(2) == 400 - hops.count(3)
+    calls = [1 + p.question.count("the mentor of") for p in problems]
+    assert all(70 < calls.count(c) < 130 for c in (2, 3, 4, 5)) and min(calls) == 2
     early = 0
-    for p, calls in zip(problems, hops):
+    for p, need in zip(problems, calls):
         env = rl.LookupEnv()
         assert env.reset(p) == p.question
         ages = [ENTRY.fullmatch(e).group(3) for e in chain(env, p.question)]
-        assert ages[calls - 1] == p.answer  # the entry of the last call the question needs
-        early += p.answer in ages[:calls - 1]  # an earlier entry gives it only by chance
+        assert ages[need - 1] == p.answer  # the entry of the last call the question needs
+        early += p.answer in ages[:need - 1]  # an earlier entry gives it only by chance
         assert env.step(f"so Answer: {p.answer}") == (None, 1.0)
-    assert early <= 10
+    assert early <= 20
     assert rl.LookupEnv().step("<search>Nobody</search>") == ("no one is called 'Nobody'", None)
 
 
@@ -71,16 +73,49 @@ def test_the_lookup_warm_start_chains_the_calls_as_the_episode_renders_them():
     assert len(tok("</search>", add_special_tokens=False)["input_ids"]) == 1
     table = rl.lookup_table()
     for p in rl.lookup_problems(table)[:20]:
-        calls = 2 + p.question.count("the mentor of the mentor")
-        right = warm_start.lookup_answer(p, tok, chain=True)
-        short = warm_start.lookup_answer(p, tok, chain=False)
-        assert [own for _, own in right] == [True, False] * calls + [True]
-        assert [own for _, own in short] == [True, False, True]
+        need = 1 + p.question.count("the mentor of")
+        right = warm_start.lookup_answer(p, tok, need)
+        short = warm_start.lookup_answer(p, tok, need - 1)
+        assert [own for _, own in right] == [True, False] * need + [True]
+        assert [own for _, own in short] == [True, False] * (need - 1) + [True]
         assert tok.decode(right[-1][0]) == f"Answer: {p.answer}"
-        age = ENTRY.fullmatch(rl.search(table, re.search(r"of (\w+)\?", p.question)[1]))[3]
-        assert tok.decode(short[-1][0]) == f"Answer: {age}"  # the first entry's
+        ages = [ENTRY.fullmatch(rl.search(table, n))[3] for n in rl.lookup_chain(
+            table, re.search(r"of (\w+)\?", p.question)[1], need - 1)]
+        assert ages[-1] == p.answer
+        assert tok.decode(short[-1][0]) == f"Answer: {ages[-2]}"  # one link short
         env = rl.LookupEnv()
         env.reset(p)
         for call, tool in zip(right[0:-1:2], right[1:-1:2]):  # the env answers each call so
             message, _ = env.step(tok.decode(call[0]))
             assert tool[0] == rl.tool_message_ids(tok, [message], rl.Config())[0]
+
+
+def test_the_lookup_warm_start_rarely_chains_as_far_as_the_question_needs():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import warm_start
+
+    problems = rl.lookup_problems(rl.lookup_table())[:4000]
+    need = [1 + p.question.count("the mentor of") for p in problems]
+    rng = random.Random(0)
+    shown = [warm_start.lookup_calls(p, rng, 0.7, 0.3) for p in problems]
+    assert all(1 <= s <= n for s, n in zip(shown, need))  # never past what it needs
+    right = {n: sum(s == n for s, m in zip(shown, need) if m == n) / need.count(n)
+             for n in (2, 3, 4, 5)}
+    assert abs(right[2] - 0.3) < 0.04 and abs(right[3] - 0.09) < 0.03  # 0.3, 0.3 * 0.3, ...
+    assert right[5] < 0.02 and sum(s == 1 for s in shown) / len(shown) > 0.65
+    assert [warm_start.lookup_calls(p, rng, 0.0, 1.0) for p in problems[:50]] == need[:50]
+    assert {warm_start.lookup_calls(p, rng, 1.0, 1.0) for p in problems[:50]} == {1}
+
+
+def test_a_lookup_run_needs_room_for_its_deepest_question():
+    cfg = rl.Config(env="lookup", max_turns=rl.LOOKUP_HOPS + 2)
+    rl.validate(cfg)  # 5 searches and the answer
+    for bad, says in ((dict(max_turns=rl.LOOKUP_HOPS + 1), "need up to 5 searches and an "
+                       "answer; give --max-turns 6."),
+                      (dict(eval_size=rl.LOOKUP_PEOPLE // 2 + 1), "holds out at most 2048")):
+        try:
+            rl.validate(rl.Config(**{"env": "lookup", "max_turns": 6, **bad}))
+        except rl.ConfigError as e:
+            assert says in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
