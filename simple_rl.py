@@ -5,8 +5,9 @@ One file, the RL story first, in data-flow order:
     config -> model -> load & convert -> rollout -> reward -> advantages & loss
            -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
 
-then, after one banner, the plumbing: validation, files, ranks, vLLM patches, LoRA's engine
-slot, tools, checkpoints, run directory, memory estimate, console, stops, parity debugger.
+then, after one banner, the plumbing: validation, files, errors, ranks, vLLM patches, LoRA's
+engine slot, tools, the lookup task, checkpoints, run directory, logging, memory estimate,
+console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
 TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
@@ -1417,7 +1418,7 @@ class Episode:
     def ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.context + turn.out.ids]
 
-    def generated(self) -> int:
+    def generated_tokens(self) -> int:
         return sum(len(turn.out.ids) for turn in self.turns)
 
 
@@ -2028,7 +2029,7 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
                            lambda i: f"held-out problem {mine[i]}")
     rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
     sums = torch.tensor([rewards.sum().item(), rewards.square().sum().item(),
-                         sum(e.generated() for e in played),
+                         sum(e.generated_tokens() for e in played),
                          sum(e.tool_calls > 0 for e in played)], dtype=torch.float64,
                         device=trainer.ranks.device)
     n = len(task.eval_problems)
@@ -2266,9 +2267,9 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 # ==========================================================================
 # The RL story ends here. What follows is plumbing a researcher need not read: config
 # parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
-# patches, LoRA's engine slot and names, the tools' threads and text, checkpoints and resume,
-# the run directory and export, logging, the memory estimate, console filtering, stops
-# (signals, NaN, OOM) and the parity debugger.
+# patches, LoRA's engine slot and names, the tools' threads and text, the lookup task's table,
+# checkpoints and resume, the run directory and export, logging, the memory estimate, console
+# filtering, stops (signals, NaN, OOM) and the parity debugger.
 # ==========================================================================
 
 
