@@ -153,10 +153,11 @@ def lookup_calls(problem: rl.Problem, rng: random.Random, direct: float, deeper:
     """How many searches the warm start shows for a question: 1 with probability `direct`, else
     2, then one more for each further link the question needs, each with probability `deeper`
     (the chain stops at the first miss); never more than the question needs."""
-    links, _ = LOOKUP_QUESTION.match(problem.question).groups()
-    need = 1 + links.count("mentor")
-    calls = 1 if rng.random() < direct else min(2, need)
-    while 1 < calls < need and rng.random() < deeper:
+    if rng.random() < direct:
+        return 1
+    need = 1 + LOOKUP_QUESTION.match(problem.question)[1].count("mentor")  # 2 or more
+    calls = 2
+    while calls < need and rng.random() < deeper:
         calls += 1
     return calls
 
@@ -190,19 +191,24 @@ def make_model(tokenizer, a: argparse.Namespace):
     return Qwen3ForCausalLM(config)
 
 
-def batch_of(problems: list[rl.Problem], direct: list, tokenizer, device, tool: str = ""):
-    """(input_ids, attention_mask, labels), right-padded; the loss sees the completion only.
-    direct[i]: problem i is answered at once, else worked out step by step (with `tool`: by a
-    calculator call); with tool lookup, direct[i] is its number of searches instead."""
+def answer_parts(problems: list[rl.Problem], direct: list[bool], tokenizer, tool: str = ""
+                 ) -> list[list[tuple[list[int], bool]]]:
+    """Each arithmetic problem's completion as (ids, trained) pieces: direct[i], answered at
+    once, else worked out step by step (with `tool`: by a calculator call)."""
+    texts = [direct_answer(p) if d else worked_solution(p.question)
+             for p, d in zip(problems, direct)]
+    answers = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [tool_answer(q, tokenizer) if tool and not d else [(c, True)]
+            for q, d, c in zip(problems, direct, answers)]
+
+
+def batch_of(problems: list[rl.Problem], parts: list[list[tuple[list[int], bool]]], tokenizer,
+             device):
+    """(input_ids, attention_mask, labels), right-padded: each prompt, then its completion's
+    pieces parts[i] and eos; the loss sees the trained pieces and the eos."""
     prompts = rl.format_prompts(problems, tokenizer, rl.Config())  # (B, P_b): simple_rl's ids
     from torch.nn.utils.rnn import pad_sequence
 
-    texts = [direct_answer(p) if d or tool == "lookup" else worked_solution(p.question)
-             for p, d in zip(problems, direct)]
-    answers = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    parts = [lookup_answer(q, tokenizer, d) if tool == "lookup" else
-             tool_answer(q, tokenizer) if tool and not d else [(c, True)]
-             for q, d, c in zip(problems, direct, answers)]
     eos = tokenizer.eos_token_id
     seqs = [torch.tensor(p + [t for ids, _ in ps for t in ids] + [eos])
             for p, ps in zip(prompts, parts)]
@@ -299,9 +305,14 @@ def main() -> None:
         problems = rng.sample(lookup_pool, a.batch) if a.tool == "lookup" else [
             q for q in rl.arithmetic_problems(a.batch + 16, rng.randrange(2**31))
             if q.question not in never][: a.batch]
-        direct = [lookup_calls(q, rng, a.direct_fraction, a.deeper_fraction) for q in problems
-                  ] if a.tool == "lookup" else [rng.random() < a.direct_fraction for _ in problems]
-        ids, mask, labels = batch_of(problems, direct, tokenizer, device, a.tool)
+        if a.tool == "lookup":
+            parts = [lookup_answer(q, tokenizer, lookup_calls(q, rng, a.direct_fraction,
+                                                                a.deeper_fraction))
+                     for q in problems]
+        else:
+            parts = answer_parts(problems, [rng.random() < a.direct_fraction for _ in problems],
+                                 tokenizer, a.tool)
+        ids, mask, labels = batch_of(problems, parts, tokenizer, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()

@@ -432,7 +432,8 @@ def test_the_tool_warm_start_calls_the_calculator_as_the_episode_loop_renders_it
     tok = ws.make_tokenizer(512, 0, tool=True)
     assert len(tok.encode("</calc>", add_special_tokens=False)) == 1
     problem = rl.Problem("What is 47 * 83 - 5? End with 'Answer: <number>'.", "3896")
-    ids, _, labels = ws.batch_of([problem], [False], tok, torch.device("cpu"), tool=True)
+    parts = ws.answer_parts([problem], [False], tok, tool=True)
+    ids, _, labels = ws.batch_of([problem], parts, tok, torch.device("cpu"))
     call = tok("<calc>47 * 83 - 5</calc>", add_special_tokens=False)["input_ids"]
     prompt = rl.format_prompts([problem], tok, rl.Config())[0]
     tool = rl.tool_message_ids(tok, ["3896"], rl.Config())[0]

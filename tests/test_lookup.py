@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import simple_rl as rl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,14 +110,13 @@ def test_the_lookup_warm_start_rarely_chains_as_far_as_the_question_needs():
 
 
 def test_a_lookup_run_needs_room_for_its_deepest_question():
-    cfg = rl.Config(env="lookup", max_turns=rl.LOOKUP_HOPS + 2)
-    rl.validate(cfg)  # 5 searches and the answer
-    for bad, says in ((dict(max_turns=rl.LOOKUP_HOPS + 1), "need up to 5 searches and an "
-                       "answer; give --max-turns 6."),
-                      (dict(eval_size=rl.LOOKUP_PEOPLE // 2 + 1), "holds out at most 2048")):
-        try:
-            rl.validate(rl.Config(**{"env": "lookup", "max_turns": 6, **bad}))
-        except rl.ConfigError as e:
-            assert says in str(e)
-        else:
-            raise AssertionError(f"{bad} was accepted")
+    rl.validate(rl.Config(env="lookup", max_turns=rl.LOOKUP_HOPS + 2))  # 5 searches, the answer
+    with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
+        rl.validate(rl.Config(env="lookup", max_turns=6, eval_size=rl.LOOKUP_PEOPLE // 2 + 1))
+    # the real command line, as a script: one sentence, exit 2, nothing started
+    run = subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--env", "lookup",
+                          "--max-turns", "5", "--check"], capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "simple_rl: error: --max-turns 5: the lookup task's questions need up to 5 searches and "
+        "an answer; give --max-turns 6.")
