@@ -84,6 +84,10 @@ if __name__ == "__main__":
 # not the user's to act on; the level is read when torch loads. --verbose keeps them.
 if "--verbose" not in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# The trainer's allocator grows its segments in place rather than caching fixed blocks: at
+# Qwen3-14B under LoRA the update's peak varied 96-130 GiB step to step without this, 91-92
+# with it. vLLM's sleep-mode pool switches it off around its own allocations.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
 import contextlib
@@ -892,8 +896,9 @@ class Completion:
 
 class Engine:
     """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
-    `generate`, `sleep` and `push`. Every turn of every episode, the first included, is one
-    `generate` call over the episodes that go on; `rollout` is a step's first turn."""
+    `generate`, `sleep` and `push` (which returns the seconds it spent waking the engine).
+    Every turn of every episode, the first included, is one `generate` call over the episodes
+    that go on; `rollout` is a step's first turn."""
 
     cfg: Config
     moe = False
@@ -1031,8 +1036,8 @@ class VLLMEngine(Engine):
                     self.llm.sleep(level=2)
             self.asleep = True
 
-    def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        push_weights(self, weights)
+    def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> float:
+        return push_weights(self, weights)
 
 
 def completion_logprobs(c) -> list[float]:
@@ -1818,14 +1823,16 @@ def parity_line(p: Parity) -> str:
 # ==========================================================================
 
 
-def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]) -> float:
     """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
 
     The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
     sleeping engine gets its weight memory back first and its KV cache after; then the prefix
-    cache is dropped, since its KV was computed with the old weights.
+    cache is dropped, since its KV was computed with the old weights. Returns the seconds the
+    waking took (the rest is the push itself: under LoRA, the adapter's write).
     """
     lora = getattr(engine, "lora", None)
+    t0 = time.perf_counter()
     if engine.asleep:
         free, _ = torch.cuda.mem_get_info()
         # the trainer's allocator caches blocks the engine needs; under LoRA they would sit
@@ -1834,15 +1841,19 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
             torch.cuda.empty_cache()
         if not lora:
             engine.llm.wake_up(tags=["weights"])
+    t1 = time.perf_counter()
     if lora:  # the adapter's casts are the engine's slot: refreshing them wrote it
         for name, t in weights:
             assert t.data_ptr() in engine.adapter_ptrs, f"{name} is not the engine's tensor"
     else:
         engine.llm.apply_model(lambda m: m.load_weights(weights))
+    t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait
     if engine.asleep:
         map_kv_cache(True) if lora else engine.llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
+    wake_s = (t1 - t0) + (time.perf_counter() - t2)
     engine.llm.reset_prefix_cache()
+    return wake_s
 
 
 # ==========================================================================
@@ -1899,14 +1910,14 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t2 = time.perf_counter()
 
     # 4. Push: the engine now holds exactly the weights the trainer will compute with.
-    push_policy(trainer)
+    wake_s = push_policy(trainer)
     t3 = time.perf_counter()
 
     # 5. Metrics over every rank; TensorBoard on rank 0 (the "Logging" plumbing).
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
     metrics = step_metrics(cfg, rollout, rewards, len(mine), update.sums, n_tokens,
                            update.grad_norm, parity, times=(t1 - t0, t2 - t1, t3 - t2))
-    metrics.update(run_metrics(trainer, parity, sleep_s, waited, memory))
+    metrics.update(run_metrics(trainer, parity, (sleep_s, wake_s), waited, memory))
     write_scalars(trainer.writer, metrics, step)
     return metrics, parity
 
@@ -1978,10 +1989,12 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     return update, n_tokens, parity_over_ranks(parity, device)
 
 
-def push_policy(trainer: Trainer) -> None:
-    trainer.engine.push(policy_weights(trainer.model))
+def push_policy(trainer: Trainer) -> float:
+    """The push; returns the seconds within it that woke the engine (0 if it was awake)."""
+    wake_s = trainer.engine.push(policy_weights(trainer.model)) or 0.0
     if trainer.ranks.device.type == "cuda":
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
+    return wake_s
 
 
 def decode(tokenizer, completions: list[list[int]]) -> list[str]:
@@ -4848,6 +4861,7 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("engine sleep time, within the rollout (s)", "time/engine_sleep_s"),
             ("update time (s)", "time/train_s"),
             ("weight push time (s)", "time/push_s"),
+            ("engine wake time, within the push (s)", "time/engine_wake_s"),
             ("GPU memory in use (GiB)", "memory/in_use_gib"),
             ("completion length (tokens)", "completion_len_mean"),
             ("grad norm", "grad_norm"),
@@ -4977,13 +4991,13 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     }
 
 
-def run_metrics(trainer: Trainer, parity: Parity, sleep_s: float, waited: float,
-                memory: dict[str, float]) -> dict[str, float]:
-    """The step's scalars beside step_metrics': the engine's sleep (within time/rollout_s), the
-    slowest rank's wait on its tools (--env, within it too), the run's mismatched tokens, the
-    update's weight deltas and the GPU's memory."""
+def run_metrics(trainer: Trainer, parity: Parity, sleep_wake: tuple[float, float],
+                waited: float, memory: dict[str, float]) -> dict[str, float]:
+    """The step's scalars beside step_metrics': the engine's sleep (within time/rollout_s) and
+    wake (within time/push_s), the slowest rank's wait on its tools (--env, within the rollout
+    too), the run's mismatched tokens, the update's weight deltas and the GPU's memory."""
     cfg = trainer.cfg
-    metrics = {"time/engine_sleep_s": sleep_s}
+    metrics = {"time/engine_sleep_s": sleep_wake[0], "time/engine_wake_s": sleep_wake[1]}
     if cfg.env:
         metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=trainer.ranks.device),
                                             dist.ReduceOp.MAX).item()
@@ -5176,7 +5190,11 @@ def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
 # activations; the experts' fp32 masters, gradients, AdamW state, bf16 casts and the engine's
 # bf16 copy, a few large tensors made once, get none (their 4 layers: 76 GiB estimated against
 # 69.3 in use; 101 with the slack on them). Dense 8B on two GPUs is the known low one: 124.5
-# against 132 in use.
+# against 132 in use. Under LoRA nothing gets slack: the push empties the trainer's cache before
+# the KV cache maps again, and the allocator grows its segments in place (see the top of this
+# file). Measured (results/h200_lora_memory/): Qwen3-14B 123.9 GiB in use against 138.1 at
+# 12288 tokens a micro-batch (1.11x), 92.2 against 103.1 at 8192 (1.12x); Qwen3-32B's layers
+# cut to 16 of 64: 36.9 against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x).
 MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
 ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 
@@ -5186,7 +5204,7 @@ def memory_estimate(cfg: Config, args, world: int,
     """Peak bytes per GPU, by holder, and the peak:
         max(s (train - x_train) + x_train, s (rollout - x_rollout) + x_rollout) + fixed,
     train and rollout the sums of each phase's holders, x the experts' bytes in them (which
-    get no slack s: see MEMORY_SLACK).
+    get no slack s; under LoRA nothing does: see MEMORY_SLACK).
 
     trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks;
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
@@ -5236,9 +5254,9 @@ def memory_estimate(cfg: Config, args, world: int,
     e = expert_params(args)  # their bytes in each phase get no slack (see MEMORY_SLACK)
     train_exact = e * (16 / world + (2 if world == 1 else 0))  # + the bf16 casts on one GPU
     rollout_exact = e * (12 / world + 2)  # masters and AdamW state + the engine's bf16 copy
-    est["peak"] = max(MEMORY_SLACK * (train_phase - train_exact) + train_exact,
-                      MEMORY_SLACK * (rollout_phase - rollout_exact) + rollout_exact) \
-        + MEMORY_FIXED
+    s = 1 if a else MEMORY_SLACK  # LoRA: no slack (see MEMORY_SLACK)
+    est["peak"] = max(s * (train_phase - train_exact) + train_exact,
+                      s * (rollout_phase - rollout_exact) + rollout_exact) + MEMORY_FIXED
     return est
 
 
@@ -5252,7 +5270,7 @@ def auto_micro_batch(cfg: Config, args, world: int, total: float,
     Larger micro-batches run larger GEMMs and fewer kernels per token: on an H200 at 1.7B
     the trainer ran at 44% MFU with 8192 tokens and 48% with 24576.
     """
-    # 1024 and 2048 only where no larger size fits (Qwen3-32B under LoRA on one H200)
+    # 1024 and 2048 only where no larger size fits (long sequences of a large model)
     sizes = sorted({max(cfg.max_model_len, m) for m in (1024, 2048, *range(4096, 32769, 4096))})
     need_at_most = samples_per_rank(cfg, world) * cfg.max_model_len
     sizes = [m for m in sizes if m < need_at_most + 4096] or sizes[:1]

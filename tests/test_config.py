@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 import json
 import re
 import shutil
@@ -205,9 +206,9 @@ def test_auto_micro_batch_is_the_largest_that_the_estimate_fits():
     assert rl.auto_micro_batch(cfg, q4, 1, h200) == 8192
     assert rl.auto_micro_batch(cfg, q8, 2, h200) == 4096
     assert rl.auto_micro_batch(cfg, q8, 1, h200) == 1024  # nothing fits: the smallest
-    # under LoRA the base is the engine's and only adapters train: Qwen3-32B fits at 2048
+    # under LoRA the base is the engine's and only adapters train: Qwen3-32B fits at 4096
     q32 = qwen3(5120, 64, 64, 25600, tied=False)
-    assert rl.auto_micro_batch(rl.Config(lora_rank=16), q32, 1, h200) == 2048
+    assert rl.auto_micro_batch(rl.Config(lora_rank=16), q32, 1, h200) == 4096
     for model, world in ((q17, 1), (q4, 1), (q8, 2)):  # what it picks passes check_memory's test
         size = rl.auto_micro_batch(cfg, model, world, h200)
         grown = rl.dataclasses.replace(cfg, micro_batch_tokens=size + 4096)
@@ -232,3 +233,17 @@ def test_auto_micro_batch_is_kept_in_the_run_config(ckpt, tmp_path, capsys):
     saved = json.loads((tmp_path / "runs/auto/checkpoints/step_000002/run_config.json").read_text())
     assert saved["micro_batch_tokens"] == 4096  # 6 samples of at most 128 tokens: the smallest
     assert "| micro-batch 4096 tokens |" in capsys.readouterr().out
+
+
+def test_the_allocator_grows_its_segments_in_place_unless_the_user_chose():
+    """simple_rl sets PyTorch's expandable segments before torch loads (the update's memory
+    steady from step to step); a PYTORCH_CUDA_ALLOC_CONF of the user's own is kept."""
+    show = "import os, simple_rl; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+
+    def conf(**env):
+        base = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        return subprocess.run([sys.executable, "-c", show], cwd=ROOT, env={**base, **env},
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert conf() == "expandable_segments:True"
+    assert conf(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512") == "max_split_size_mb:512"

@@ -1,5 +1,7 @@
 """The training loop end to end on CPU: stand-in engine, reference kernels, TensorBoard tags."""
 
+import time
+
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -9,8 +11,8 @@ from helpers import TorchEngine, cpu_argv, first_turns
 TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ratio_mean",
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
         "determinism/max_abs_diff", "completion_len_mean", "completion_stopped_frac",
-        "time/rollout_s", "time/engine_sleep_s", "time/train_s", "time/push_s", "time/step_s",
-        "determinism/mismatched_tokens_total"]
+        "time/rollout_s", "time/engine_sleep_s", "time/train_s", "time/push_s",
+        "time/engine_wake_s", "time/step_s", "determinism/mismatched_tokens_total"]
 
 
 def make_trainer(path, tmp_path, **overrides):
@@ -23,10 +25,19 @@ def make_trainer(path, tmp_path, **overrides):
 def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
     trainer, run_dir = make_trainer(ckpt(), tmp_path, max_new_tokens=6, seed=1)
     w0 = trainer.model.layers[0].attention.wqkv.weight.detach().clone()
+    push = trainer.engine.push
+
+    def waking_push(weights):  # an engine that says it spent 20 ms of its push waking
+        push(weights)
+        time.sleep(0.02)
+        return 0.02
+
+    trainer.engine.push = waking_push
     for step in range(2):
         m, parity = rl.rl_step(trainer, step)
         assert parity.n_tokens == m["determinism/tokens"] == 36
         assert 0 <= m["time/engine_sleep_s"] <= m["time/rollout_s"]  # timed within it
+        assert m["time/engine_wake_s"] == 0.02 <= m["time/push_s"]  # and this within the push
         assert parity.max_abs_diff < 1e-4  # the CPU stand-in is close, not bitwise
         assert m["kl_div"] >= 0 and m["entropy"] > 0 and 0 <= m["ratio_clipped_frac"] <= 1
     assert trainer.engine.sleeps == 2  # the engine slept through each update

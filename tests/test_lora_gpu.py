@@ -133,20 +133,22 @@ def big_lora_run(tmp: Path, preset: str, layers: int | None, *flags) -> dict:
                 mismatched=sum(r["determinism/mismatched_tokens"] for r in steps),
                 tokens=sum(r["determinism/tokens"] for r in steps),
                 step_s=[r["time/step_s"] for r in steps], push_s=[r["time/push_s"] for r in steps],
+                wake_s=[r["time/engine_wake_s"] for r in steps],
                 memory=[{k: v for k, v in r.items() if k.startswith("memory/")} for r in steps])
 
 
 def test_qwen3_14b_lora_at_the_defaults_on_one_gpu(tmp_path_factory):
     """Qwen3-14B's exact shape (random weights), LoRA rank 16 at the defaults (16 x 8, 256 new
-    tokens), one GPU: 5 steps, every token equal, the push (the adapter written in place, the
-    KV cache mapped again) within 0.2 s, memory within the GPU and the estimate within 15% of
-    the largest step's peak (measured: 128 against 96-129.5, the update's allocator reserve)."""
+    tokens), one GPU: 5 steps, every token equal, the adapter's push (written in place) within
+    50 ms and the engine's wake (the trainer's allocator emptied, the KV cache mapped again)
+    within 0.5 s, memory within the GPU and the estimate within 15% of the largest step's."""
     _need_gpu_stack()
     r = big_lora_run(tmp_path_factory.mktemp("q14b"), "qwen3-14b", None, "--steps", "5")
     print(json.dumps({k: v for k, v in r.items() if k != "steps"}))
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     assert len(r["steps"]) == 5 and r["mismatched"] == 0 and r["tokens"] > 5 * 16_000
-    assert r["peak_gib"] <= total and max(r["push_s"]) < 0.2
+    assert r["peak_gib"] <= total and max(r["wake_s"]) < 0.5
+    assert max(p - w for p, w in zip(r["push_s"], r["wake_s"])) < 0.05
     assert abs(r["estimate_gib"] / r["peak_gib"] - 1) <= 0.15, r
 
 
