@@ -1917,7 +1917,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
     metrics = step_metrics(cfg, rollout, rewards, len(mine), update.sums, n_tokens,
                            update.grad_norm, parity, times=(t1 - t0, t2 - t1, t3 - t2))
-    metrics.update(run_metrics(trainer, parity, (sleep_s, wake_s), waited, memory))
+    metrics.update(run_metrics(trainer, parity, sleep_s, wake_s, waited, memory))
     write_scalars(trainer.writer, metrics, step)
     return metrics, parity
 
@@ -1991,7 +1991,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
 
 def push_policy(trainer: Trainer) -> float:
     """The push; returns the seconds within it that woke the engine (0 if it was awake)."""
-    wake_s = trainer.engine.push(policy_weights(trainer.model)) or 0.0
+    wake_s = trainer.engine.push(policy_weights(trainer.model))
     if trainer.ranks.device.type == "cuda":
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
     return wake_s
@@ -4991,13 +4991,13 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     }
 
 
-def run_metrics(trainer: Trainer, parity: Parity, sleep_wake: tuple[float, float],
+def run_metrics(trainer: Trainer, parity: Parity, sleep_s: float, wake_s: float,
                 waited: float, memory: dict[str, float]) -> dict[str, float]:
     """The step's scalars beside step_metrics': the engine's sleep (within time/rollout_s) and
     wake (within time/push_s), the slowest rank's wait on its tools (--env, within the rollout
     too), the run's mismatched tokens, the update's weight deltas and the GPU's memory."""
     cfg = trainer.cfg
-    metrics = {"time/engine_sleep_s": sleep_wake[0], "time/engine_wake_s": sleep_wake[1]}
+    metrics = {"time/engine_sleep_s": sleep_s, "time/engine_wake_s": wake_s}
     if cfg.env:
         metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=trainer.ranks.device),
                                             dist.ReduceOp.MAX).item()

@@ -166,14 +166,17 @@ def seed_engine_class():
     class SeedEngine(rl.VLLMEngine):
         """(c): weights go through safetensors on disk and vLLM's reload_weights, as in the seed."""
 
-        def push(self, weights):
+        def push(self, weights) -> float:
             out = self.__dict__.setdefault("push_dir", Path(tempfile.mkdtemp(prefix="seed_")))
+            t0 = time.perf_counter()
             if self.asleep:
                 self.llm.wake_up()
                 self.asleep = False
+            wake_s = time.perf_counter() - t0
             rl.save_hf_checkpoint(out, dict(weights), Path(self.cfg.model))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(out)})
             self.llm.reset_prefix_cache()
+            return wake_s
 
     return SeedEngine
 

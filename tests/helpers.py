@@ -206,13 +206,15 @@ class TorchEngine(rl.Engine):
         hf = {k: v.detach().float().cpu().clone() for k, v in weights}
         args = self.files.args if self.files else self.model.args
         if any("lora_" in k for k in hf):  # a LoRA run pushes its adapter (scale folded in B)
-            return self.push_adapter(hf, args)
+            self.push_adapter(hf, args)
+            return 0.0  # Engine.push: seconds spent waking (this stand-in never sleeps)
         state = rl.hf_to_trainer(hf, args)
         if self.model is None:
             self.model = rl.build_model(args, state, bib.reference_kernels(), torch.float32, "cpu")
             self.model.requires_grad_(False)
         else:
             self.model.load_state_dict(state)
+        return 0.0
 
 
     def push_adapter(self, adapter, args):
