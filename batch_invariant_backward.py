@@ -18,9 +18,10 @@ The MoE experts' backward sorts the (token, slot) pairs by expert once; in PyTor
 over the experts (the CPU path and the reference), in Triton it runs each of its GEMMs as one
 grouped launch over every expert (the GPU path).
 
-One forward is our own: the logprob head's. vLLM's log_softmax writes the whole (N, V) fp32
-lp; the loss needs only lp[target] and the entropy, so `_logprobs_entropy_kernel` computes
-those with vLLM's reduction, in vLLM's order (the same bits), and writes nothing else.
+One forward is our own: the logprob head's. vLLM's sampler computes the sampled token's
+logprob only; the loss also needs the entropy and, for the backward, each row's max and log
+sum, so `_logprobs_entropy_kernel` computes all of them with vLLM's reduction, in vLLM's order
+(the same bits), from the logits / T that vLLM's sampler divides with its own kernel.
 
 Two kernel sets are built from these, chosen once at start-up: `reference_kernels()` (plain
 PyTorch, autograd everywhere) and `vllm_kernels()` (vLLM's batch-invariant kernels + the
@@ -48,7 +49,7 @@ def _wide(t: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The ops a Qwen3 forward needs, as vLLM 0.26 runs them in batch-invariant mode.
+    """The ops a Qwen3 forward needs, as vLLM 0.34 runs them in batch-invariant mode.
 
     A set the model runs (`reference_kernels`, `vllm_kernels`) has the signatures in the
     comments below. A *forward set* (`reference_forwards`, `vllm_forwards`) is the input of
@@ -621,19 +622,39 @@ def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, s
 
 
 # ---------------------------------------------------------------------------
-# Logprobs and entropy (vLLM: its sampler's fp32 logits / T, then Triton `log_softmax`)
+# Logprobs and entropy (vLLM: its sampler's logits / T, then its Triton logprob kernel)
 # ---------------------------------------------------------------------------
 
 
 def tempered(logits: Tensor, temperature: float) -> Tensor:
-    """z = float(logits) / T, (N, V) fp32: what vLLM's sampler hands its log_softmax.
+    """z = float(logits) / T, (N, V) fp32, in PyTorch: the reference, and what the backward
+    recomputes (within an ulp of `sampler_logits`, whose division is Triton's).
 
-    T is divided as a fp32 *device tensor*, as vLLM's sampler does (a Python scalar would
-    make CUDA multiply by 1/T, which rounds differently). Dividing the bf16 logits by it
-    promotes each to fp32 exactly first: the same bits as casting, then dividing, in one pass.
+    T is divided as a fp32 *device tensor* (a Python scalar would make CUDA multiply by 1/T).
+    Dividing the bf16 logits by it promotes each to fp32 exactly first.
     """
     t = torch.full((1, 1), temperature, dtype=_wide(logits).dtype, device=logits.device)
     return logits / t
+
+
+def sampler_logits(logits: Tensor, temperature: float) -> Tensor:
+    """z = logits / T exactly as vLLM's (V2) sampler hands it to its logprob kernel, (N, V).
+
+    At T = 1 the sampler changes nothing and keeps the logits in their own dtype (bf16); else
+    it copies them to fp32 and divides them in place with its Triton temperature kernel, whose
+    fp32 division rounds as Triton's does, not always as PyTorch's. So: the same two cases, the
+    second through vLLM's own kernel. On the CPU (Triton's interpreter, in the tests): `tempered`.
+    """
+    if not logits.is_cuda:
+        return tempered(logits, temperature)
+    if temperature == 1.0:
+        return logits.contiguous()
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+
+    z = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
+    request = torch.zeros(z.shape[0], dtype=torch.int32, device=z.device)  # every row: T[0]
+    apply_temperature(z, request, torch.full((1,), temperature, device=z.device))
+    return z
 
 
 def ref_logprobs_entropy(logits: Tensor, targets: Tensor,
@@ -675,13 +696,13 @@ def logprobs_entropy_backward(logits: Tensor, targets: Tensor, m: Tensor, log_s:
     return out
 
 
-# vLLM's `_log_softmax_kernel` runs one program per row, over blocks of this many columns:
-# pass 1 takes the max, pass 2 adds up each block's tl.sum of exp(z - max), pass 3 writes
-# z - max - log(sum). The order of that sum is fixed by the block size and by the layout Triton
-# gives a block of fp32 loads, so the kernel below, which reads the same fp32 z in the same
-# blocks, adds the same numbers in the same order: its lp of the target is vLLM's, bit for bit
-# (a GPU test compares them on every row of a 2048 x 151,936 batch). It writes only what the
-# loss needs, lp[target] and the entropy, where vLLM's writes the whole (N, V) lp.
+# vLLM's sampler computes a token's logprob with `_topk_log_softmax_kernel`: one program per
+# row, over blocks of this many columns; pass 1 takes the max, pass 2 adds up each block's
+# tl.sum of exp(z - max), then z[token] - max - log(sum). The order of that sum is fixed by the
+# block size and by the layout Triton gives a block of loads of z's dtype (bf16 at T = 1, fp32
+# else), so the kernel below, which reads the same z in the same blocks, adds the same numbers
+# in the same order: its lp of the target is vLLM's, bit for bit (a GPU test compares them on
+# every row of a 2048 x 151,936 batch). It also writes the entropy and the row statistics.
 LOG_SOFTMAX_BLOCK = 1024
 
 
@@ -713,7 +734,7 @@ def logprobs_entropy_triton(logits: Tensor, targets: Tensor, temperature: float)
     """`ref_logprobs_entropy_stats` on the GPU: lp[target] with vLLM's bits, the entropy, and
     the row statistics (max, log sum), fp32 (N,) each, from one read of z = logits / T for the
     max and one for the sums."""
-    z = tempered(logits, temperature).contiguous()  # (N, V)
+    z = sampler_logits(logits, temperature)  # (N, V), contiguous
     n, v = z.shape
     lp_t, entropy, m, log_s = torch.empty(4, n, dtype=torch.float32, device=z.device)
     _logprobs_entropy_kernel[(n,)](z, targets.contiguous(), lp_t, entropy, m, log_s, v,
@@ -1378,9 +1399,9 @@ def vllm_lora(x: Tensor, y: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) ->
 
 
 def vllm_forwards() -> Kernels:
-    """The kernels vLLM 0.26's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
+    """The kernels vLLM 0.34's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
     from vllm import _custom_ops as ops
-    from vllm.model_executor.layers import batch_invariant as bi
+    from vllm.model_executor.determinism import batch_invariant as bi
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     def add_rms_norm(x, residual, w, eps):
@@ -1407,7 +1428,7 @@ def vllm_forwards() -> Kernels:
             num_splits=1,
         )
 
-    # vLLM 0.26's linear layers and LM head call its Triton persistent matmul in batch-invariant
+    # vLLM 0.34's linear layers and LM head call its Triton persistent matmul in batch-invariant
     # mode; simple_rl routes them on Hopper to F.linear, which the trainer calls too: cuBLASLt
     # with split-K off, bit-equal to the Triton kernel at every row count checked
     # (tests/test_gemm_gpu.py) and faster. On Ampere vLLM routes aten::linear to the Triton
@@ -1420,7 +1441,7 @@ def vllm_forwards() -> Kernels:
         silu_and_mul=silu_and_mul,
         linear=F.linear,
         attention=attention,
-        logprobs_entropy=logprobs_entropy_triton,  # ours, with the bits of vLLM's log_softmax
+        logprobs_entropy=logprobs_entropy_triton,  # ours, with the bits of vLLM's sampler
         moe_topk=vllm_moe_topk,
         moe_experts=vllm_moe_experts,
         lora=vllm_lora,

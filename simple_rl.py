@@ -42,7 +42,7 @@ Departures from textbook GRPO/PPO:
     kernels, the trainer's adapter casts being the engine's adapter slot, so the push moves no
     byte; the KL reference is the base (the adapters off).
 
-Run (vLLM 0.26 + TorchTitan 0.2.2; `pip install -r requirements.txt`):
+Run (vLLM 0.34 + torch 2.14 + TorchTitan 0.2.2; `pip install -r requirements.txt`):
 
     VLLM_BATCH_INVARIANT=1 python simple_rl.py --model Qwen/Qwen3-1.7B --steps 20
     VLLM_BATCH_INVARIANT=1 torchrun --nproc-per-node 2 simple_rl.py --model Qwen/Qwen3-8B
@@ -116,8 +116,6 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import triton
-import triton.language as tl
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
 import batch_invariant_backward as bib
@@ -193,7 +191,8 @@ class Config:
     engine_sleep: bool = opt("rollout", True, "free vLLM's KV cache and weights while the "
                              "trainer runs (vLLM sleep mode)")
     prefix_caching: bool = opt("rollout", True, "let vLLM reuse the KV of prefixes it has seen "
-                               "(an episode's earlier turns, a prompt's G samples)")
+                               "(an episode's earlier turns, a prompt's G samples); off, vLLM "
+                               "returns no MoE routes, so only tokens are checked")
     # --- grpo
     clip_eps: float = opt("grpo", 0.2, "PPO clip range eps_c")
     kl_coef: float = opt("grpo", 0.0, "beta of the k3 KL to the frozen initial policy "
@@ -876,10 +875,12 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args,
 # ==========================================================================
 # Rollout: vLLM engine, sampling, packing
 # ==========================================================================
-# VLLMEngine.__init__ first patches three vLLM functions in this process (see "vLLM patches",
+# VLLMEngine.__init__ first patches two vLLM functions in this process (see "vLLM patches",
 # after the story ends): fused add+RMSNorm is padded to 256 rows, so every batch size
-# normalises alike; seeded requests draw their sampling noise in one kernel; and on Hopper the
-# linear layers run on cuBLASLt, the trainer's GEMM, whose bits equal vLLM's Triton matmul.
+# normalises alike; and on Hopper the linear layers run on cuBLASLt, the trainer's GEMM, whose
+# bits equal vLLM's Triton matmul. Sampling needs no patch: vLLM's sampler draws a token's
+# noise from a hash of (request seed, position, token id), so a sample depends on its seed
+# alone, not on the batch it was drawn in.
 
 
 @dataclass
@@ -939,15 +940,14 @@ class VLLMEngine(Engine):
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
         route_vllm_add_rms_norm_through_padded_rows()
-        route_vllm_seeded_sampling_through_one_kernel()
         route_vllm_linear_through_cublaslt()
         self.cfg = cfg
         self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
         # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
-        # the routing-parity check: a GPU buffer of max_num_batched_tokens x layers x k int32,
-        # a D2H copy per step, and a CPU table of a byte per KV slot, layer and k.
-        self.moe = bool(sparse_layers(files.args))
+        # the routing-parity check, and only with its prefix cache on (it keeps the routes of
+        # the cached blocks beside them): under --no-prefix-caching only tokens are checked.
+        self.moe = bool(sparse_layers(files.args)) and cfg.prefix_caching
         # LoRA: one adapter slot on the layers of --lora-targets (engine_lora_args); the trainer
         # adopts the base weights and binds its adapter casts to the slot (no second copy)
         self.lora = lora_spec(cfg, files.args)
@@ -3310,10 +3310,11 @@ def trainer_name(name: str) -> str:
 def route_vllm_add_rms_norm_through_padded_rows() -> None:
     """Make the engine's fused add+RMSNorm calls row-count invariant, exactly as the trainer's.
 
-    vLLM 0.26's batch-invariant RMSNorm hands a residual add to a CUDA kernel whose reduction
-    order changes at 256 rows (bib.ADD_RMS_NORM_MIN_ROWS). The engine runs in this process, so
-    replacing the function its RMSNorm layers call is enough: a decode step of fewer than 256
-    sequences is padded to 256 rows, and every row, in any batch, is normalised alike.
+    vLLM 0.26's batch-invariant RMSNorm handed a residual add to a CUDA kernel whose reduction
+    order changed at 256 rows (bib.ADD_RMS_NORM_MIN_ROWS; 0.34 launches it alike at any row
+    count, so the padding now only keeps the trainer's and the engine's calls one). The engine
+    runs in this process, so replacing the function its RMSNorm layers call is enough: a
+    decode step of fewer than 256 sequences is padded to 256 rows.
     """
     from vllm.model_executor.layers import layernorm
 
@@ -3331,79 +3332,10 @@ def route_vllm_add_rms_norm_through_padded_rows() -> None:
     layernorm.rms_norm_batch_invariant = rms_norm_rows
 
 
-# vLLM draws a seeded request's sampling noise from that request's own torch.Generator, one
-# `exponential_` launch per request per decode step: 256 launches and ~3 ms of host time per
-# step at 256 sequences, the largest host cost of a rollout. The kernel below draws every seeded
-# row of a step in one launch, keyed by the same (seed, generator position), so a sample still
-# depends on its request's seed and step only: not on the batch, its row, or the rank.
-NOISE_BLOCK = 2048
-
-
-@triton.jit
-def _seeded_exponential_kernel(Q, ROWS, SEEDS, OFFSETS, stride, V, BLOCK: tl.constexpr):
-    """q[row, j] = -log(u), u = uniform [0, 1) from Philox4x32-10 with key = the request's seed
-    and counter = (j, offset low, offset high, 0). u = 0 gives q = inf: that token cannot win."""
-    i = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    seed = tl.load(SEEDS + i)  # int64, the seed's 64 bits
-    offset = tl.load(OFFSETS + i)  # int64: the generator's position, +4 per draw
-    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
-    lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
-    hi = zero + (offset >> 32).to(tl.uint32)
-    bits, _, _, _ = tl.philox(seed, cols.to(tl.uint32), lo, hi, zero)
-    u = tl.uint_to_uniform_float(bits)
-    row = tl.load(ROWS + i)  # int64
-    tl.store(Q + row * stride + cols, -tl.log(u), mask=cols < V)
-
-
-def seeded_exponential_(q: torch.Tensor, generators: dict) -> None:
-    """Fill row i of q (R, V) fp32 with Exp(1) noise for generators[i], all rows in one launch.
-
-    Each generator advances as one `exponential_` call advances it (offset + 4), which is what
-    vLLM undoes when it discards a token sampled for a partly prefilled prompt.
-    """
-    gens = list(generators.values())
-    offsets = [g.get_offset() for g in gens]
-    for g, offset in zip(gens, offsets):
-        g.set_offset(offset + 4)
-    seeds = [s - 2**64 if s >= 2**63 else s for s in (g.initial_seed() for g in gens)]  # as int64
-    # pinned, so the copy does not wait for the GPU (a pageable one waits for the step's forward)
-    meta = torch.tensor([list(generators), seeds, offsets], pin_memory=q.is_cuda)
-    rows, seeds, offsets = meta.to(q.device, non_blocking=True)  # (R,) x 3
-    grid = (len(gens), triton.cdiv(q.shape[1], NOISE_BLOCK))
-    _seeded_exponential_kernel[grid](q, rows, seeds, offsets, q.stride(0), q.shape[1],
-                                     BLOCK=NOISE_BLOCK)
-
-
-def route_vllm_seeded_sampling_through_one_kernel() -> None:
-    """Make vLLM's sampler draw the noise of all seeded requests with seeded_exponential_.
-
-    It samples argmax(p / q) with q ~ Exp(1) per token (the exponential race: a draw from p);
-    only how q is drawn changes. The temperature, the logprobs and every other step are vLLM's.
-    """
-    from vllm.v1.sample.ops import topk_topp_sampler as sampler
-
-    plain = sampler.random_sample
-    if getattr(plain, "one_kernel", False):
-        return
-
-    def random_sample(probs, generators, use_fp64_gumbel=False):
-        if use_fp64_gumbel or not generators or not probs.is_cuda:
-            return plain(probs, generators, use_fp64_gumbel)
-        q = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)  # (R, V), dense
-        if len(generators) < probs.shape[0]:
-            q.exponential_()  # rows without a seed of their own (simple_rl seeds every request)
-        seeded_exponential_(q, generators)
-        return sampler.sample_with_exponential_noise(probs, q)
-
-    random_sample.one_kernel = True
-    sampler.random_sample = random_sample
-
-
 def route_vllm_linear_through_cublaslt() -> None:
     """Run the engine's linear layers and LM head on cuBLASLt, the GEMM the trainer calls.
 
-    In batch-invariant mode vLLM 0.26 sends every unquantized linear layer to its Triton
+    In batch-invariant mode vLLM 0.34 sends every unquantized linear layer to its Triton
     persistent matmul, whose 128 x 128 tiles leave most of an H200's SMs idle at a decode
     step's few hundred rows. On Hopper that mode also turns cuBLASLt's split-K off (no
     workspace), and cuBLASLt then gives the Triton kernel's bits: tests/test_gemm_gpu.py checks
@@ -4135,6 +4067,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
             state = dict(next_step=next_step, world_size=trainer.ranks.world,
                          shapes=model_shapes(trainer.model),
                          mismatched_total=trainer.mismatched_total, inputs=trainer.inputs,
+                         stack=stack_versions(),  # a resume on another stack says so
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
                          sampler_seeds=[sample_seed(cfg, next_step, i)
@@ -4228,6 +4161,27 @@ def read_checkpoint_state(ckpt: Path) -> dict:
     return state
 
 
+def stack_versions() -> dict[str, str]:
+    """The versions whose kernels decide a sample's bits: torch's, and vLLM's where it runs."""
+    vllm = sys.modules.get("vllm")
+    return dict(torch=torch.__version__, **({"vllm": vllm.__version__} if vllm else {}))
+
+
+def stack_change(saved: dict | None) -> str | None:
+    """'vLLM 0.26 / torch 2.11 (now ...)' when a checkpoint's stack is not this process's, else
+    None. Checkpoints record it from vLLM 0.34 on; one without a record was made on 0.26."""
+    now = stack_versions()
+    if saved == now:
+        return None
+
+    def name(versions: dict) -> str:  # vLLM first
+        return " / ".join(f"{'vLLM' if k == 'vllm' else k} {versions[k]}"
+                          for k in sorted(versions, reverse=True))
+
+    then = name(saved) if isinstance(saved, dict) else "vLLM 0.26 / torch 2.11"
+    return f"{then} (now {name(now)})"
+
+
 def unrestorable(ckpt: Path, e: BaseException) -> ConfigError:
     return ConfigError(f"{ckpt} cannot be restored ({root_cause(e)}); resume from an earlier "
                        "checkpoint.")
@@ -4309,6 +4263,10 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     same_world = state["world_size"] == trainer.ranks.world
     rng = read_rng(ckpt, trainer.ranks.rank) if same_world else None
     trainer.mismatched_total = int(state.get("mismatched_total", 0))  # older checkpoints: 0
+    other_stack = stack_change(state.get("stack"))
+    if other_stack:
+        print0(f"{ckpt.name} was made with {other_stack}: its weights and optimizer state go "
+               "on exactly, its samples will not continue bit for bit.")
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
                                      "param_groups": optim_state["param_groups"]},
@@ -5369,6 +5327,9 @@ EXPECTED_VLLM_WARNINGS = (
     "Using None for EOS token id",  # we pass token ids and stop ids ourselves
     "No FlashInfer autotune cache entries",
     "Triton kernel JIT compilation during inference",  # the backward kernels' first compile
+    "Random sampling without an explicit seed",  # vLLM's default parameters; ours are seeded
+    "Chat template warmup failed",  # no tokenizer in the engine: we pass token ids
+    "FlashInfer's precompiled kernels are missing",  # no FlashInfer kernel runs here
 )
 
 
@@ -5421,20 +5382,28 @@ def quiet_writer_thread() -> None:
 
 
 def quiet_vllm(verbose: bool) -> None:
-    """Once vLLM has configured its logger: drop the warnings it is expected to give."""
-    import logging
+    """Before vLLM sets up its logger (when its engine starts): its console handler drops the
+    warnings vLLM is expected to give (the handler's filters are part of vLLM's logging config,
+    which it applies afresh at each start)."""
+    from vllm import logger
 
-    if not verbose:
-        for handler in logging.getLogger("vllm").handlers:
-            handler.addFilter(ExpectedWarnings)
+    handler = logger.DEFAULT_LOGGING_CONFIG["handlers"]["vllm"]
+    if verbose or "simple_rl" in handler.get("filters", []):
+        return
+    logger.DEFAULT_LOGGING_CONFIG.setdefault("filters", {})["simple_rl"] = {"()": ExpectedWarnings}
+    handler["filters"] = [*handler.get("filters", []), "simple_rl"]
 
 
 def prepare_environment(cfg: Config) -> None:
     """Before vLLM is imported: CUDA present, the environment parity needs, vLLM importable."""
     need(torch.cuda.is_available(), "no CUDA GPU found; the training job needs one (the tests "
          "run anywhere: see README.md).")
-    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "0",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # vLLM 0.34 has one model runner (V2) and raises on this variable unless it says "1"
+    runner = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if runner not in (None, "1"):
+        print0(f"VLLM_USE_V2_MODEL_RUNNER={runner} ignored: vLLM 0.34 has only its V2 model "
+               "runner, the one simple_rl's parity is measured on.")
     # cuBLASLt without split-K, as vLLM's batch-invariant mode sets it on Hopper when its engine
     # starts; set here too, before any GEMM, because PyTorch reads it at the first one only.
     os.environ.update(CUBLAS_WORKSPACE_CONFIG=":16:8", CUBLASLT_WORKSPACE_SIZE="1")
@@ -5446,11 +5415,24 @@ def prepare_environment(cfg: Config) -> None:
         need(os.environ[name] == value, f"{name}={os.environ[name]} breaks bitwise parity; "
              f"unset it or set {name}={value}.")
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as e:
         raise ConfigError("vLLM is not installed; run `pip install -r requirements.txt` "
-                          "(vllm==0.26.0, torchtitan==0.2.2).") from e
+                          f"({STACK_PINS}).") from e
+    need(version_at_least(vllm.__version__, 0, 34), f"vLLM {vllm.__version__} is installed; "
+         f"simple_rl computes what vLLM 0.34 computes: run `pip install -r requirements.txt` "
+         f"({STACK_PINS}).")
     quiet_vllm(cfg.verbose)
+
+
+# What requirements.txt installs; a checkpoint records the versions it was made with
+STACK_PINS = "vllm==0.34.0, torch==2.14.0, torchtitan==0.2.2"
+
+
+def version_at_least(version: str, major: int, minor: int) -> bool:
+    """'0.34.0+cu130' >= (0, 34): the leading major.minor of a version string, compared."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return bool(found) and (int(found[1]), int(found[2])) >= (major, minor)
 
 
 # ==========================================================================

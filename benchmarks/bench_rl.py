@@ -9,7 +9,8 @@ prompts and token counts.
     (c) seed     the seed's design: bitwise kernels, one training forward per sample, weights
                  synced by writing safetensors and calling vLLM's reload_weights
     (d) user     what users run without bitwise parity: vLLM with its defaults (torch.compile,
-                 CUDA graphs, default model runner, no per-request seeds) in-process as TRL's
+                 CUDA graphs, its V2 model runner, async scheduling, no per-request seeds,
+                 vLLM 0.34 as requirements.txt pins it) in-process as TRL's
                  colocate mode runs it, and a Hugging Face transformers Qwen3 trainer (fp32
                  master weights, bf16 autocast, the best attention transformers offers,
                  right-padded micro-batches as TRL pads them, of as many full-length rows as
@@ -832,8 +833,6 @@ def main():
             VLLM_BATCH_INVARIANT="0" if d in "bd" else "1",
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
         )
-        if d != "d":  # (d) keeps vLLM's default model runner
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         launch = (
             [sys.executable]
             if a.nproc == 1

@@ -67,7 +67,7 @@ def run(args) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
 
     import batch_invariant_backward as bib
     import simple_rl as rl

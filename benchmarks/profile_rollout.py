@@ -73,6 +73,7 @@ KINDS = [
     ("matmul_kernel_persistent", "gemm"), ("gemm", "gemm"), ("nvjet", "gemm"),
     ("xmma", "gemm"), ("cutlass", "gemm"),
     ("rms", "norm"), ("rotary", "rope"), ("silu", "act"), ("softmax", "sampler"),
+    ("gumbel", "sampler"), ("temperature", "sampler"), ("ranks", "sampler"),
     ("exponential", "sampler"), ("argmax", "sampler"), ("sample", "sampler"),
     ("gather", "sampler"), ("topk", "sampler"), ("reduce", "sampler"), ("memcpy", "copy"),
     ("memset", "copy"), ("copy", "copy"),
@@ -303,8 +304,6 @@ def main():
             out = Path(a.out).with_suffix(f".{design}{samples}.json")
             env = dict(os.environ, VLLM_BATCH_INVARIANT="0" if design == "d" else "1",
                        VLLM_ENABLE_V1_MULTIPROCESSING="0")
-            if design != "d":
-                env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             subprocess.run([sys.executable, __file__, "--model", a.model, "--new-tokens",
                             str(a.new_tokens), "--prompt-len", str(a.prompt_len),
                             "--host-profile", str(a.host_profile), "--worker",

@@ -406,13 +406,13 @@ def test_gpu_fused_add_rms_norm_rows_is_batch_invariant(d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_gpu_logprobs_kernel_gives_vllms_log_softmax_bits(temperature):
-    """Our logprob head against vLLM's batch-invariant log_softmax of the tempered fp32 logits,
+def test_gpu_logprobs_kernel_gives_vllms_sampler_bits(temperature):
+    """Our logprob head against vLLM's sampler (its temperature kernel, then its logprob kernel)
     at Qwen3's vocabulary: lp[target] bit for bit on every one of 2048 rows, and the row
-    statistics rebuild vLLM's whole lp row bit for bit (what the backward recomputes); the
-    entropy and the logits' gradient agree with PyTorch's to fp32 rounding."""
+    statistics rebuild vLLM's lp of every token of 64 rows bit for bit (what the backward
+    recomputes); the entropy and the logits' gradient agree with PyTorch's to fp32 rounding."""
     vk = _vllm_or_skip()
-    from vllm.model_executor.layers import batch_invariant as bi
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     n, v = 2048, 151936
@@ -420,11 +420,17 @@ def test_gpu_logprobs_kernel_gives_vllms_log_softmax_bits(temperature):
     x = (torch.randn(n, v, device="cuda", generator=g) * scale).bfloat16()
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
     lp_t, entropy, m, log_s = bib.logprobs_entropy_triton(x, targets, temperature)
-    vllm_lp = bi.log_softmax(bib.tempered(x, temperature))  # (n, V), what vLLM's sampler returns
-    assert torch.equal(lp_t, vllm_lp.gather(-1, targets[:, None])[:, 0])
-    assert torch.equal(bib.tempered(x, temperature) - m[:, None] - log_s[:, None], vllm_lp)
-    torch.testing.assert_close(entropy, -(vllm_lp.exp() * vllm_lp).sum(-1), rtol=1e-5, atol=1e-4)
-    del vllm_lp
+    z = bib.sampler_logits(x, temperature)  # what vLLM's sampler hands its logprob kernel
+    assert z.dtype == (torch.bfloat16 if temperature == 1.0 else torch.float32)
+    assert torch.equal(lp_t, compute_token_logprobs(z, targets[:, None])[:, 0])
+    every = torch.arange(v, device="cuda").expand(64, v)
+    vllm_lp = compute_token_logprobs(z[:64], every)  # (64, V): vLLM's lp of every token
+    assert torch.equal(z[:64].float() - m[:64, None] - log_s[:64, None], vllm_lp)
+    if temperature != 1.0:  # Triton's division, within an ulp of PyTorch's
+        torch.testing.assert_close(z, bib.tempered(x, temperature), rtol=2.4e-7, atol=0)
+    lp = torch.log_softmax(z.float(), -1)
+    torch.testing.assert_close(entropy, -(lp.exp() * lp).sum(-1), rtol=1e-5, atol=1e-4)
+    del lp, vllm_lp
     g_lp, g_ent = torch.randn(2, n, device="cuda", generator=g)
     got = bib.logprobs_entropy_backward_triton(x, targets, m, log_s, entropy, g_lp, g_ent,
                                                temperature)

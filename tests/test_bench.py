@@ -388,8 +388,9 @@ def test_rollout_profile_sorts_kernels_clocks_host_calls_and_tables_per_step(mon
 
     kinds = {"void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90":
              "attention", "nvjet_sm90_tst_64x64_64x13_2x1_v_bz_TNT": "gemm",
-             "matmul_kernel_persistent": "gemm", "_log_softmax_kernel": "sampler",
-             "_seeded_exponential_kernel": "sampler", "vllm::fused_add_rms_norm_kernel": "norm",
+             "matmul_kernel_persistent": "gemm", "_topk_log_softmax_kernel": "sampler",
+             "_gumbel_sample_kernel": "sampler", "_temperature_kernel": "sampler",
+             "_ranks_kernel": "sampler", "vllm::fused_add_rms_norm_kernel": "norm",
              "memcpy32_post": "copy", "vllm::rotary_embedding_kernel": "rope",
              "vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "kv write",
              "some_new_kernel": "other"}

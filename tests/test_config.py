@@ -247,3 +247,39 @@ def test_the_allocator_grows_its_segments_in_place_unless_the_user_chose():
 
     assert conf() == "expandable_segments:True"
     assert conf(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512") == "max_split_size_mb:512"
+
+
+def test_a_leftover_v1_runner_variable_is_dropped_in_one_line(monkeypatch, capsys):
+    """vLLM 0.34 raises on VLLM_USE_V2_MODEL_RUNNER=0 (its V1 runner is gone): simple_rl drops
+    it with one sentence and goes on to the next check."""
+    import os
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # the next check: vLLM not installed
+    with pytest.raises(rl.ConfigError, match="vLLM is not installed"):
+        rl.prepare_environment(rl.Config())
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    out = capsys.readouterr().out
+    assert out == ("VLLM_USE_V2_MODEL_RUNNER=0 ignored: vLLM 0.34 has only its V2 model runner, "
+                   "the one simple_rl's parity is measured on.\n")
+
+
+def test_an_older_vllm_is_refused_with_the_command_that_installs_the_right_one(monkeypatch):
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    logger = types.SimpleNamespace(DEFAULT_LOGGING_CONFIG={"handlers": {"vllm": {}}})
+    for version, ok in (("0.26.0", False), ("0.33.1", False), ("0.34.0", True),
+                        ("0.35.0+cu130", True)):
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version,
+                                                                      logger=logger))
+        monkeypatch.setitem(sys.modules, "vllm.logger", logger)
+        if ok:
+            rl.prepare_environment(rl.Config())
+            continue
+        with pytest.raises(rl.ConfigError, match=rf"^vLLM {version} is installed; simple_rl "
+                           r"computes what vLLM 0.34 computes: run `pip install -r "
+                           r"requirements.txt` \(vllm==0.34.0, torch==2.14.0"):
+            rl.prepare_environment(rl.Config())
+    assert not rl.version_at_least("dev", 0, 34) and rl.version_at_least("1.0", 0, 34)

@@ -4,6 +4,7 @@
 import logging
 import os
 import re
+import sys
 
 import simple_rl as rl
 from helpers import ExactEngine, TorchEngine, cpu_argv, main_cpu, metrics_rows
@@ -112,3 +113,34 @@ def test_the_mismatch_total_runs_across_a_resume(ckpt, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and min(per_step) >= 1
     assert [r["determinism/mismatched_tokens_total"] for r in rows] == list(
         itertools.accumulate(per_step))
+
+
+def test_vllms_own_logging_config_gets_the_filter(monkeypatch):
+    """vLLM 0.34 builds its console handler from DEFAULT_LOGGING_CONFIG when its engine starts:
+    quiet_vllm puts the filter there, once, and a handler built from it drops what is expected
+    and passes the rest (a stand-in vllm.logger, with vLLM's shape of config)."""
+    import copy
+    import io
+    import logging.config
+    import types
+
+    config = {"version": 1, "disable_existing_loggers": False,
+              "handlers": {"vllm": {"class": "logging.StreamHandler", "stream": io.StringIO()}},
+              "loggers": {"vllm": {"handlers": ["vllm"], "level": "WARNING",
+                                   "propagate": False}}}
+    fake = types.SimpleNamespace(DEFAULT_LOGGING_CONFIG=config)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(logger=fake))
+    monkeypatch.setitem(sys.modules, "vllm.logger", fake)
+    rl.quiet_vllm(verbose=True)
+    assert "filters" not in config["handlers"]["vllm"]
+    rl.quiet_vllm(verbose=False)
+    rl.quiet_vllm(verbose=False)
+    assert config["handlers"]["vllm"]["filters"] == ["simple_rl"]
+    stream = io.StringIO()
+    built = copy.deepcopy(config)
+    built["handlers"]["vllm"]["stream"] = stream
+    logging.config.dictConfig(built)
+    log = logging.getLogger("vllm.renderers.base")
+    log.warning("Chat template warmup failed")
+    log.warning("Not enough memory for the KV cache")
+    assert stream.getvalue() == "Not enough memory for the KV cache\n"

@@ -60,7 +60,7 @@ def check() -> dict:
     """For each shape: the row counts whose F.linear rows differ from the Triton kernel's."""
     import torch
     import torch.nn.functional as F
-    from vllm.model_executor.layers import batch_invariant as bi
+    from vllm.model_executor.determinism import batch_invariant as bi
 
     bi.init_batch_invariance()  # before the first GEMM: split-K off, as in simple_rl
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -30,7 +30,7 @@ def _need_gpu_stack(gpus: int = 1):
 
 def _env(**extra):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, VLLM_BATCH_INVARIANT="1", VLLM_USE_V2_MODEL_RUNNER="0",
+    return dict(os.environ, VLLM_BATCH_INVARIANT="1",
                 VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=path, **extra)
 
 
@@ -83,6 +83,7 @@ def check_parity_run(r, steps, samples, tokens_per_step):
     # the engine was built to schedule step t + 1 while step t runs, and its linear layers
     # run on cuBLASLt on Hopper: the bits below hold with both, across pushes and sleep/wake
     assert r["async_scheduling"] is True
+    assert r["batch_free"]  # per-request seeds: a sample does not depend on its batch
     assert r["linear_on_cublaslt"] is (torch.cuda.get_device_capability()[0] == 9)
     assert len(r["steps"]) == steps
     for s in r["steps"]:

@@ -258,3 +258,22 @@ def test_resume_names_the_flags_it_ignores(saved, tmp_path, capsys):
     saved_cfg = json.loads((ckpt.parent / "step_000003" / "run_config.json").read_text()) \
         if (ckpt.parent / "step_000003").exists() else None
     assert saved_cfg is None  # --save-every 5 was taken: no checkpoint at step 3
+
+
+def test_a_checkpoint_of_another_stack_says_so_in_one_line_and_goes_on(saved, tmp_path, capsys):
+    """Checkpoints record the versions whose kernels decide the samples; one written before they
+    did (vLLM 0.26 / torch 2.11) resumes with one sentence: the weights go on, the samples not
+    bit for bit."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["stack"] == rl.stack_versions() == {"torch": torch.__version__}  # no vLLM here
+    assert rl.stack_change(state["stack"]) is None
+    assert rl.stack_change({"vllm": "0.34.0", "torch": "2.14.0"}) == \
+        f"vLLM 0.34.0 / torch 2.14.0 (now torch {torch.__version__})"
+    del state["stack"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    assert main_cpu(["--resume", str(ckpt), "--steps", "3"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "was made with" in line]
+    assert said == [f"step_000002 was made with vLLM 0.26 / torch 2.11 (now torch "
+                    f"{torch.__version__}): its weights and optimizer state go on exactly, its "
+                    "samples will not continue bit for bit."]

@@ -63,9 +63,9 @@ def test_lora_every_token_bitwise_equal_deterministic_and_resumable(lora_runs):
     assert "with LoRA rank 16" in a_out
 
 
-# The GPU suite's determinism run (tests/test_gpu.py, run "a") has ended at these weights since
-# the episode round (results/h200_episodes/): full fine-tuning is the same path with LoRA in it.
-FULL_FT_SHA256 = "32880ee714c9deac338c270cc7f1b39cda04411edcfbff325a96f3a82c0eeaaf"
+# The GPU suite's determinism run (tests/test_gpu.py, run "a") ends at these weights on vLLM 0.34
+# (results/h200_vllm034/): full fine-tuning is the same path with LoRA in it.
+FULL_FT_SHA256 = "694c224a67a8798ebd04afd52c2529639939a3b8148f5661794b04047170f4c8"
 
 
 def test_full_fine_tuning_still_ends_at_its_sha256(lora_runs):

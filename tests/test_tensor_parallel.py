@@ -159,7 +159,7 @@ def _nccl_ranks(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, device_id=device)
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
 
     init_batch_invariance()  # NCCL's knobs, split-K off: after the trainer's communicator
     comm = PyNcclCommunicator(dist.new_group(backend="gloo"), device)
