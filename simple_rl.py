@@ -3297,7 +3297,8 @@ VLLM_TO_TRAINER = (("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "
                    ("self_attn.k_norm", "attention.k_norm"),
                    ("input_layernorm", "attention_norm"), ("post_attention_layernorm", "ffn_norm"),
                    ("mlp.gate_up_proj", "feed_forward.w13"), ("mlp.down_proj", "feed_forward.w2"),
-                   ("mlp.gate.", "moe.router.gate."), ("mlp.experts.w13_weight", "moe.experts.w13"),
+                   ("mlp.gate.", "moe.router.gate."), ("experts.routed_experts.", "experts."),
+                   ("mlp.experts.w13_weight", "moe.experts.w13"),
                    ("mlp.experts.w2_weight", "moe.experts.w2"))
 
 

@@ -210,7 +210,8 @@ def test_vllm_names_map_to_the_trainers_and_the_adapter_binds_to_the_engines_slo
               "model.layers.0.post_attention_layernorm.weight",
               "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
               "model.norm.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
-              "model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"]
+              "model.layers.1.mlp.experts.routed_experts.w13_weight",  # vLLM 0.34's names
+              "model.layers.1.mlp.experts.routed_experts.w2_weight"]
     assert [rl.trainer_name(n) for n in theirs] == [
         "tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.0.attention.wo.weight",
         "layers.0.attention.q_norm.weight", "layers.0.attention.k_norm.weight",
