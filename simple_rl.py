@@ -2297,6 +2297,7 @@ FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
 MAX_TURNS = 2**15  # a turn's seeds lie turn * 2^48 above the first's, within 64 bits
 FP32_MAX = 3.4028234663852886e38  # fp32's largest finite number
 MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
+MAX_LORA_SCALE = 1024.0  # alpha / r: usual values are 0.5-4; far above, one step swamps the base
 
 
 EXAMPLES = """examples:
@@ -2368,10 +2369,13 @@ def need(ok: bool, message: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Every check on the config alone, in one place (the checkpoint's checks live in load)."""
+    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
     for f in dataclasses.fields(Config):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
-            need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
+        value = getattr(cfg, f.name)  # a crafted run_config.json's may be of any JSON type
+        need(isinstance(value, kinds[f.type]) and (f.type == "bool") == (type(value) is
+             bool), f"{flag(f.name)} must be a {f.type} (got {shown(value)}).")
+        if f.type == "float":  # finite, and in fp32's range: the optimizer computes in it
+            need(abs(value) < 3e38 and math.isfinite(value), f"{flag(f.name)} must be a finite "
                  f"number (got {value}).")
             # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
             need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
@@ -2440,9 +2444,21 @@ def validate(cfg: Config) -> None:
          f"{', '.join(map(str, ranks[1:]))} (0: full fine-tuning).")
     need(not cfg.lora_rank or cfg.lora_alpha > 0, f"--lora-alpha must be > 0 (got "
          f"{cfg.lora_alpha}): the update is (alpha / r) B A.")
-    unknown = set(cfg.lora_targets.split(",")) - set(LORA_TARGETS) - {"all"}
-    need(not unknown, f"--lora-targets names {', '.join(sorted(unknown))}: the targets are "
-         f"all or a comma-separated list of {', '.join(LORA_TARGETS)}.")
+    need(not cfg.lora_rank or cfg.lora_alpha <= MAX_LORA_SCALE * cfg.lora_rank, f"--lora-alpha "
+         f"{cfg.lora_alpha:g} with --lora-rank {cfg.lora_rank} scales the update by "
+         f"{cfg.lora_alpha / max(cfg.lora_rank, 1):.3g}; alpha / r may be at most "
+         f"{MAX_LORA_SCALE:g}.")
+    targets = [t.strip() for t in cfg.lora_targets.split(",")]
+    unknown = set(targets) - set(LORA_TARGETS) - {"all"}
+    need(not unknown, f"--lora-targets names {', '.join(map(repr, sorted(unknown)))}: the "
+         f"targets are all or a comma-separated list of {', '.join(LORA_TARGETS)}.")
+    need("all" not in targets or targets == ["all"], f"--lora-targets {cfg.lora_targets}: all "
+         "already names every target; give it alone, or list the targets.")
+    lora_only = [flag(n) for n in ("lora_alpha", "lora_targets", "export")  # (a resume: its own)
+                 if getattr(cfg, n) != Config.__dataclass_fields__[n].default]
+    need(cfg.lora_rank or cfg.resume or not lora_only, f"{', '.join(lora_only)} set a LoRA "
+         "run's adapters and export, and full fine-tuning has none: add --lora-rank r, or drop "
+         "them.")
     need(not (cfg.lora_rank and cfg.kernels == "reference"), "--lora-rank with --kernels "
          "reference: the engine adds the adapters with vLLM's LoRA kernels, which only --kernels "
          "vllm computes as it does (drop --kernels reference).")
@@ -3427,9 +3443,15 @@ def lora_spec(cfg: Config, args) -> LoRASpec | None:
     if not cfg.lora_rank:
         return None
     every = LORA_TARGETS[:4] if sparse_layers(args) else LORA_TARGETS
-    targets = every if cfg.lora_targets == "all" else \
-        tuple(t.strip() for t in cfg.lora_targets.split(","))
+    targets = every if cfg.lora_targets.strip() == "all" else named_targets(cfg.lora_targets)
     return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
+
+
+def named_targets(text: str) -> tuple[str, ...]:
+    """--lora-targets as the set it names, in LORA_TARGETS' order ('v_proj, q_proj,q_proj' is
+    q_proj,v_proj; all is the seven)."""
+    names = {t.strip() for t in text.split(",")}
+    return tuple(t for t in LORA_TARGETS if t in names or "all" in names)
 
 
 def engine_lora_args(lora: LoRASpec) -> dict:
@@ -4746,13 +4768,13 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
 def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
                run_dir: Path) -> str:
     n = count_params(files.args)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    size = f"{n / 1e9:.2f}B params" if n >= 1e9 else f"{n / 1e6:.1f}M params"
     memory = f" | {memory} (estimate)" if memory else ""
     lora = lora_spec(cfg, files.args)
     if lora:
-        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
+        size += (f", LoRA rank {lora.rank} on {','.join(lora.targets)} "
                  f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
-    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
+    return (f"simple_rl | {files.path} | {size} | {world} rank(s) | kernels {kernels} | "
             f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
 
 
