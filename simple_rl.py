@@ -4090,6 +4090,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
             state = dict(next_step=next_step, world_size=trainer.ranks.world,
                          shapes=model_shapes(trainer.model),
                          mismatched_total=trainer.mismatched_total, inputs=trainer.inputs,
+                         lora={n: getattr(cfg, n) for n in LORA_FIELDS},
                          stack=stack_versions(),  # a resume on another stack says so
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
@@ -4272,8 +4273,11 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
 
     state = read_checkpoint_state(ckpt)
     want = model_shapes(trainer.model)
-    need(state["shapes"] == want, f"{ckpt} was saved from another model ({len(state['shapes'])} "
-         f"weights; --model {trainer.cfg.model} has {len(want)}, or their shapes differ).")
+    other = next((n for n in sorted({*state["shapes"], *want})
+                  if state["shapes"].get(n) != want.get(n)), None)
+    need(other is None, f"{ckpt} holds other weights than --model {trainer.cfg.model} under "
+         f"its run_config.json makes ({other}: saved {state['shapes'].get(other)}, here "
+         f"{want.get(other)}): it was saved from another model, or its files were edited.")
     read_dcp_metadata(ckpt)
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=TRAINED_ONLY)
@@ -4414,6 +4418,15 @@ def resume_location(cfg: Config, passed: set[str], ckpt: Path) -> tuple[str, str
     return log_dir, run_name
 
 
+# The flags that give the trained adapters their meaning: state.json records them, and a resume
+# keeps them (the seven targets spelled out are `all`).
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+
+
+def lora_meaning(value):
+    return named_targets(value) if isinstance(value, str) else value
+
+
 def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
     """The checkpoint's config, with the flags a resume may change; warns about the others.
 
@@ -4436,11 +4449,18 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         need(":" not in spec or name in passed, f"{ckpt}'s run used {flag(name)} {spec}; a "
              f"resume imports no code its checkpoint names: pass {flag(name)} FILE.py:NAME "
              "again.")
-    for name in ("lora_rank", "lora_alpha", "lora_targets"):  # the trained tensors' meaning
-        need(name not in passed or getattr(cfg, name) == getattr(resumed, name),
+    trained = read_checkpoint_state(ckpt).get("lora")
+    if not isinstance(trained, dict):  # an older checkpoint records none
+        trained = {name: getattr(resumed, name) for name in LORA_FIELDS}
+    for name in LORA_FIELDS:  # the trained tensors' meaning
+        value = lora_meaning(getattr(resumed, name))
+        need(lora_meaning(trained.get(name)) == value,
+             f"{file} says {flag(name)} {getattr(resumed, name)}, but the checkpoint's weights "
+             f"were trained with {shown(trained.get(name))} (state.json): restore the file.")
+        need(name not in passed or lora_meaning(getattr(cfg, name)) == value,
              f"{ckpt}'s run trained with {flag(name)} {getattr(resumed, name)}; a resume "
              f"continues those weights and cannot change it to {getattr(cfg, name)}.")
-    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS)
+    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS) - set(LORA_FIELDS)
                      if getattr(cfg, n) != saved.get(n))
     if ignored:
         flags = ", ".join(flag(n) for n in ignored)
