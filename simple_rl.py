@@ -2181,7 +2181,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
                       reward_fn=reward_fn, make_env=make_env if cfg.env else None,
-                      inputs={n: digests(f) for n, f in inputs.items()})
+                      inputs=inputs)
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
@@ -3044,13 +3044,15 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
 
 
 def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
-    """Every check that needs no GPU (headers and text only, seconds): a resume reads only the
-    files its run read; then model files, tokenizer, the run's prompts, the reward and the env.
-    Returns (files, task, reward_fn, make_env, the files read by name), or None after --check
-    has said what it checked."""
+    """Every check that needs no GPU (headers and text, seconds; the weights hashed, one read):
+    a resume reads only the files its run read; then model files, tokenizer, the run's
+    prompts, the reward and the env.
+    Returns (files, task, reward_fn, make_env, the sha256 of the files read by name), or None
+    after --check has said what it checked."""
     model_dir = resolve_checkpoint(cfg.model)
     inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
-    check_unchanged(cfg, inputs, expect)
+    hashed = on_rank0(lambda: check_unchanged(cfg, inputs, expect)) \
+        if expect is not None or not cfg.check else {}  # --check alone records nothing
     files = load_model_files(cfg, model_dir)
     task = load_task(cfg, files.tokenizer)
     reward_fn = load_reward(cfg.reward)
@@ -3064,7 +3066,7 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
     if cfg.check:
         print0(check_report(cfg, ckpt, files, task, empty, checked))
         return None
-    return files, task, reward_fn, make_env, inputs
+    return files, task, reward_fn, make_env, hashed
 
 
 def read_weights(cfg: Config, files: ModelFiles, vllm: bool) -> dict[str, torch.Tensor]:
@@ -4339,19 +4341,25 @@ PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume", "allow
               "check"}
 
 
-# The flags that name what a run reads: the reward's code, the model's config and tokenizer,
-# the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A resume
-# imports only the command line's --reward and --env files; --model and --data-files it takes
-# from the command line, or from the checkpoint when their files still have the recorded sha256.
+# The flags that name what a run reads: the reward's code, the model's config, tokenizer and
+# weights, the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A
+# resume imports only the command line's --reward and --env files; --model and --data-files it
+# takes from the command line, or from the checkpoint when their files still have the recorded
+# sha256. The weights are read again on a resume (a LoRA run's base, full fine-tuning's KL
+# reference), so every byte of them is hashed at each start: a size-and-mtime shortcut would
+# miss a tensor rewritten in place. It costs one read of the weights (the engine then loads them
+# from the page cache) at about 1 GB/s per core, the files hashed in parallel.
 INPUTS = ("reward", "env", "model", "data_files")
 
 
 def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
     """The files behind one of INPUTS, by key: the reward's or env's file (keyed by NAME), the
-    data file, the model's config.json and tokenizer files."""
+    data file, the model's config.json, tokenizer files, safetensors index and weights."""
     if name == "model":
-        return {f: model_dir / f for f in ("config.json", *TOKENIZER_FILES)
-                if (model_dir / f).is_file()}
+        names = ["config.json", *TOKENIZER_FILES, "model.safetensors.index.json"]
+        with contextlib.suppress(ConfigError):  # none, or a bad index: load_model_files says so
+            names += weight_files(model_dir)
+        return {f: model_dir / f for f in names if (model_dir / f).is_file()}
     if not value or (name == "env" and value in EMBEDDED_ENVS):
         return {}
     if name in ("reward", "env"):
@@ -4363,26 +4371,34 @@ def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
+        for block in iter(lambda: f.read(2**23), b""):
+            h.update(block)  # releases the GIL: files hash in parallel
     return h.hexdigest()
 
 
 def digests(files: dict[str, Path]) -> dict[str, str]:
-    """sha256 of each regular file (a FIFO or a device is left to the loader to refuse)."""
-    return {key: sha256_file(p) for key, p in files.items() if p.is_file()}
+    """sha256 of each regular file (a FIFO or a device is left to the loader to refuse), up to
+    8 files at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = [key for key, p in files.items() if p.is_file()]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(keys, pool.map(lambda key: sha256_file(files[key]), keys)))
 
 
-def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]], expect: dict | None):
-    """On a resume, before any of `inputs` is read: each must be what the checkpoint's run
-    read (sha256). A path taken from the checkpoint must match; one given on the command line
-    may differ only with --allow-changed-files, which says so in a warning."""
+def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]],
+                    expect: dict | None) -> dict[str, dict[str, str]]:
+    """The sha256 of the files of `inputs`, by name. On a resume, before any of them is read:
+    each must be what the checkpoint's run read. A path taken from the checkpoint must match;
+    one given on the command line may differ only with --allow-changed-files, which says so in
+    a warning."""
+    hashed = {name: digests(files) for name, files in inputs.items()}
     if expect is None:
-        return
+        return hashed
     recorded = expect["recorded"] if isinstance(expect["recorded"], dict) else {}
     for name, files in inputs.items():
         want = recorded.get(name, {})  # none recorded: it must read no file
-        found = digests(files)
+        found = hashed[name]
         if found == want:
             continue
         want = want if isinstance(want, dict) else {}
@@ -4396,6 +4412,7 @@ def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]], expect: dic
              "--allow-changed-files to resume with it.")
         print0(f"warning: {what} differs from what the run read when {cfg.resume} was saved; "
                "resuming with it (--allow-changed-files).")
+    return hashed
 
 
 def is_run_dir(path: Path) -> bool:
