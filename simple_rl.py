@@ -3985,28 +3985,31 @@ def root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-def disk_error(path: Path, e: OSError) -> RunStopped:
-    """One sentence for a file-system error: which path, and what to free or change."""
+def disk_error(path: Path, e: OSError, place: str = "--log-dir") -> RunStopped:
+    """One sentence for a file-system error: which path, and what to free or change (`place`:
+    the flag that chose the path)."""
     where = Path(e.filename) if e.filename else path
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         near = next((p for p in [path, *path.parents] if p.exists()), Path("."))
         free = shutil.disk_usage(near).free / 2**30
         full = "no space left" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        what = (f"{full} on the device holding {where} ({free:.1f} GiB free): free space "
-                "there, lower --keep-last, or point --log-dir at a larger disk")
+        other = "lower --keep-last, or point --log-dir at a larger disk" \
+            if place == "--log-dir" else f"or point {place} at a larger disk"
+        what = f"{full} on the device holding {where} ({free:.1f} GiB free): free space there, "
+        what += other
     elif e.errno == errno.EROFS:
         what = f"{where} is on a read-only file system: choose another --log-dir/--output-dir"
     elif e.errno in (errno.EACCES, errno.EPERM):
-        what = f"no permission to write {where}: fix its permissions or choose another --log-dir"
+        what = f"no permission to write {where}: fix its permissions or choose another {place}"
     else:
         what = f"could not write {where} ({e.strerror or e})"
     return RunStopped(what + ".", EXIT_DISK)
 
 
 @contextlib.contextmanager
-def writing(path: Path, cleanup: Path | None = None):
+def writing(path: Path, cleanup: Path | None = None, place: str = "--log-dir"):
     """The one guarded path for writes: a file-system error under `path` becomes one sentence
-    (exit 6), and `cleanup` is removed on any failure."""
+    (exit 6; `place` the flag that chose it), and `cleanup` is removed on any failure."""
     try:
         yield
     except (ConfigError, RunStopped):  # already one sentence (a held lock: ConfigError)
@@ -4019,7 +4022,7 @@ def writing(path: Path, cleanup: Path | None = None):
         cause = os_error_in(e)
         if cause is None:
             raise
-        raise disk_error(path, cause) from e
+        raise disk_error(path, cause, place) from e
 
 
 def replace_dir(new: Path, old: Path) -> None:
@@ -4556,6 +4559,33 @@ def export_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.output_dir).expanduser() if cfg.output_dir else run_dir / "final"
 
 
+def export_flag(cfg: Config) -> str:
+    """The flag that chose where the export goes (a disk error's advice names it)."""
+    return "--output-dir" if cfg.output_dir else "--log-dir"
+
+
+def export_tmp(out: Path, run_dir: Path) -> Path:
+    """Where the run writes its export before renaming it to `out`: next to it, named after
+    the run directory, so a later start of the same run finds what a killed export left."""
+    tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return out.parent / f".tmp_{out.name}.{tag}"
+
+
+def clear_export_tmp(cfg: Config, run_dir: Path) -> Path:
+    """Remove a half-written export of this run (killed mid-way: SIGKILL, a second Ctrl-C),
+    then check, by making it, that the export's place can be written: a read-only or missing
+    --output-dir is found before the first step, not after the last."""
+    out = export_dir(cfg, run_dir)
+    tmp = export_tmp(out, run_dir)
+    with writing(out, place=export_flag(cfg)):
+        for old in [tmp, *run_dir.glob(".tmp_final.*")]:  # (older versions: random names)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # with the umask's mode, as the checkpoints (mkdtemp's would be 0700)
+    return tmp
+
+
 def continues(ckpt: Path | None, run_dir: Path) -> bool:
     """The checkpoint is one of this run directory's own: the run goes on in place."""
     return ckpt is not None and ckpt.resolve().parent == (run_dir / "checkpoints").resolve()
@@ -4660,6 +4690,7 @@ def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
                     shutil.rmtree(p)
                 else:
                     p.unlink()
+    clear_export_tmp(cfg, run_dir).rmdir()
     return run_dir
 
 
@@ -4670,18 +4701,14 @@ EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES,  # what an
 def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     """The final HF checkpoint, written to a fresh temp dir and renamed into place; it replaces
     only this run's own earlier export. Returns the weights' sha256."""
-    import tempfile
-
     out = export_dir(trainer.cfg, run_dir)
     merged = trainer.cfg.lora_rank and trainer.cfg.export == "merged"
     hf_state = {k: v.cpu() for k, v in merged_weights(trainer.model)} if merged \
         else gathered_hf_state(trainer.model)
     digest = ""
     if is_main():
-        with writing(out):
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{out.name}.", dir=out.parent))
-        with writing(out, cleanup=tmp):
+        tmp = clear_export_tmp(trainer.cfg, run_dir)
+        with writing(out, cleanup=tmp, place=export_flag(trainer.cfg)):
             save_export(tmp, hf_state, trainer, source)
             if out.resolve() == (run_dir / "final").resolve() and is_earlier_export(out):
                 replace_dir(tmp, out)
@@ -4696,8 +4723,10 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
 def save_export(out: Path, state: dict[str, torch.Tensor], trainer: Trainer,
                 source: Path) -> None:
     """A PEFT adapter (LoRA: `state` holds lora_A/lora_B names) or a Hugging Face checkpoint."""
-    if any("lora_" in k for k in state):
-        save_peft_adapter(out, state, lora_spec(trainer.cfg, trainer.model.args), source)
+    if any("lora_" in k for k in state):  # its base: the hub id, where --model names one
+        model = trainer.cfg.model
+        base = source if looks_like_path(model) else model
+        save_peft_adapter(out, state, lora_spec(trainer.cfg, trainer.model.args), base)
     else:
         save_hf_checkpoint(out, state, source)
 
