@@ -1,7 +1,7 @@
 """Hardening, fourth pass (the LoRA, config and checkpoint half): a changed base never resumes
 silently, a half-written export is cleaned by the same run's next start, crafted LoRA fields
-are refused in one sentence naming the real cause. One test (or more) per row of the issue,
-numbered as there."""
+are refused in one sentence naming the real cause, and the suite pins LoRA's scale, its
+gradients and what DCP writes. One test (or more) per row of the issue, numbered as there."""
 
 import errno
 import json
@@ -11,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import batch_invariant_backward as bib
 import simple_rl as rl
 from helpers import CountingEngine, ExactEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
 from test_hardening2 import Killed, one_sentence, refuse
@@ -318,3 +321,56 @@ def test_11_the_adapter_names_the_hub_id_as_its_base(ckpt, tmp_path, monkeypatch
     for where in ("final", "checkpoints/step_000002/model"):
         config = json.loads((tmp_path / "h" / where / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == "Org/tiny-qwen3"
+
+
+# ---------------------------------------------------------------- the one-line bugs
+
+
+@pytest.mark.parametrize("rank, alpha", [(8, 32.0), (8, 4.0), (16, 8.0)])
+def test_lora_adds_alpha_over_r_times_b_a_x(ckpt, rank, alpha):
+    """A layer's output is W x + (alpha / r) B A x, computed here by hand."""
+    files = rl.load_model_files(rl.Config(model=str(ckpt()), dtype="float32"))
+    cfg = rl.Config(model=str(ckpt()), dtype="float32", lora_rank=rank, lora_alpha=alpha)
+    ranks = rl.Ranks(0, 1, torch.device("cpu"))
+    model, _ = rl.build_models(cfg, files.args, rl.load_hf_state_dict(files.path),
+                               bib.reference_kernels(), ranks)
+    layer = model.layers[1].attention.wo  # o_proj: one slice
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        a, b = layer.lora.a[0], layer.lora.b[0]
+        a.copy_(torch.randn(a.shape, generator=g))
+        b.copy_(torch.randn(b.shape, generator=g))
+        layer.lora.refresh()
+        x = torch.randn(3, a.shape[1], generator=g)
+        want = x @ layer.weight.T + (alpha / rank) * (x @ a.T) @ b.T  # (3, dim)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+        assert (want - x @ layer.weight.T).abs().max() > 1.0  # the update is not negligible
+
+
+@pytest.mark.parametrize("kernels", ["reference", "custom backward"])
+def test_lora_passes_the_gradient_to_the_base_layers_output(kernels):
+    """y = 1.5 z (a base output that depends on z), out = y + s B A x: d(out . w)/dz = 1.5 w."""
+    ops = bib.reference_kernels() if kernels == "reference" else \
+        bib.custom_backward_kernels(bib.reference_forwards())
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, generator=g)
+    z = torch.randn(5, 12, generator=g, requires_grad=True)
+    a = [torch.randn(4, 16, generator=g, requires_grad=True)]
+    b = [torch.randn(12, 4, generator=g, requires_grad=True)]
+    casts = ((a[0].detach()[None, None],), ((2.0 * b[0].detach())[None, None],))
+    w = torch.randn(5, 12, generator=g)
+    out = ops.lora(x, 1.5 * z, casts, 2.0, *a, *b)
+    (out * w).sum().backward()
+    assert z.grad is not None
+    torch.testing.assert_close(z.grad, 1.5 * w, rtol=0, atol=1e-6)
+
+
+def test_a_lora_checkpoint_writes_the_adapters_only(lora_saved):
+    """What DCP wrote (its metadata and its shards), not what state.json says."""
+    ckpt_dir = lora_saved / "runs" / "r" / "checkpoints" / "step_000002"
+    meta = rl.read_dcp_metadata(ckpt_dir)
+    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora." in k for k in model_keys), model_keys[:5]
+    written = sum(p.stat().st_size for p in (ckpt_dir / "trainer").glob("*.distcp"))
+    base = (lora_saved / "model" / "model.safetensors").stat().st_size
+    assert written < base / 4  # adapters and their Adam moments: a fraction of the base
