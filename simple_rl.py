@@ -2181,7 +2181,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
                       reward_fn=reward_fn, make_env=make_env if cfg.env else None,
-                      inputs={n: digests(f) for n, f in inputs.items()})
+                      inputs=inputs)
     start = restore_checkpoint(trainer, ckpt) if ckpt else 0
     engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
@@ -2297,6 +2297,7 @@ FP32_TINY = 1.1754943508222875e-38  # fp32's smallest normal number
 MAX_TURNS = 2**15  # a turn's seeds lie turn * 2^48 above the first's, within 64 bits
 FP32_MAX = 3.4028234663852886e38  # fp32's largest finite number
 MAX_SAMPLES = 2**16  # samples a step (prompts x group size): rollouts are held in host memory
+MAX_LORA_SCALE = 1024.0  # alpha / r: usual values are 0.5-4; far above, one step swamps the base
 
 
 EXAMPLES = """examples:
@@ -2368,10 +2369,13 @@ def need(ok: bool, message: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Every check on the config alone, in one place (the checkpoint's checks live in load)."""
+    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
     for f in dataclasses.fields(Config):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
-            need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
+        value = getattr(cfg, f.name)  # a crafted run_config.json's may be of any JSON type
+        need(isinstance(value, kinds[f.type]) and (f.type == "bool") == (type(value) is
+             bool), f"{flag(f.name)} must be a {f.type} (got {shown(value)}).")
+        if f.type == "float":  # finite, and in fp32's range: the optimizer computes in it
+            need(abs(value) < 3e38 and math.isfinite(value), f"{flag(f.name)} must be a finite "
                  f"number (got {value}).")
             # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
             need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
@@ -2440,9 +2444,21 @@ def validate(cfg: Config) -> None:
          f"{', '.join(map(str, ranks[1:]))} (0: full fine-tuning).")
     need(not cfg.lora_rank or cfg.lora_alpha > 0, f"--lora-alpha must be > 0 (got "
          f"{cfg.lora_alpha}): the update is (alpha / r) B A.")
-    unknown = set(cfg.lora_targets.split(",")) - set(LORA_TARGETS) - {"all"}
-    need(not unknown, f"--lora-targets names {', '.join(sorted(unknown))}: the targets are "
-         f"all or a comma-separated list of {', '.join(LORA_TARGETS)}.")
+    need(not cfg.lora_rank or cfg.lora_alpha <= MAX_LORA_SCALE * cfg.lora_rank, f"--lora-alpha "
+         f"{cfg.lora_alpha:g} with --lora-rank {cfg.lora_rank} scales the update by "
+         f"{cfg.lora_alpha / max(cfg.lora_rank, 1):.3g}; alpha / r may be at most "
+         f"{MAX_LORA_SCALE:g}.")
+    targets = [t.strip() for t in cfg.lora_targets.split(",")]
+    unknown = set(targets) - set(LORA_TARGETS) - {"all"}
+    need(not unknown, f"--lora-targets names {', '.join(map(repr, sorted(unknown)))}: the "
+         f"targets are all or a comma-separated list of {', '.join(LORA_TARGETS)}.")
+    need("all" not in targets or targets == ["all"], f"--lora-targets {cfg.lora_targets}: all "
+         "already names every target; give it alone, or list the targets.")
+    lora_only = [flag(n) for n in ("lora_alpha", "lora_targets", "export")  # (a resume: its own)
+                 if getattr(cfg, n) != Config.__dataclass_fields__[n].default]
+    need(cfg.lora_rank or cfg.resume or not lora_only, f"{', '.join(lora_only)} set a LoRA "
+         "run's adapters and export, and full fine-tuning has none: add --lora-rank r, or drop "
+         "them.")
     need(not (cfg.lora_rank and cfg.kernels == "reference"), "--lora-rank with --kernels "
          "reference: the engine adds the adapters with vLLM's LoRA kernels, which only --kernels "
          "vllm computes as it does (drop --kernels reference).")
@@ -3028,13 +3044,15 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
 
 
 def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
-    """Every check that needs no GPU (headers and text only, seconds): a resume reads only the
-    files its run read; then model files, tokenizer, the run's prompts, the reward and the env.
-    Returns (files, task, reward_fn, make_env, the files read by name), or None after --check
-    has said what it checked."""
+    """Every check that needs no GPU (headers and text, seconds; the weights hashed, one read):
+    a resume reads only the files its run read; then model files, tokenizer, the run's
+    prompts, the reward and the env.
+    Returns (files, task, reward_fn, make_env, the sha256 of the files read by name), or None
+    after --check has said what it checked."""
     model_dir = resolve_checkpoint(cfg.model)
     inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
-    check_unchanged(cfg, inputs, expect)
+    hashed = on_rank0(lambda: check_unchanged(cfg, inputs, expect)) \
+        if expect is not None or not cfg.check else {}  # --check alone records nothing
     files = load_model_files(cfg, model_dir)
     task = load_task(cfg, files.tokenizer)
     reward_fn = load_reward(cfg.reward)
@@ -3048,7 +3066,7 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
     if cfg.check:
         print0(check_report(cfg, ckpt, files, task, empty, checked))
         return None
-    return files, task, reward_fn, make_env, inputs
+    return files, task, reward_fn, make_env, hashed
 
 
 def read_weights(cfg: Config, files: ModelFiles, vllm: bool) -> dict[str, torch.Tensor]:
@@ -3427,9 +3445,15 @@ def lora_spec(cfg: Config, args) -> LoRASpec | None:
     if not cfg.lora_rank:
         return None
     every = LORA_TARGETS[:4] if sparse_layers(args) else LORA_TARGETS
-    targets = every if cfg.lora_targets == "all" else \
-        tuple(t.strip() for t in cfg.lora_targets.split(","))
+    targets = every if cfg.lora_targets.strip() == "all" else named_targets(cfg.lora_targets)
     return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
+
+
+def named_targets(text: str) -> tuple[str, ...]:
+    """--lora-targets as the set it names, in LORA_TARGETS' order ('v_proj, q_proj,q_proj' is
+    q_proj,v_proj; all is the seven)."""
+    names = {t.strip() for t in text.split(",")}
+    return tuple(t for t in LORA_TARGETS if t in names or "all" in names)
 
 
 def engine_lora_args(lora: LoRASpec) -> dict:
@@ -3961,28 +3985,31 @@ def root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-def disk_error(path: Path, e: OSError) -> RunStopped:
-    """One sentence for a file-system error: which path, and what to free or change."""
+def disk_error(path: Path, e: OSError, place: str = "--log-dir") -> RunStopped:
+    """One sentence for a file-system error: which path, and what to free or change (`place`:
+    the flag that chose the path)."""
     where = Path(e.filename) if e.filename else path
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         near = next((p for p in [path, *path.parents] if p.exists()), Path("."))
         free = shutil.disk_usage(near).free / 2**30
         full = "no space left" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        what = (f"{full} on the device holding {where} ({free:.1f} GiB free): free space "
-                "there, lower --keep-last, or point --log-dir at a larger disk")
+        other = "lower --keep-last, or point --log-dir at a larger disk" \
+            if place == "--log-dir" else f"or point {place} at a larger disk"
+        what = f"{full} on the device holding {where} ({free:.1f} GiB free): free space there, "
+        what += other
     elif e.errno == errno.EROFS:
         what = f"{where} is on a read-only file system: choose another --log-dir/--output-dir"
     elif e.errno in (errno.EACCES, errno.EPERM):
-        what = f"no permission to write {where}: fix its permissions or choose another --log-dir"
+        what = f"no permission to write {where}: fix its permissions or choose another {place}"
     else:
         what = f"could not write {where} ({e.strerror or e})"
     return RunStopped(what + ".", EXIT_DISK)
 
 
 @contextlib.contextmanager
-def writing(path: Path, cleanup: Path | None = None):
+def writing(path: Path, cleanup: Path | None = None, place: str = "--log-dir"):
     """The one guarded path for writes: a file-system error under `path` becomes one sentence
-    (exit 6), and `cleanup` is removed on any failure."""
+    (exit 6; `place` the flag that chose it), and `cleanup` is removed on any failure."""
     try:
         yield
     except (ConfigError, RunStopped):  # already one sentence (a held lock: ConfigError)
@@ -3995,7 +4022,7 @@ def writing(path: Path, cleanup: Path | None = None):
         cause = os_error_in(e)
         if cause is None:
             raise
-        raise disk_error(path, cause) from e
+        raise disk_error(path, cause, place) from e
 
 
 def replace_dir(new: Path, old: Path) -> None:
@@ -4068,6 +4095,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
             state = dict(next_step=next_step, world_size=trainer.ranks.world,
                          shapes=model_shapes(trainer.model),
                          mismatched_total=trainer.mismatched_total, inputs=trainer.inputs,
+                         lora={n: getattr(cfg, n) for n in LORA_FIELDS},
                          stack=stack_versions(),  # a resume on another stack says so
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
@@ -4250,8 +4278,11 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
 
     state = read_checkpoint_state(ckpt)
     want = model_shapes(trainer.model)
-    need(state["shapes"] == want, f"{ckpt} was saved from another model ({len(state['shapes'])} "
-         f"weights; --model {trainer.cfg.model} has {len(want)}, or their shapes differ).")
+    other = next((n for n in sorted({*state["shapes"], *want})
+                  if state["shapes"].get(n) != want.get(n)), None)
+    need(other is None, f"{ckpt} holds other weights than --model {trainer.cfg.model} under "
+         f"its run_config.json makes ({other}: saved {state['shapes'].get(other)}, here "
+         f"{want.get(other)}): it was saved from another model, or its files were edited.")
     read_dcp_metadata(ckpt)
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=TRAINED_ONLY)
@@ -4313,19 +4344,25 @@ PATH_FLAGS = {"log_dir", "run_name", "output_dir", "overwrite", "resume", "allow
               "check"}
 
 
-# The flags that name what a run reads: the reward's code, the model's config and tokenizer,
-# the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A resume
-# imports only the command line's --reward and --env files; --model and --data-files it takes
-# from the command line, or from the checkpoint when their files still have the recorded sha256.
+# The flags that name what a run reads: the reward's code, the model's config, tokenizer and
+# weights, the data. Each checkpoint records the sha256 of their files (state.json "inputs"). A
+# resume imports only the command line's --reward and --env files; --model and --data-files it
+# takes from the command line, or from the checkpoint when their files still have the recorded
+# sha256. The weights are read again on a resume (a LoRA run's base, full fine-tuning's KL
+# reference), so every byte of them is hashed at each start: a size-and-mtime shortcut would
+# miss a tensor rewritten in place. It costs one read of the weights (the engine then loads them
+# from the page cache) at about 1 GB/s per core, the files hashed in parallel.
 INPUTS = ("reward", "env", "model", "data_files")
 
 
 def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
     """The files behind one of INPUTS, by key: the reward's or env's file (keyed by NAME), the
-    data file, the model's config.json and tokenizer files."""
+    data file, the model's config.json, tokenizer files, safetensors index and weights."""
     if name == "model":
-        return {f: model_dir / f for f in ("config.json", *TOKENIZER_FILES)
-                if (model_dir / f).is_file()}
+        names = ["config.json", *TOKENIZER_FILES, "model.safetensors.index.json"]
+        with contextlib.suppress(ConfigError):  # none, or a bad index: load_model_files says so
+            names += weight_files(model_dir)
+        return {f: model_dir / f for f in names if (model_dir / f).is_file()}
     if not value or (name == "env" and value in EMBEDDED_ENVS):
         return {}
     if name in ("reward", "env"):
@@ -4337,26 +4374,34 @@ def input_files(name: str, value: str, model_dir: Path) -> dict[str, Path]:
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
+        for block in iter(lambda: f.read(2**23), b""):
+            h.update(block)  # releases the GIL: files hash in parallel
     return h.hexdigest()
 
 
 def digests(files: dict[str, Path]) -> dict[str, str]:
-    """sha256 of each regular file (a FIFO or a device is left to the loader to refuse)."""
-    return {key: sha256_file(p) for key, p in files.items() if p.is_file()}
+    """sha256 of each regular file (a FIFO or a device is left to the loader to refuse), up to
+    8 files at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = [key for key, p in files.items() if p.is_file()]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(keys, pool.map(lambda key: sha256_file(files[key]), keys)))
 
 
-def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]], expect: dict | None):
-    """On a resume, before any of `inputs` is read: each must be what the checkpoint's run
-    read (sha256). A path taken from the checkpoint must match; one given on the command line
-    may differ only with --allow-changed-files, which says so in a warning."""
+def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]],
+                    expect: dict | None) -> dict[str, dict[str, str]]:
+    """The sha256 of the files of `inputs`, by name. On a resume, before any of them is read:
+    each must be what the checkpoint's run read. A path taken from the checkpoint must match;
+    one given on the command line may differ only with --allow-changed-files, which says so in
+    a warning."""
+    hashed = {name: digests(files) for name, files in inputs.items()}
     if expect is None:
-        return
+        return hashed
     recorded = expect["recorded"] if isinstance(expect["recorded"], dict) else {}
     for name, files in inputs.items():
         want = recorded.get(name, {})  # none recorded: it must read no file
-        found = digests(files)
+        found = hashed[name]
         if found == want:
             continue
         want = want if isinstance(want, dict) else {}
@@ -4370,6 +4415,7 @@ def check_unchanged(cfg: Config, inputs: dict[str, dict[str, Path]], expect: dic
              "--allow-changed-files to resume with it.")
         print0(f"warning: {what} differs from what the run read when {cfg.resume} was saved; "
                "resuming with it (--allow-changed-files).")
+    return hashed
 
 
 def is_run_dir(path: Path) -> bool:
@@ -4390,6 +4436,15 @@ def resume_location(cfg: Config, passed: set[str], ckpt: Path) -> tuple[str, str
     log_dir = cfg.log_dir if "log_dir" in passed or not in_run else str(home.parent)
     run_name = cfg.run_name if "run_name" in passed or not in_run else home.name
     return log_dir, run_name
+
+
+# The flags that give the trained adapters their meaning: state.json records them, and a resume
+# keeps them (the seven targets spelled out are `all`).
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+
+
+def lora_meaning(value):
+    return named_targets(value) if isinstance(value, str) else value
 
 
 def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
@@ -4414,11 +4469,18 @@ def resume_config(cfg: Config, passed: set[str], ckpt: Path) -> Config:
         need(":" not in spec or name in passed, f"{ckpt}'s run used {flag(name)} {spec}; a "
              f"resume imports no code its checkpoint names: pass {flag(name)} FILE.py:NAME "
              "again.")
-    for name in ("lora_rank", "lora_alpha", "lora_targets"):  # the trained tensors' meaning
-        need(name not in passed or getattr(cfg, name) == getattr(resumed, name),
+    trained = read_checkpoint_state(ckpt).get("lora")
+    if not isinstance(trained, dict):  # an older checkpoint records none
+        trained = {name: getattr(resumed, name) for name in LORA_FIELDS}
+    for name in LORA_FIELDS:  # the trained tensors' meaning
+        value = lora_meaning(getattr(resumed, name))
+        need(lora_meaning(trained.get(name)) == value,
+             f"{file} says {flag(name)} {getattr(resumed, name)}, but the checkpoint's weights "
+             f"were trained with {shown(trained.get(name))} (state.json): restore the file.")
+        need(name not in passed or lora_meaning(getattr(cfg, name)) == value,
              f"{ckpt}'s run trained with {flag(name)} {getattr(resumed, name)}; a resume "
              f"continues those weights and cannot change it to {getattr(cfg, name)}.")
-    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS)
+    ignored = sorted(n for n in passed - RESUMABLE - PATH_FLAGS - set(INPUTS) - set(LORA_FIELDS)
                      if getattr(cfg, n) != saved.get(n))
     if ignored:
         flags = ", ".join(flag(n) for n in ignored)
@@ -4495,6 +4557,33 @@ def is_earlier_export(out: Path) -> bool:
 
 def export_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.output_dir).expanduser() if cfg.output_dir else run_dir / "final"
+
+
+def export_flag(cfg: Config) -> str:
+    """The flag that chose where the export goes (a disk error's advice names it)."""
+    return "--output-dir" if cfg.output_dir else "--log-dir"
+
+
+def export_tmp(out: Path, run_dir: Path) -> Path:
+    """Where the run writes its export before renaming it to `out`: next to it, named after
+    the run directory, so a later start of the same run finds what a killed export left."""
+    tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return out.parent / f".tmp_{out.name}.{tag}"
+
+
+def clear_export_tmp(cfg: Config, run_dir: Path) -> Path:
+    """Remove a half-written export of this run (killed mid-way: SIGKILL, a second Ctrl-C),
+    then check, by making it, that the export's place can be written: a read-only or missing
+    --output-dir is found before the first step, not after the last."""
+    out = export_dir(cfg, run_dir)
+    tmp = export_tmp(out, run_dir)
+    with writing(out, place=export_flag(cfg)):
+        for old in [tmp, *run_dir.glob(".tmp_final.*")]:  # (older versions: random names)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # with the umask's mode, as the checkpoints (mkdtemp's would be 0700)
+    return tmp
 
 
 def continues(ckpt: Path | None, run_dir: Path) -> bool:
@@ -4601,6 +4690,7 @@ def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
                     shutil.rmtree(p)
                 else:
                     p.unlink()
+    clear_export_tmp(cfg, run_dir).rmdir()
     return run_dir
 
 
@@ -4611,18 +4701,14 @@ EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES,  # what an
 def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     """The final HF checkpoint, written to a fresh temp dir and renamed into place; it replaces
     only this run's own earlier export. Returns the weights' sha256."""
-    import tempfile
-
     out = export_dir(trainer.cfg, run_dir)
     merged = trainer.cfg.lora_rank and trainer.cfg.export == "merged"
     hf_state = {k: v.cpu() for k, v in merged_weights(trainer.model)} if merged \
         else gathered_hf_state(trainer.model)
     digest = ""
     if is_main():
-        with writing(out):
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{out.name}.", dir=out.parent))
-        with writing(out, cleanup=tmp):
+        tmp = clear_export_tmp(trainer.cfg, run_dir)
+        with writing(out, cleanup=tmp, place=export_flag(trainer.cfg)):
             save_export(tmp, hf_state, trainer, source)
             if out.resolve() == (run_dir / "final").resolve() and is_earlier_export(out):
                 replace_dir(tmp, out)
@@ -4637,8 +4723,10 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
 def save_export(out: Path, state: dict[str, torch.Tensor], trainer: Trainer,
                 source: Path) -> None:
     """A PEFT adapter (LoRA: `state` holds lora_A/lora_B names) or a Hugging Face checkpoint."""
-    if any("lora_" in k for k in state):
-        save_peft_adapter(out, state, lora_spec(trainer.cfg, trainer.model.args), source)
+    if any("lora_" in k for k in state):  # its base: the hub id, where --model names one
+        model = trainer.cfg.model
+        base = source if looks_like_path(model) else model
+        save_peft_adapter(out, state, lora_spec(trainer.cfg, trainer.model.args), base)
     else:
         save_hf_checkpoint(out, state, source)
 
@@ -4746,13 +4834,13 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
 def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory: str,
                run_dir: Path) -> str:
     n = count_params(files.args)
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    size = f"{n / 1e9:.2f}B params" if n >= 1e9 else f"{n / 1e6:.1f}M params"
     memory = f" | {memory} (estimate)" if memory else ""
     lora = lora_spec(cfg, files.args)
     if lora:
-        size += (f", with LoRA rank {lora.rank} on {','.join(lora.targets)} "
+        size += (f", LoRA rank {lora.rank} on {','.join(lora.targets)} "
                  f"({lora_params(cfg, files.args) / 1e6:.1f}M trained)")
-    return (f"simple_rl | {files.path} | {size} params | {world} rank(s) | kernels {kernels} | "
+    return (f"simple_rl | {files.path} | {size} | {world} rank(s) | kernels {kernels} | "
             f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
 
 

@@ -156,7 +156,7 @@ def test_lora_memory_estimate_counts_the_base_once_and_trains_the_adapters():
 @pytest.mark.parametrize("flags, words", [
     (dict(lora_rank=7), "vLLM serves LoRA ranks"),
     (dict(lora_rank=8, lora_alpha=0.0), "--lora-alpha must be > 0"),
-    (dict(lora_rank=8, lora_targets="q_proj,qkv"), "--lora-targets names qkv"),
+    (dict(lora_rank=8, lora_targets="q_proj,qkv"), "--lora-targets names 'qkv'"),
     (dict(lora_rank=8, kernels="reference"), "with --kernels reference"),
     (dict(lora_rank=512), "exceeds the width of"),
 ])

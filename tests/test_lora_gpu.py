@@ -60,7 +60,7 @@ def test_lora_every_token_bitwise_equal_deterministic_and_resumable(lora_runs):
     final = r["tmp"] / "runs" / "a" / "final"
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["r"] == config["lora_alpha"] == 16 and (final / "adapter_model.safetensors")
-    assert "with LoRA rank 16" in a_out
+    assert "params, LoRA rank 16 on" in a_out
 
 
 # The GPU suite's determinism run (tests/test_gpu.py, run "a") ends at these weights on vLLM 0.34
