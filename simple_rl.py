@@ -100,6 +100,7 @@ import json
 import math
 import numbers
 import pickle
+import queue
 import random
 import re
 import shutil
@@ -171,8 +172,9 @@ class Config:
                                "(0: no cut; one past what --max-model-len leaves ends it)")
     tool_workers: int = opt("rollout", 0, "threads running a turn's env calls at once, results "
                             "kept in episode order (0: one per episode)")
-    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset may run; past "
-                              "them its episode ends as tool_timeout, reward 0 (0: no limit)")
+    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset (or a --reward "
+                              "call) may run; past them its episode ends as tool_timeout, "
+                              "reward 0 (0: no limit)")
     tool_stop: str = opt("rollout", "", "comma-separated strings, each one token, that end a turn "
                          "to call the tool (default: the env's tool_stop)")
     chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
@@ -1362,8 +1364,9 @@ class Env:
 
     The contract that keeps runs bit-exact, resumed ones too: an env is fresh per episode, and
     step is a deterministic function of the episode's texts (no state across episodes, no
-    clock, no unseeded randomness). reset and step run on threads; one that runs past
-    --tool-timeout ends its episode.
+    clock, no unseeded randomness). reset and step run on worker threads (so they cannot set
+    signal handlers: no signal.alarm); one that runs past --tool-timeout ends its episode.
+    problem is a Problem: problem.question and problem.answer (or problem["answer"]).
     """
 
     tool_stop = ""
@@ -2011,14 +2014,15 @@ def generated_lengths(rollout: Rollout) -> list[int]:
 
 def on_every_rank(trainer: Trainer, fn: Callable, name: Callable[[int], str]):
     """fn()'s result. If a reward or env failed in it on any rank (or a stop came while its
-    tools ran), every rank raises that RewardError (ToolsStopped), so none waits in a
-    collective. The one place a RewardError is named: name(sample), and its turn."""
+    tools ran, or they got stuck), every rank raises that RewardError (ToolsStopped,
+    ToolsStuck), so none waits in a collective. The one place a RewardError is named:
+    name(sample), and its turn."""
     try:
         out, failure = fn(), None
     except RewardError as e:
         e.where = name(e.sample) + (f", turn {e.turn}" if e.turn else "")
         out, failure = None, e
-    except ToolsStopped as e:
+    except (ToolsStopped, ToolsStuck) as e:
         out, failure = None, e
     if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
         flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
@@ -3491,13 +3495,23 @@ def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
 # ==========================================================================
 # A turn's env calls run on daemon threads (a call that never returns cannot keep the process
 # alive) and come back in call order, so no bit depends on which call finished first. A call
-# past --tool-timeout is abandoned: its episode ends as tool_timeout, and its thread is left
-# to end by itself. A Ctrl-C or SIGTERM abandons the calls at once: the step is dropped and the
-# steps done are saved (ToolsStopped), so a hung tool never holds a stop back.
+# past --tool-timeout is abandoned: its episode ends as tool_timeout, and ToolAbandoned is
+# raised in its thread, which ends a call running Python at once (a loop, say) and one blocked
+# in C (a sleep, a socket) when it returns. A call that catches it keeps its thread: while
+# some do, the step line counts them (they share the interpreter with the run, so steps slow
+# down), and at MAX_ABANDONED_THREADS the run stops, exit 7 (ToolsStuck). A Ctrl-C or SIGTERM
+# abandons the calls at once: the step is dropped and the steps done are saved (ToolsStopped),
+# so a hung tool never holds a stop back. Without --env, --reward's calls run in the main
+# thread as ever (a reward may time itself with signal.alarm, which works there only); there a
+# Ctrl-C, SIGTERM or --tool-timeout (a timer's TIMER_SIGNAL) raises CallInterrupted into it.
+
+MAX_ABANDONED_THREADS = 32  # tool threads still alive past --tool-timeout that a run tolerates
+TIMER_SIGNAL = signal.SIGUSR2  # --tool-timeout's alarm for a --reward call in the main thread
+ABANDONED: list[threading.Thread] = []  # the threads of the calls abandoned so far
 
 
 class ToolTimeout(Exception):
-    """An env's step or reset ran past --tool-timeout."""
+    """An env's step or reset (or a --reward call) ran past --tool-timeout."""
 
 
 class ToolsStopped(Exception):
@@ -3508,51 +3522,135 @@ class ToolsStopped(Exception):
         self.signum = signum
 
 
+class ToolsStuck(Exception):
+    """MAX_ABANDONED_THREADS calls past --tool-timeout still run (or no thread can start)."""
+
+
+class ToolAbandoned(BaseException):
+    """Raised in the thread of a call past --tool-timeout (a BaseException: `except Exception`
+    in an env lets it through)."""
+
+
+class CallInterrupted(BaseException):
+    """Raised into a --reward call running in the main thread by a signal: SIGINT or SIGTERM
+    (StopRequest), or TIMER_SIGNAL at --tool-timeout."""
+
+    running = False  # a --reward call runs in the main thread now: a signal may interrupt it
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @staticmethod
+    def raise_in_call(signum: int, frame=None) -> None:
+        """A signal handler's part: raise into the running --reward call, if one runs."""
+        if CallInterrupted.running:
+            CallInterrupted.running = False
+            raise CallInterrupted(signum)
+
+
 def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]:
     """Each call's (result, or the exception it raised, or a ToolTimeout; seconds), in call
-    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request.
-    Without --env the calls are --reward's, made in this thread as ever (a reward may time
-    itself with signal.alarm, which works in the main thread only)."""
+    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request,
+    ToolsStuck once MAX_ABANDONED_THREADS abandoned calls still run. Without --env the calls
+    are --reward's, made in this thread (inline_calls)."""
     if not cfg.env:
-        return [inline(call) for call in calls]
+        return inline_calls(calls, cfg.tool_timeout)
+    stuck = abandoned_threads()
+    if stuck >= MAX_ABANDONED_THREADS:
+        raise ToolsStuck(f"has {stuck} calls still running past --tool-timeout "
+                         f"{cfg.tool_timeout:g}s, abandoned but not ended (the run stops at "
+                         f"{MAX_ABANDONED_THREADS})")
     n = len(calls)
-    results: list[tuple[object, float] | None] = [None] * n
-    started: list[float | None] = [None] * n
-    todo = iter(range(n))
-    lock = threading.Condition()
+    results: list[tuple[object, float] | None] = [None] * n  # written by this thread only
+    started: list[float] = [0.0] * n
+    running: list[threading.Thread | None] = [None] * n  # the thread in call i
+    todo, done = queue.SimpleQueue(), queue.SimpleQueue()  # C queues: no Python frame inside
+    for i in range(n):
+        todo.put(i)
+    gate = threading.Lock()  # held while a call is abandoned, and while one hands over
 
     def worker() -> None:
-        while True:
-            with lock:
-                i = next(todo, None)
-                if i is None:
+        me = threading.current_thread()
+        try:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
                     return
-                started[i] = time.perf_counter()
-            try:
-                out = calls[i]()
-            except BaseException as e:  # the caller raises it in the main thread, in order
-                out = e
-            with lock:
-                if results[i] is None:  # else it came too late: a timeout is recorded
-                    results[i] = (out, time.perf_counter() - started[i])
-                lock.notify()
-
-    def spawn() -> None:
-        threading.Thread(target=worker, daemon=True, name="simple_rl-tool").start()
+                started[i], running[i] = time.perf_counter(), me
+                try:
+                    out = calls[i]()
+                except BaseException as e:  # the caller raises it in the main thread, in order
+                    out = e
+                with gate:  # after this, no ToolAbandoned is sent for call i
+                    running[i] = None
+                done.put((i, out, time.perf_counter() - started[i]))
+                if results[i] is not None:  # abandoned: another thread took this one's place
+                    return
+        except ToolAbandoned:  # sent while the call ran: it lands by the gate's end at latest
+            return
 
     for _ in range(min(cfg.tool_workers or n, n)):
-        spawn()
-    with lock:
-        while not all(results):
-            if StopRequest.asked():
-                raise ToolsStopped(StopRequest.asked())
-            now = time.perf_counter()
-            for i in late_calls(started, results, now, cfg.tool_timeout):
-                results[i] = (ToolTimeout(f"ran past --tool-timeout {cfg.tool_timeout:g}s"),
-                              now - started[i])
-                spawn()  # its thread is stuck in the call: another takes the calls left
-            lock.wait(STOP_POLL_S)
+        spawn(worker, cfg)
+    left = n
+    while left:
+        if StopRequest.asked():
+            raise ToolsStopped(StopRequest.asked())
+        for i, out, seconds in finished(done):
+            if results[i] is None:
+                results[i], left = (out, seconds), left - 1
+        for _ in range(abandon_late(running, started, results, cfg.tool_timeout, gate)):
+            left -= 1
+            spawn(worker, cfg)  # its thread is stuck in the call: another takes the calls left
     return results
+
+
+def spawn(worker: Callable, cfg: Config) -> None:
+    try:
+        threading.Thread(target=worker, daemon=True, name="simple_rl-tool").start()
+    except RuntimeError as e:  # "can't start new thread": the OS refused one
+        raise ToolsStuck(f"could get no thread for its calls ({e}), with "
+                         f"{abandoned_threads()} abandoned ones still running past "
+                         f"--tool-timeout {cfg.tool_timeout:g}s") from None
+
+
+def finished(done: queue.SimpleQueue) -> list[tuple[int, object, float]]:
+    """The calls that came back: those waiting, or the first within STOP_POLL_S."""
+    try:
+        got = [done.get(timeout=STOP_POLL_S)]
+    except queue.Empty:
+        return []
+    while not done.empty():
+        got.append(done.get_nowait())
+    return got
+
+
+def abandon_late(running: list, started: list, results: list, timeout: float,
+                 gate: threading.Lock) -> int:
+    """How many calls were abandoned now, having run `timeout` seconds (0: none ever is):
+    each gets its ToolTimeout result, and ToolAbandoned raised in its thread, which ABANDONED
+    counts while it lives."""
+    import ctypes
+
+    now, late = time.perf_counter(), 0
+    with gate:
+        for i, thread in enumerate(running):
+            if timeout and thread is not None and results[i] is None and \
+                    now - started[i] >= timeout:
+                results[i] = (ToolTimeout(f"ran past --tool-timeout {timeout:g}s"),
+                              now - started[i])
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                           ctypes.py_object(ToolAbandoned))
+                ABANDONED.append(thread)
+                late += 1
+    return late
+
+
+def abandoned_threads() -> int:
+    """The abandoned calls' threads still alive (those that ended are forgotten)."""
+    ABANDONED[:] = [t for t in ABANDONED if t.is_alive()]
+    return len(ABANDONED)
 
 
 def call_once(fn: Callable, cfg: Config):
@@ -3563,23 +3661,52 @@ def call_once(fn: Callable, cfg: Config):
     return out
 
 
-def inline(call: Callable) -> tuple[object, float]:
-    """call() in this thread, as call_tools reports it: (its result or exception, seconds)."""
+def inline_calls(calls: list[Callable], timeout: float) -> list[tuple[object, float]]:
+    """--reward's calls in this thread, as call_tools reports them. In the main thread a
+    Ctrl-C or SIGTERM (StopRequest) ends a call at once (ToolsStopped), and past `timeout`
+    seconds (0: never) TIMER_SIGNAL does, as a ToolTimeout; a reward's own signal.alarm works
+    as before. Elsewhere (a benchmark's thread) the calls just run."""
+    if threading.current_thread() is not threading.main_thread():
+        return [inline(call) for call in calls]
+    previous = signal.signal(TIMER_SIGNAL, CallInterrupted.raise_in_call)
+    try:
+        out = []
+        for call in calls:
+            if StopRequest.asked():  # it came between two calls
+                raise ToolsStopped(StopRequest.asked())
+            out.append(inline(call, timeout))
+        return out
+    finally:
+        signal.signal(TIMER_SIGNAL, previous)
+
+
+def inline(call: Callable, timeout: float = 0.0) -> tuple[object, float]:
+    """call() in this thread, as call_tools reports it: (its result or exception, seconds);
+    with a timeout, a timer sends TIMER_SIGNAL to the main thread at `timeout` seconds."""
+    timer = threading.Timer(timeout, signal.pthread_kill,
+                            (threading.main_thread().ident, TIMER_SIGNAL)) if timeout else None
     t0 = time.perf_counter()
     try:
+        if timer:
+            timer.start()
+        CallInterrupted.running = True
         out = call()
+        CallInterrupted.running = False
+    except CallInterrupted as e:
+        CallInterrupted.running = False
+        if e.signum != TIMER_SIGNAL:
+            raise ToolsStopped(e.signum) from None
+        out = ToolTimeout(f"ran past --tool-timeout {timeout:g}s")
     except Exception as e:  # RewardError, ToolError: raised again in episode order
         out = e
+    finally:
+        if timer:
+            timer.cancel()
+            timer.join()  # its signal, if it was sent, is handled while the handler is ours
     return out, time.perf_counter() - t0
 
 
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
-
-
-def late_calls(started: list, results: list, now: float, timeout: float) -> list[int]:
-    """The calls still running after `timeout` seconds (0: none ever is)."""
-    return [i for i, (t, r) in enumerate(zip(started, results))
-            if timeout and r is None and t is not None and now - t >= timeout]
 
 
 def reset_all(envs: list[Env], problems: list[Problem], n: int,
@@ -3743,13 +3870,24 @@ def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None
 
 @contextlib.contextmanager
 def user_errors(sample: int, completion: str):
-    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
+    """A reward's or an env's exception as a RewardError naming the sample: SystemExit,
+    GeneratorExit and a KeyboardInterrupt on a tool's thread (no Ctrl-C lands there) too, all
+    the user's. What passes: ToolError, simple_rl's interruptions, and in the main thread a
+    KeyboardInterrupt (the second Ctrl-C, or a first before the run's handlers are set)."""
     try:
         yield
-    except ToolError:
+    except (ToolError, ToolAbandoned, CallInterrupted):
         raise
-    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
-        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
+    except BaseException as e:
+        main = threading.current_thread() is threading.main_thread()
+        if isinstance(e, KeyboardInterrupt) and main and \
+                (StopRequest.active is None or StopRequest.asked() == signal.SIGINT):
+            raise
+        said = f"raised {type(e).__name__}" + (f": {e}" if str(e) else "")
+        if isinstance(e, ValueError) and not main and "main thread" in str(e):
+            said += (" (an env's reset and step run on worker threads, where signal handlers "
+                     "cannot be set: bound a call with --tool-timeout instead)")
+        raise RewardError(said, sample, completion) from e
 
 
 def finite_reward(value, sample: int, completion: str) -> float:
@@ -4899,6 +5037,9 @@ def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s
                if "determinism/routing_mismatch" in m else "")
     turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
              if "episode/turns_mean" in m else "")  # episodes of several turns
+    if m.get("tools/abandoned_threads"):  # they share the interpreter: steps may slow down
+        turns += (f" | {int(m['tools/abandoned_threads'])} abandoned tool calls still running "
+                  f"(the run stops at {MAX_ABANDONED_THREADS})")
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
             f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f}{turns} | mismatched "
@@ -4957,9 +5098,10 @@ def run_metrics(trainer: Trainer, parity: Parity, sleep_s: float, wake_s: float,
     too), the run's mismatched tokens, the update's weight deltas and the GPU's memory."""
     cfg = trainer.cfg
     metrics = {"time/engine_sleep_s": sleep_s, "time/engine_wake_s": wake_s}
-    if cfg.env:
-        metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=trainer.ranks.device),
-                                            dist.ReduceOp.MAX).item()
+    if cfg.env:  # the slowest rank's wait, and the most threads of abandoned calls alive
+        slowest = torch.tensor([waited, abandoned_threads()], device=trainer.ranks.device)
+        slowest = all_reduce(slowest.double(), dist.ReduceOp.MAX).tolist()
+        metrics["time/tool_s"], metrics["tools/abandoned_threads"] = slowest
     metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
     named = dict(trainer.model.named_parameters())
     metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
@@ -5470,6 +5612,7 @@ class StopRequest:
         self.signal = signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        CallInterrupted.raise_in_call(signum)  # a --reward call in this thread ends now
 
     def __exit__(self, *exc):
         StopRequest.active = None
@@ -5484,8 +5627,13 @@ def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
     try:
         yield
     except ToolsStopped as e:
+        calls = "tool" if trainer.cfg.env else "reward"
         raise save_and_stop(trainer, run_dir, source, step, e.signum,
-                            f"in step {step}'s tool calls, which were abandoned") from None
+                            f"in step {step}'s {calls} calls, which were abandoned") from None
+    except ToolsStuck as e:
+        raise RunStopped(f"step {step}: the env ({trainer.cfg.env}) {e}; nothing of this step "
+                         f"was applied. Last good checkpoint: {last_good(run_dir)}.",
+                         EXIT_REWARD) from None
     except NonFiniteError as e:
         raise nonfinite_stop(e, step, run_dir) from e
     except RewardError as e:
