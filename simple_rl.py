@@ -1178,6 +1178,12 @@ class Problem:
     question: str  # what the user asks, with the instruction on how to end the answer
     answer: str
 
+    def __getitem__(self, field: str) -> str:
+        """problem["answer"] reads problem.answer, as in the rows of --data-files."""
+        if field not in ("question", "answer"):
+            raise KeyError(f"{field!r}: a problem has the fields 'question' and 'answer'")
+        return getattr(self, field)
+
 
 @dataclass
 class Task:
@@ -2437,6 +2443,9 @@ def validate(cfg: Config) -> None:
          f"(got {cfg.max_turns}).")
     need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
          f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
+    need(not cfg.reward or cfg.env in ("", *EMBEDDED_ENVS), f"--reward {cfg.reward} would not "
+         f"be used: your --env {cfg.env} gives the rewards (its step returns them); drop "
+         "--reward.")
     need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
          "chat template; drop --chat-template off.")
     ranks = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRA ranks (max_lora_rank)
@@ -4914,12 +4923,25 @@ def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
         f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
         f"training problems, {len(task.eval_problems)} held out; the longest prompt "
         f"({max(lengths)} tokens) fits --max-model-len",
-        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
-        "on an empty completion",
+        *([] if cfg.env not in ("", *EMBEDDED_ENVS) else
+          [f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives "
+           f"{empty:g} on an empty completion"]),
         *([env] if env else []),
+        lora_line(cfg, files.args),
         f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
     ]
     return "\n".join(f"check: {line}" for line in lines)
+
+
+def lora_line(cfg: Config, args) -> str:
+    """--check's line on what trains: the adapters (rank, scale, targets, size) or every
+    weight."""
+    lora = lora_spec(cfg, args)
+    if lora is None:
+        return f"LoRA: off (full fine-tuning: {count_params(args) / 1e6:.1f}M params trained)"
+    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} (scale alpha / r = "
+            f"{lora.alpha / lora.rank:g}) on {', '.join(lora.targets)}: "
+            f"{lora_params(cfg, args) / 1e6:.2f}M params trained, the base frozen")
 
 
 def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:

@@ -148,7 +148,7 @@ def test_check_under_torchrun_needs_no_gpu_and_names_a_bad_reward(ckpt, tmp_path
     good = check_under_torchrun(argv, env)
     assert good.returncode == 0, good.stderr[-3000:]
     lines = good.stdout.splitlines()
-    assert len(lines) == 7 and all(line.startswith("check: ") for line in lines), good.stdout
+    assert len(lines) == 8 and all(line.startswith("check: ") for line in lines), good.stdout
     assert "check: reward simple_rl.reward: takes (completion, answer), gives 0 on an empty " \
         "completion" in lines
     assert "no CUDA GPU found" not in good.stdout + good.stderr
