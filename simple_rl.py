@@ -2382,7 +2382,7 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg, f.name)
         if isinstance(value, float):  # finite, and in fp32's range: the optimizer computes in it
             need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
-                 f"number (got {value}).")
+                 f"number below 3e38 in magnitude, fp32's range (got {value:g}).")
             # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
             need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
                  f"for fp32 (0, or at least {FP32_TINY:.3g} in magnitude).")
@@ -3578,6 +3578,7 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
     for i in range(n):
         todo.put(i)
     gate = threading.Lock()  # held while a call is abandoned, and while one hands over
+    pid = os.getpid()
 
     def worker() -> None:
         me = threading.current_thread()
@@ -3592,6 +3593,7 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
                     out = calls[i]()
                 except BaseException as e:  # the caller raises it in the main thread, in order
                     out = e
+                forked_off(pid, out)
                 with gate:  # after this, no ToolAbandoned is sent for call i
                     running[i] = None
                 done.put((i, out, time.perf_counter() - started[i]))
@@ -3613,6 +3615,15 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
             left -= 1
             spawn(worker, cfg)  # its thread is stuck in the call: another takes the calls left
     return results
+
+
+def forked_off(pid: int, out) -> None:
+    """In a child that a tool forked and that came back from the call (instead of exiting): exit
+    now, as its call ended (0, or 1 if it raised). Left to go on, a child forked on a tool's
+    thread would end that thread, its only one, and CPython aborts such a child with a "Fatal
+    Python error" dump on the run's stderr; forked by a --reward call, it would go on training."""
+    if os.getpid() != pid:
+        os._exit(1 if isinstance(out, BaseException) else 0)
 
 
 def spawn(worker: Callable, cfg: Config) -> None:
@@ -3694,7 +3705,7 @@ def inline(call: Callable, timeout: float = 0.0) -> tuple[object, float]:
     with a timeout, a timer sends TIMER_SIGNAL to the main thread at `timeout` seconds."""
     timer = threading.Timer(timeout, signal.pthread_kill,
                             (threading.main_thread().ident, TIMER_SIGNAL)) if timeout else None
-    t0 = time.perf_counter()
+    t0, pid = time.perf_counter(), os.getpid()
     try:
         if timer:
             timer.start()
@@ -3712,6 +3723,7 @@ def inline(call: Callable, timeout: float = 0.0) -> tuple[object, float]:
         if timer:
             timer.cancel()
             timer.join()  # its signal, if it was sent, is handled while the handler is ours
+    forked_off(pid, out)
     return out, time.perf_counter() - t0
 
 

@@ -215,3 +215,41 @@ def test_7_an_env_setting_a_signal_handler_is_told_why_it_cannot(ckpt, tmp_path,
         "ValueError: signal only works in main thread of the main interpreter (an env's reset "
         "and step run on worker threads, where signal handlers cannot be set: bound a call "
         "with --tool-timeout instead)."]
+
+
+def test_8_a_timeout_out_of_fp32s_range_is_named_as_that(ckpt, tmp_path, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", tool_timeout=1e300)
+    assert main_cpu(argv + ["--check"]) == 2
+    assert said(capsys) == ["simple_rl: error: --tool-timeout must be a finite number below "
+                            "3e38 in magnitude, fp32's range (got 1e+300)."]
+
+
+FORKS = '''
+import os
+
+
+class Forks:
+    """Its step forks a child that comes back from the call instead of exiting."""
+
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion):
+        pid = os.fork()
+        if pid:
+            os.waitpid(pid, 0)
+        return None, 0.0
+'''
+
+
+def test_8_a_child_a_tool_forks_ends_quietly(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "forks.py"
+    path.write_text(FORKS)
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=f"{path}:Forks") + ["--check"]
+    out = subprocess.run([sys.executable, str(rl.__file__), *argv], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.count("check: config: valid") == 1  # the child did not go on
