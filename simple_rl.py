@@ -3044,14 +3044,19 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
     """Every check that needs no GPU (headers and text only, seconds): a resume reads only the
     files its run read; then model files, tokenizer, the run's prompts, the reward and the env.
     Returns (files, task, reward_fn, make_env, the files read by name), or None after --check
-    has said what it checked."""
+    has said what it checked (a line as each check passes: check_progress)."""
+    say = check_progress(cfg, ckpt) if cfg.check else lambda found: None
     model_dir = resolve_checkpoint(cfg.model)
     inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
     check_unchanged(cfg, inputs, expect)
+    say(None)  # config, run directory, checkpoint
     files = load_model_files(cfg, model_dir)
+    say(files)  # model, tokenizer
     task = load_task(cfg, files.tokenizer)
+    say(task)  # data
     reward_fn = load_reward(cfg.reward)
     empty = check_reward(reward_fn, cfg.reward, task)
+    say(empty)  # reward
     make_env = load_env(cfg.env, reward_fn)
     env, checked = check_env(make_env, cfg, task, files.tokenizer) if cfg.env else (None, "")
     stops = cfg.tool_stop or getattr(env, "tool_stop", "")
@@ -3059,7 +3064,7 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
     if files.tool_ids:
         tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
     if cfg.check:
-        print0(check_report(cfg, ckpt, files, task, empty, checked))
+        say(checked)  # env, LoRA, GPU
         return None
     return files, task, reward_fn, make_env, inputs
 
@@ -4915,34 +4920,47 @@ def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory:
             f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
 
 
-def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
-                 empty: float, env: str = "") -> str:
-    """--check's answer: one line per thing checked, each of which passed."""
+def check_progress(cfg: Config, ckpt: Path | None) -> Callable:
+    """--check's answer, a line per thing checked as it passes (one can take seconds: the
+    tokenizer's import, the data): check_inputs calls the function returned with what each
+    check found (check_lines, each call printing the lines of what passed before it)."""
+    lines = check_lines(cfg, ckpt)
+    next(lines)
+    return lines.send
+
+
+def check_lines(cfg: Config, ckpt: Path | None) -> Iterator[None]:
+    def say(*lines: str) -> None:
+        for line in lines:
+            print0(f"check: {line}")
+
     run_dir = Path(cfg.log_dir) / cfg.run_name
     where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
              "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
-    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
-    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
-    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
-    lines = [
-        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
+    yield
+    say(f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
         f"run directory {run_dir}: {where}",
         *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
-           "run's (sha256)"] if ckpt else []),
-        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
+           "run's (sha256)"] if ckpt else []))
+    files = yield
+    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
+    say(f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
         "every safetensors header agree",
-        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
-        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
+        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}")
+    task = yield
+    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
+    say(f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
         f"training problems, {len(task.eval_problems)} held out; the longest prompt "
-        f"({max(lengths)} tokens) fits --max-model-len",
-        *([] if cfg.env not in ("", *EMBEDDED_ENVS) else
-          [f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives "
-           f"{empty:g} on an empty completion"]),
-        *([env] if env else []),
-        lora_line(cfg, files.args),
-        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
-    ]
-    return "\n".join(f"check: {line}" for line in lines)
+        f"({max(lengths)} tokens) fits --max-model-len")
+    empty = yield
+    if cfg.env in ("", *EMBEDDED_ENVS):  # your own env gives the rewards: no --reward
+        say(f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives "
+            f"{empty:g} on an empty completion")
+    env = yield
+    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
+    say(*([env] if env else []), lora_line(cfg, files.args),
+        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start")
+    yield
 
 
 def lora_line(cfg: Config, args) -> str:

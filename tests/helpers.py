@@ -37,6 +37,7 @@ def make_tokenizer(out: Path, vocab_size: int = 320, chat: bool = False):
         vocab_size=vocab_size,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # off a terminal, its bar is blank lines
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(

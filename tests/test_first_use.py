@@ -86,3 +86,15 @@ def test_15_the_stand_in_engine_is_exact_in_every_turn_of_an_episode(ckpt, tmp_p
     for row in rows:
         assert row["episode/turns_mean"] == 2.0 and row["determinism/tokens_turn2"] > 0
         assert row["determinism/mismatched_tokens"] == 0, row
+
+
+def test_14_check_prints_each_check_as_it_passes(ckpt, tmp_path, capsys):
+    spec = tmp_path / "reward.py"
+    spec.write_text("def score(completion, answer):\n    return float('nan')\n")
+    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=f"{spec}:score") + ["--check"]
+    assert main_cpu(argv) == 2
+    out = capsys.readouterr()
+    passed = [line.split(":")[1].split()[0] for line in out.out.splitlines()]
+    assert passed == ["config", "run", "model", "tokenizer", "data"]  # then the reward failed
+    assert out.err.startswith(f"simple_rl: error: --reward {spec}:score: on an empty "
+                              "completion it returned nan")
