@@ -2276,10 +2276,12 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
     except ConfigError as e:
         if is_main():
             print(f"simple_rl: error: {e}", file=sys.stderr)
+        tell_torchrun(f"simple_rl: error: {e}")
         return 2
     except RunStopped as e:
         if is_main():
             print(f"simple_rl: {e}", file=sys.stderr)
+        tell_torchrun(f"simple_rl: {e}")
         return e.code
     finally:
         if dist.is_initialized():
@@ -3189,6 +3191,16 @@ def check_ranks(cfg: Config, world: int) -> None:
          "rank needs at least one prompt per step.")
     need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
          "with python, not torchrun.")
+
+
+def tell_torchrun(message: str) -> None:
+    """Under torchrun, the sentence a rank ended with, in its error file: torchrun's summary
+    gives it as the failure's cause (torchrun itself then exits 1, whatever the rank's code)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": message,
+                                              "timestamp": int(time.time())}))
 
 
 def world_size() -> int:

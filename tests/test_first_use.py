@@ -98,3 +98,22 @@ def test_14_check_prints_each_check_as_it_passes(ckpt, tmp_path, capsys):
     assert passed == ["config", "run", "model", "tokenizer", "data"]  # then the reward failed
     assert out.err.startswith(f"simple_rl: error: --reward {spec}:score: on an empty "
                               "completion it returned nan")
+
+
+def test_12_a_bad_input_under_torchrun_is_its_summarys_cause(ckpt, tmp_path):
+    """Each rank exits 2 in one sentence; torchrun (which exits 1 for any failed rank, and
+    prints its own traceback) gives that sentence as each failure's cause."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           str(rl.__file__), "--model", str(ckpt()), "--group-size", "1"]
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    said = ("simple_rl: error: --group-size must be at least 2 (got 1): GRPO normalises "
+            "rewards within a group.")
+    causes = [line.strip() for line in out.stderr.splitlines() if "traceback :" in line]
+    assert causes and all(c == f"traceback : {said}" for c in causes), out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr and out.returncode == 1
