@@ -3625,7 +3625,7 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
     while left:
         if StopRequest.asked():
             raise ToolsStopped(StopRequest.asked())
-        for i, out, seconds in finished(done):
+        for i, out, seconds in finished(done, next_late(running, started, cfg.tool_timeout)):
             if results[i] is None:
                 results[i], left = (out, seconds), left - 1
         for _ in range(abandon_late(running, started, results, cfg.tool_timeout, gate)):
@@ -3652,10 +3652,17 @@ def spawn(worker: Callable, cfg: Config) -> None:
                          f"--tool-timeout {cfg.tool_timeout:g}s") from None
 
 
-def finished(done: queue.SimpleQueue) -> list[tuple[int, object, float]]:
-    """The calls that came back: those waiting, or the first within STOP_POLL_S."""
+def next_late(running: list, started: list, timeout: float) -> float:
+    """Seconds until a running call runs past `timeout` (0: never), at most STOP_POLL_S."""
+    now = time.perf_counter()
+    due = [started[i] + timeout - now for i, thread in enumerate(running) if thread is not None]
+    return min([STOP_POLL_S, *due] if timeout else [STOP_POLL_S])
+
+
+def finished(done: queue.SimpleQueue, wait: float) -> list[tuple[int, object, float]]:
+    """The calls that came back: those waiting, or the first within `wait` seconds."""
     try:
-        got = [done.get(timeout=STOP_POLL_S)]
+        got = [done.get(timeout=max(wait, 0.001))]
     except queue.Empty:
         return []
     while not done.empty():
