@@ -85,13 +85,16 @@ def hangs_once(completion, answer):
     return float(len(completion) % 2)
 
 
-def sleeps_after_sigterm(completion, answer):
-    flag = Path(RUN) / "hang"
-    if (Path(RUN) / "r" / "checkpoints" / "step_000001").exists() and flag.exists():
-        flag.unlink()
-        (Path(RUN) / "killed").write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(20)  # hung, as far as the run can tell
+def busy_after_sigterm(completion, answer):
+    """At step 1's first call, a SIGTERM, then 20 s of looping (hung, as far as the run can
+    tell)."""
+    killed = Path(RUN) / "killed"
+    if (Path(RUN) / "r" / "checkpoints" / "step_000001").exists() and not killed.exists():
+        killed.write_text(repr(time.time()))
+        signal.raise_signal(signal.SIGTERM)
+        until = time.time() + 20
+        while time.time() < until:
+            pass
     return float(len(completion) % 2)
 
 
@@ -179,9 +182,8 @@ def test_5_a_hung_reward_ends_at_the_tool_timeout_and_the_run_goes_on(ckpt, tmp_
 
 def test_5_sigterm_ends_a_hung_reward_saves_the_steps_done_and_exits_143(ckpt, tmp_path,
                                                                            user, capsys):
-    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=user("sleeps_after_sigterm"), steps=2,
+    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=user("busy_after_sigterm"), steps=2,
                     save_every=1, eval_size=0, tool_timeout=0, run_name="r")
-    (tmp_path / "runs" / "hang").write_text("")
     assert main_cpu(argv) == 143
     assert time.time() - float((tmp_path / "runs" / "killed").read_text()) < 10  # it hangs 20
     ckpt1 = tmp_path / "runs" / "r" / "checkpoints" / "step_000001"
