@@ -3707,19 +3707,15 @@ def call_once(fn: Callable, cfg: Config):
 
 def inline_calls(calls: list[Callable], timeout: float) -> list[tuple[object, float]]:
     """--reward's calls in this thread, as call_tools reports them. In the main thread a
-    Ctrl-C or SIGTERM (StopRequest) ends a call at once (ToolsStopped), and past `timeout`
+    Ctrl-C or SIGTERM (StopRequest) ends the call it lands in (ToolsStopped: the step is
+    dropped; one landing between calls lets the step finish, as before), and past `timeout`
     seconds (0: never) TIMER_SIGNAL does, as a ToolTimeout; a reward's own signal.alarm works
     as before. Elsewhere (a benchmark's thread) the calls just run."""
     if threading.current_thread() is not threading.main_thread():
         return [inline(call) for call in calls]
     previous = signal.signal(TIMER_SIGNAL, CallInterrupted.raise_in_call)
     try:
-        out = []
-        for call in calls:
-            if StopRequest.asked():  # it came between two calls
-                raise ToolsStopped(StopRequest.asked())
-            out.append(inline(call, timeout))
-        return out
+        return [inline(call, timeout) for call in calls]
     finally:
         signal.signal(TIMER_SIGNAL, previous)
 
@@ -5050,7 +5046,8 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("episodes cut at --max-model-len", "episode/context_frac"),
             ("episodes cut at --max-turns", "episode/max_turns_frac"),
             ("tool tokens per episode", "episode/tool_tokens_mean"),
-            ("time waiting on the env's calls (s)", "time/tool_s")))
+            ("time waiting on the env's calls (s)", "time/tool_s"),
+            ("abandoned tool calls still running", "tools/abandoned_threads")))
     return layout
 
 
