@@ -100,6 +100,7 @@ import json
 import math
 import numbers
 import pickle
+import queue
 import random
 import re
 import shutil
@@ -171,8 +172,9 @@ class Config:
                                "(0: no cut; one past what --max-model-len leaves ends it)")
     tool_workers: int = opt("rollout", 0, "threads running a turn's env calls at once, results "
                             "kept in episode order (0: one per episode)")
-    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset may run; past "
-                              "them its episode ends as tool_timeout, reward 0 (0: no limit)")
+    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset (or a --reward "
+                              "call) may run; past them its episode ends as tool_timeout, "
+                              "reward 0 (0: no limit)")
     tool_stop: str = opt("rollout", "", "comma-separated strings, each one token, that end a turn "
                          "to call the tool (default: the env's tool_stop)")
     chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
@@ -1176,6 +1178,12 @@ class Problem:
     question: str  # what the user asks, with the instruction on how to end the answer
     answer: str
 
+    def __getitem__(self, field: str) -> str:
+        """problem["answer"] reads problem.answer, as in the rows of --data-files."""
+        if field not in ("question", "answer"):
+            raise KeyError(f"{field!r}: a problem has the fields 'question' and 'answer'")
+        return getattr(self, field)
+
 
 @dataclass
 class Task:
@@ -1362,8 +1370,9 @@ class Env:
 
     The contract that keeps runs bit-exact, resumed ones too: an env is fresh per episode, and
     step is a deterministic function of the episode's texts (no state across episodes, no
-    clock, no unseeded randomness). reset and step run on threads; one that runs past
-    --tool-timeout ends its episode.
+    clock, no unseeded randomness). reset and step run on worker threads (so they cannot set
+    signal handlers: no signal.alarm); one that runs past --tool-timeout ends its episode.
+    problem is a Problem: problem.question and problem.answer (or problem["answer"]).
     """
 
     tool_stop = ""
@@ -2011,14 +2020,15 @@ def generated_lengths(rollout: Rollout) -> list[int]:
 
 def on_every_rank(trainer: Trainer, fn: Callable, name: Callable[[int], str]):
     """fn()'s result. If a reward or env failed in it on any rank (or a stop came while its
-    tools ran), every rank raises that RewardError (ToolsStopped), so none waits in a
-    collective. The one place a RewardError is named: name(sample), and its turn."""
+    tools ran, or they got stuck), every rank raises that RewardError (ToolsStopped,
+    ToolsStuck), so none waits in a collective. The one place a RewardError is named:
+    name(sample), and its turn."""
     try:
         out, failure = fn(), None
     except RewardError as e:
         e.where = name(e.sample) + (f", turn {e.turn}" if e.turn else "")
         out, failure = None, e
-    except ToolsStopped as e:
+    except (ToolsStopped, ToolsStuck) as e:
         out, failure = None, e
     if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
         flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
@@ -2266,10 +2276,12 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
     except ConfigError as e:
         if is_main():
             print(f"simple_rl: error: {e}", file=sys.stderr)
+        tell_torchrun(f"simple_rl: error: {e}")
         return 2
     except RunStopped as e:
         if is_main():
             print(f"simple_rl: {e}", file=sys.stderr)
+        tell_torchrun(f"simple_rl: {e}")
         return e.code
     finally:
         if dist.is_initialized():
@@ -2375,8 +2387,8 @@ def validate(cfg: Config) -> None:
         need(isinstance(value, kinds[f.type]) and (f.type == "bool") == (type(value) is
              bool), f"{flag(f.name)} must be a {f.type} (got {shown(value)}).")
         if f.type == "float":  # finite, and in fp32's range: the optimizer computes in it
-            need(abs(value) < 3e38 and math.isfinite(value), f"{flag(f.name)} must be a finite "
-                 f"number (got {value}).")
+            need(math.isfinite(value) and abs(value) < 3e38, f"{flag(f.name)} must be a finite "
+                 f"number below 3e38 in magnitude, fp32's range (got {value:g}).")
             # a nonzero value below fp32's smallest normal number would become 0 or lose its bits
             need(value == 0 or abs(value) >= FP32_TINY, f"{flag(f.name)} {value} is too small "
                  f"for fp32 (0, or at least {FP32_TINY:.3g} in magnitude).")
@@ -2437,6 +2449,9 @@ def validate(cfg: Config) -> None:
          f"(got {cfg.max_turns}).")
     need(not cfg.reward or REWARD_SPEC.fullmatch(cfg.reward) is not None, f"--reward "
          f"{cfg.reward!r} must name a Python file and a function in it: FILE.py:FUNCTION.")
+    need(not cfg.reward or cfg.env in ("", *EMBEDDED_ENVS), f"--reward {cfg.reward} would not "
+         f"be used: your --env {cfg.env} gives the rewards (its step returns them); drop "
+         "--reward.")
     need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
          "chat template; drop --chat-template off.")
     ranks = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRA ranks (max_lora_rank)
@@ -3048,15 +3063,20 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
     a resume reads only the files its run read; then model files, tokenizer, the run's
     prompts, the reward and the env.
     Returns (files, task, reward_fn, make_env, the sha256 of the files read by name), or None
-    after --check has said what it checked."""
+    after --check has said what it checked (a line as each check passes: check_progress)."""
+    say = check_progress(cfg, ckpt) if cfg.check else lambda found: None
     model_dir = resolve_checkpoint(cfg.model)
     inputs = {name: input_files(name, getattr(cfg, name), model_dir) for name in INPUTS}
     hashed = on_rank0(lambda: check_unchanged(cfg, inputs, expect)) \
         if expect is not None or not cfg.check else {}  # --check alone records nothing
+    say(None)  # config, run directory, checkpoint
     files = load_model_files(cfg, model_dir)
+    say(files)  # model, tokenizer
     task = load_task(cfg, files.tokenizer)
+    say(task)  # data
     reward_fn = load_reward(cfg.reward)
     empty = check_reward(reward_fn, cfg.reward, task)
+    say(empty)  # reward
     make_env = load_env(cfg.env, reward_fn)
     env, checked = check_env(make_env, cfg, task, files.tokenizer) if cfg.env else (None, "")
     stops = cfg.tool_stop or getattr(env, "tool_stop", "")
@@ -3064,7 +3084,7 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
     if files.tool_ids:
         tool_message_ids(files.tokenizer, ["0"], cfg)  # the chat template renders a tool turn
     if cfg.check:
-        print0(check_report(cfg, ckpt, files, task, empty, checked))
+        say(checked)  # env, LoRA, GPU
         return None
     return files, task, reward_fn, make_env, hashed
 
@@ -3189,6 +3209,16 @@ def check_ranks(cfg: Config, world: int) -> None:
          "rank needs at least one prompt per step.")
     need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
          "with python, not torchrun.")
+
+
+def tell_torchrun(message: str) -> None:
+    """Under torchrun, the sentence a rank ended with, in its error file: torchrun's summary
+    gives it as the failure's cause (torchrun itself then exits 1, whatever the rank's code)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": message,
+                                              "timestamp": int(time.time())}))
 
 
 def world_size() -> int:
@@ -3515,13 +3545,23 @@ def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
 # ==========================================================================
 # A turn's env calls run on daemon threads (a call that never returns cannot keep the process
 # alive) and come back in call order, so no bit depends on which call finished first. A call
-# past --tool-timeout is abandoned: its episode ends as tool_timeout, and its thread is left
-# to end by itself. A Ctrl-C or SIGTERM abandons the calls at once: the step is dropped and the
-# steps done are saved (ToolsStopped), so a hung tool never holds a stop back.
+# past --tool-timeout is abandoned: its episode ends as tool_timeout, and ToolAbandoned is
+# raised in its thread, which ends a call running Python at once (a loop, say) and one blocked
+# in C (a sleep, a socket) when it returns. A call that catches it keeps its thread: while
+# some do, the step line counts them (they share the interpreter with the run, so steps slow
+# down), and at MAX_ABANDONED_THREADS the run stops, exit 7 (ToolsStuck). A Ctrl-C or SIGTERM
+# abandons the calls at once: the step is dropped and the steps done are saved (ToolsStopped),
+# so a hung tool never holds a stop back. Without --env, --reward's calls run in the main
+# thread as ever (a reward may time itself with signal.alarm, which works there only); there a
+# Ctrl-C, SIGTERM or --tool-timeout (a timer's TIMER_SIGNAL) raises CallInterrupted into it.
+
+MAX_ABANDONED_THREADS = 32  # tool threads still alive past --tool-timeout that a run tolerates
+TIMER_SIGNAL = signal.SIGUSR2  # --tool-timeout's alarm for a --reward call in the main thread
+ABANDONED: list[threading.Thread] = []  # the threads of the calls abandoned so far
 
 
 class ToolTimeout(Exception):
-    """An env's step or reset ran past --tool-timeout."""
+    """An env's step or reset (or a --reward call) ran past --tool-timeout."""
 
 
 class ToolsStopped(Exception):
@@ -3532,51 +3572,153 @@ class ToolsStopped(Exception):
         self.signum = signum
 
 
+class ToolsStuck(Exception):
+    """MAX_ABANDONED_THREADS calls past --tool-timeout still run (or no thread can start)."""
+
+
+class ToolAbandoned(BaseException):
+    """Raised in the thread of a call past --tool-timeout (a BaseException: `except Exception`
+    in an env lets it through)."""
+
+
+class CallInterrupted(BaseException):
+    """Raised into a --reward call running in the main thread by a signal: SIGINT or SIGTERM
+    (StopRequest), or TIMER_SIGNAL at --tool-timeout."""
+
+    running = False  # a --reward call runs in the main thread now: a signal may interrupt it
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @staticmethod
+    def raise_in_call(signum: int, frame=None) -> None:
+        """A signal handler's part: raise into the running --reward call, if one runs."""
+        if CallInterrupted.running:
+            CallInterrupted.running = False
+            raise CallInterrupted(signum)
+
+
 def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]:
     """Each call's (result, or the exception it raised, or a ToolTimeout; seconds), in call
-    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request.
-    Without --env the calls are --reward's, made in this thread as ever (a reward may time
-    itself with signal.alarm, which works in the main thread only)."""
+    order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request,
+    ToolsStuck once MAX_ABANDONED_THREADS abandoned calls still run. Without --env the calls
+    are --reward's, made in this thread (inline_calls)."""
     if not cfg.env:
-        return [inline(call) for call in calls]
+        return inline_calls(calls, cfg.tool_timeout)
+    stuck = abandoned_threads()
+    if stuck >= MAX_ABANDONED_THREADS:
+        raise ToolsStuck(f"has {stuck} calls still running past --tool-timeout "
+                         f"{cfg.tool_timeout:g}s, abandoned but not ended (the run stops at "
+                         f"{MAX_ABANDONED_THREADS})")
     n = len(calls)
-    results: list[tuple[object, float] | None] = [None] * n
-    started: list[float | None] = [None] * n
-    todo = iter(range(n))
-    lock = threading.Condition()
+    results: list[tuple[object, float] | None] = [None] * n  # written by this thread only
+    started: list[float] = [0.0] * n
+    running: list[threading.Thread | None] = [None] * n  # the thread in call i
+    todo, done = queue.SimpleQueue(), queue.SimpleQueue()  # C queues: no Python frame inside
+    for i in range(n):
+        todo.put(i)
+    gate = threading.Lock()  # held while a call is abandoned, and while one hands over
+    pid = os.getpid()
 
     def worker() -> None:
-        while True:
-            with lock:
-                i = next(todo, None)
-                if i is None:
+        me = threading.current_thread()
+        try:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
                     return
-                started[i] = time.perf_counter()
-            try:
-                out = calls[i]()
-            except BaseException as e:  # the caller raises it in the main thread, in order
-                out = e
-            with lock:
-                if results[i] is None:  # else it came too late: a timeout is recorded
-                    results[i] = (out, time.perf_counter() - started[i])
-                lock.notify()
-
-    def spawn() -> None:
-        threading.Thread(target=worker, daemon=True, name="simple_rl-tool").start()
+                started[i], running[i] = time.perf_counter(), me
+                try:
+                    out = calls[i]()
+                except BaseException as e:  # the caller raises it in the main thread, in order
+                    out = e
+                forked_off(pid, out)
+                with gate:  # after this, no ToolAbandoned is sent for call i
+                    running[i] = None
+                done.put((i, out, time.perf_counter() - started[i]))
+                if results[i] is not None:  # abandoned: another thread took this one's place
+                    return
+        except ToolAbandoned:  # sent while the call ran: it lands by the gate's end at latest
+            return
 
     for _ in range(min(cfg.tool_workers or n, n)):
-        spawn()
-    with lock:
-        while not all(results):
-            if StopRequest.asked():
-                raise ToolsStopped(StopRequest.asked())
-            now = time.perf_counter()
-            for i in late_calls(started, results, now, cfg.tool_timeout):
-                results[i] = (ToolTimeout(f"ran past --tool-timeout {cfg.tool_timeout:g}s"),
-                              now - started[i])
-                spawn()  # its thread is stuck in the call: another takes the calls left
-            lock.wait(STOP_POLL_S)
+        spawn(worker, cfg)
+    left = n
+    while left:
+        if StopRequest.asked():
+            raise ToolsStopped(StopRequest.asked())
+        for i, out, seconds in finished(done, next_late(running, started, cfg.tool_timeout)):
+            if results[i] is None:
+                results[i], left = (out, seconds), left - 1
+        for _ in range(abandon_late(running, started, results, cfg.tool_timeout, gate)):
+            left -= 1
+            spawn(worker, cfg)  # its thread is stuck in the call: another takes the calls left
     return results
+
+
+def forked_off(pid: int, out) -> None:
+    """In a child that a tool forked and that came back from the call (instead of exiting): exit
+    now, as its call ended (0, or 1 if it raised). Left to go on, a child forked on a tool's
+    thread would end that thread, its only one, and CPython aborts such a child with a "Fatal
+    Python error" dump on the run's stderr; forked by a --reward call, it would go on training."""
+    if os.getpid() != pid:
+        os._exit(1 if isinstance(out, BaseException) else 0)
+
+
+def spawn(worker: Callable, cfg: Config) -> None:
+    try:
+        threading.Thread(target=worker, daemon=True, name="simple_rl-tool").start()
+    except RuntimeError as e:  # "can't start new thread": the OS refused one
+        raise ToolsStuck(f"could get no thread for its calls ({e}), with "
+                         f"{abandoned_threads()} abandoned ones still running past "
+                         f"--tool-timeout {cfg.tool_timeout:g}s") from None
+
+
+def next_late(running: list, started: list, timeout: float) -> float:
+    """Seconds until a running call runs past `timeout` (0: never), at most STOP_POLL_S."""
+    now = time.perf_counter()
+    due = [started[i] + timeout - now for i, thread in enumerate(running) if thread is not None]
+    return min([STOP_POLL_S, *due] if timeout else [STOP_POLL_S])
+
+
+def finished(done: queue.SimpleQueue, wait: float) -> list[tuple[int, object, float]]:
+    """The calls that came back: those waiting, or the first within `wait` seconds."""
+    try:
+        got = [done.get(timeout=max(wait, 0.001))]
+    except queue.Empty:
+        return []
+    while not done.empty():
+        got.append(done.get_nowait())
+    return got
+
+
+def abandon_late(running: list, started: list, results: list, timeout: float,
+                 gate: threading.Lock) -> int:
+    """How many calls were abandoned now, having run `timeout` seconds (0: none ever is):
+    each gets its ToolTimeout result, and ToolAbandoned raised in its thread, which ABANDONED
+    counts while it lives."""
+    import ctypes
+
+    now, late = time.perf_counter(), 0
+    with gate:
+        for i, thread in enumerate(running):
+            if timeout and thread is not None and results[i] is None and \
+                    now - started[i] >= timeout:
+                results[i] = (ToolTimeout(f"ran past --tool-timeout {timeout:g}s"),
+                              now - started[i])
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                           ctypes.py_object(ToolAbandoned))
+                ABANDONED.append(thread)
+                late += 1
+    return late
+
+
+def abandoned_threads() -> int:
+    """The abandoned calls' threads still alive (those that ended are forgotten)."""
+    ABANDONED[:] = [t for t in ABANDONED if t.is_alive()]
+    return len(ABANDONED)
 
 
 def call_once(fn: Callable, cfg: Config):
@@ -3587,23 +3729,49 @@ def call_once(fn: Callable, cfg: Config):
     return out
 
 
-def inline(call: Callable) -> tuple[object, float]:
-    """call() in this thread, as call_tools reports it: (its result or exception, seconds)."""
-    t0 = time.perf_counter()
+def inline_calls(calls: list[Callable], timeout: float) -> list[tuple[object, float]]:
+    """--reward's calls in this thread, as call_tools reports them. In the main thread a
+    Ctrl-C or SIGTERM (StopRequest) ends the call it lands in (ToolsStopped: the step is
+    dropped; one landing between calls lets the step finish, as before), and past `timeout`
+    seconds (0: never) TIMER_SIGNAL does, as a ToolTimeout; a reward's own signal.alarm works
+    as before. Elsewhere (a benchmark's thread) the calls just run."""
+    if threading.current_thread() is not threading.main_thread():
+        return [inline(call) for call in calls]
+    previous = signal.signal(TIMER_SIGNAL, CallInterrupted.raise_in_call)
     try:
+        return [inline(call, timeout) for call in calls]
+    finally:
+        signal.signal(TIMER_SIGNAL, previous)
+
+
+def inline(call: Callable, timeout: float = 0.0) -> tuple[object, float]:
+    """call() in this thread, as call_tools reports it: (its result or exception, seconds);
+    with a timeout, a timer sends TIMER_SIGNAL to the main thread at `timeout` seconds."""
+    timer = threading.Timer(timeout, signal.pthread_kill,
+                            (threading.main_thread().ident, TIMER_SIGNAL)) if timeout else None
+    t0, pid = time.perf_counter(), os.getpid()
+    try:
+        if timer:
+            timer.start()
+        CallInterrupted.running = True
         out = call()
+        CallInterrupted.running = False
+    except CallInterrupted as e:
+        CallInterrupted.running = False
+        if e.signum != TIMER_SIGNAL:
+            raise ToolsStopped(e.signum) from None
+        out = ToolTimeout(f"ran past --tool-timeout {timeout:g}s")
     except Exception as e:  # RewardError, ToolError: raised again in episode order
         out = e
+    finally:
+        if timer:
+            timer.cancel()
+            timer.join()  # its signal, if it was sent, is handled while the handler is ours
+    forked_off(pid, out)
     return out, time.perf_counter() - t0
 
 
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
-
-
-def late_calls(started: list, results: list, now: float, timeout: float) -> list[int]:
-    """The calls still running after `timeout` seconds (0: none ever is)."""
-    return [i for i, (t, r) in enumerate(zip(started, results))
-            if timeout and r is None and t is not None and now - t >= timeout]
 
 
 def reset_all(envs: list[Env], problems: list[Problem], n: int,
@@ -3767,13 +3935,24 @@ def env_step(env: Env, text: str, sample: int) -> tuple[str | None, float | None
 
 @contextlib.contextmanager
 def user_errors(sample: int, completion: str):
-    """A reward's or an env's exception as a RewardError naming the sample (ToolError passes)."""
+    """A reward's or an env's exception as a RewardError naming the sample: SystemExit,
+    GeneratorExit and a KeyboardInterrupt on a tool's thread (no Ctrl-C lands there) too, all
+    the user's. What passes: ToolError, simple_rl's interruptions, and in the main thread a
+    KeyboardInterrupt (the second Ctrl-C, or a first before the run's handlers are set)."""
     try:
         yield
-    except ToolError:
+    except (ToolError, ToolAbandoned, CallInterrupted):
         raise
-    except (Exception, SystemExit) as e:  # the user's SystemExit, not the run's end
-        raise RewardError(f"raised {type(e).__name__}: {e}", sample, completion) from e
+    except BaseException as e:
+        main = threading.current_thread() is threading.main_thread()
+        if isinstance(e, KeyboardInterrupt) and main and \
+                (StopRequest.active is None or StopRequest.asked() == signal.SIGINT):
+            raise
+        said = f"raised {type(e).__name__}" + (f": {e}" if str(e) else "")
+        if isinstance(e, ValueError) and not main and "main thread" in str(e):
+            said += (" (an env's reset and step run on worker threads, where signal handlers "
+                     "cannot be set: bound a call with --tool-timeout instead)")
+        raise RewardError(said, sample, completion) from e
 
 
 def finite_reward(value, sample: int, completion: str) -> float:
@@ -4844,32 +5023,58 @@ def run_banner(cfg: Config, files: ModelFiles, world: int, kernels: str, memory:
             f"micro-batch {cfg.micro_batch_tokens} tokens{memory} | run {run_dir}")
 
 
-def check_report(cfg: Config, ckpt: Path | None, files: ModelFiles, task: Task,
-                 empty: float, env: str = "") -> str:
-    """--check's answer: one line per thing checked, each of which passed."""
+def check_progress(cfg: Config, ckpt: Path | None) -> Callable:
+    """--check's answer, a line per thing checked as it passes (one can take seconds: the
+    tokenizer's import, the data): check_inputs calls the function returned with what each
+    check found (check_lines, each call printing the lines of what passed before it)."""
+    lines = check_lines(cfg, ckpt)
+    next(lines)
+    return lines.send
+
+
+def check_lines(cfg: Config, ckpt: Path | None) -> Iterator[None]:
+    def say(*lines: str) -> None:
+        for line in lines:
+            print0(f"check: {line}")
+
     run_dir = Path(cfg.log_dir) / cfg.run_name
     where = (f"continues {ckpt.name}" if continues(ckpt, run_dir) else "holds a run that "
              "--overwrite replaces" if holds_run(run_dir) else "is made when the run starts")
-    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
-    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
-    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
-    lines = [
-        f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
+    yield
+    say(f"config: valid ({cfg.steps} steps of {cfg.num_prompts} prompts x {cfg.group_size})",
         f"run directory {run_dir}: {where}",
         *([f"checkpoint {ckpt}: state, DCP metadata and RNG readable; the files read are its "
-           "run's (sha256)"] if ckpt else []),
-        f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
+           "run's (sha256)"] if ckpt else []))
+    files = yield
+    prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
+    say(f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
         "every safetensors header agree",
-        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}",
-        f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
+        f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}")
+    task = yield
+    lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
+    say(f"data ({'lookup' if cfg.env == 'lookup' else cfg.task}): {len(task.problems)} "
         f"training problems, {len(task.eval_problems)} held out; the longest prompt "
-        f"({max(lengths)} tokens) fits --max-model-len",
-        f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives {empty:g} "
-        "on an empty completion",
-        *([env] if env else []),
-        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start",
-    ]
-    return "\n".join(f"check: {line}" for line in lines)
+        f"({max(lengths)} tokens) fits --max-model-len")
+    empty = yield
+    if cfg.env in ("", *EMBEDDED_ENVS):  # your own env gives the rewards: no --reward
+        say(f"reward {cfg.reward or 'simple_rl.reward'}: takes (completion, answer), gives "
+            f"{empty:g} on an empty completion")
+    env = yield
+    gpu = "found" if torch.cuda.is_available() else "none here (the run needs one)"
+    say(*([env] if env else []), lora_line(cfg, files.args),
+        f"GPU: {gpu}; the weights' values, the memory estimate and vLLM are checked at the start")
+    yield
+
+
+def lora_line(cfg: Config, args) -> str:
+    """--check's line on what trains: the adapters (rank, scale, targets, size) or every
+    weight."""
+    lora = lora_spec(cfg, args)
+    if lora is None:
+        return f"LoRA: off (full fine-tuning: {count_params(args) / 1e6:.1f}M params trained)"
+    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} (scale alpha / r = "
+            f"{lora.alpha / lora.rank:g}) on {', '.join(lora.targets)}: "
+            f"{lora_params(cfg, args) / 1e6:.2f}M params trained, the base frozen")
 
 
 def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
@@ -4929,7 +5134,8 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("episodes cut at --max-model-len", "episode/context_frac"),
             ("episodes cut at --max-turns", "episode/max_turns_frac"),
             ("tool tokens per episode", "episode/tool_tokens_mean"),
-            ("time waiting on the env's calls (s)", "time/tool_s")))
+            ("time waiting on the env's calls (s)", "time/tool_s"),
+            ("abandoned tool calls still running", "tools/abandoned_threads")))
     return layout
 
 
@@ -4987,6 +5193,9 @@ def format_step(step: int, steps: int, m: dict[str, float], step_s: float, eta_s
                if "determinism/routing_mismatch" in m else "")
     turns = (f" | turns {m['episode/turns_mean']:.1f} tools {m['episode/tool_calls_mean']:.1f}"
              if "episode/turns_mean" in m else "")  # episodes of several turns
+    if m.get("tools/abandoned_threads"):  # they share the interpreter: steps may slow down
+        turns += (f" | {int(m['tools/abandoned_threads'])} abandoned tool calls still running "
+                  f"(the run stops at {MAX_ABANDONED_THREADS})")
     return (f"step {step + 1}/{steps} | reward {m['reward_mean']:.3f}{held_out} | loss "
             f"{m['loss']:+.4f}{kl} | ent {m['entropy']:.3f} | len "
             f"{m['completion_len_mean']:.1f}{turns} | mismatched "
@@ -5045,9 +5254,10 @@ def run_metrics(trainer: Trainer, parity: Parity, sleep_s: float, wake_s: float,
     too), the run's mismatched tokens, the update's weight deltas and the GPU's memory."""
     cfg = trainer.cfg
     metrics = {"time/engine_sleep_s": sleep_s, "time/engine_wake_s": wake_s}
-    if cfg.env:
-        metrics["time/tool_s"] = all_reduce(torch.tensor([waited], device=trainer.ranks.device),
-                                            dist.ReduceOp.MAX).item()
+    if cfg.env:  # the slowest rank's wait, and the most threads of abandoned calls alive
+        slowest = torch.tensor([waited, abandoned_threads()], device=trainer.ranks.device)
+        slowest = all_reduce(slowest.double(), dist.ReduceOp.MAX).tolist()
+        metrics["time/tool_s"], metrics["tools/abandoned_threads"] = slowest
     metrics["determinism/mismatched_tokens_total"] = trainer.mismatched_total
     named = dict(trainer.model.named_parameters())
     metrics.update(weight_deltas(trainer.optimizer, named, cfg.log_param_deltas))
@@ -5558,6 +5768,7 @@ class StopRequest:
         self.signal = signum
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        CallInterrupted.raise_in_call(signum)  # a --reward call in this thread ends now
 
     def __exit__(self, *exc):
         StopRequest.active = None
@@ -5572,8 +5783,13 @@ def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
     try:
         yield
     except ToolsStopped as e:
+        calls = "tool" if trainer.cfg.env else "reward"
         raise save_and_stop(trainer, run_dir, source, step, e.signum,
-                            f"in step {step}'s tool calls, which were abandoned") from None
+                            f"in step {step}'s {calls} calls, which were abandoned") from None
+    except ToolsStuck as e:
+        raise RunStopped(f"step {step}: the env ({trainer.cfg.env}) {e}; nothing of this step "
+                         f"was applied. Last good checkpoint: {last_good(run_dir)}.",
+                         EXIT_REWARD) from None
     except NonFiniteError as e:
         raise nonfinite_stop(e, step, run_dir) from e
     except RewardError as e:

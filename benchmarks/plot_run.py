@@ -60,14 +60,25 @@ def series(kind: str, tags: list[str], logged) -> list[str]:
     return sorted(t for t in logged if any(re.match(pattern, t) for pattern in tags))
 
 
-def with_todays_tags(scalars: dict) -> dict:
+def with_todays_tags(scalars: dict, eval_size: int = 0) -> dict:
     """Older event files under today's tags: the held-out accuracy was logged as a fraction
-    (`eval/accuracy`), and the mismatched tokens per step only (their run total is their
-    running sum)."""
+    (`eval/accuracy`), without its 95% interval (drawn from `eval_size`, the problems each
+    eval scored, when given: 1.96 sqrt(p (1 - p) / n), the interval simple_rl logs for 0/1
+    rewards), the mismatched tokens per step only (their run total is their running sum), and
+    no step time (the sum of its three phases, as simple_rl logs it)."""
     scalars = dict(scalars)
     old = scalars.get("eval/accuracy")
     if old and "eval/accuracy_pct" not in scalars:
         scalars["eval/accuracy_pct"] = [(step, 100 * v) for step, v in old]
+    pct = scalars.get("eval/accuracy_pct")
+    if pct and eval_size and "eval/accuracy_low_pct" not in scalars:
+        half = [196 * math.sqrt(v / 100 * (1 - v / 100) / eval_size) for _, v in pct]
+        scalars["eval/accuracy_low_pct"] = [(s, v - h) for (s, v), h in zip(pct, half)]
+        scalars["eval/accuracy_high_pct"] = [(s, v + h) for (s, v), h in zip(pct, half)]
+    phases = [dict(scalars.get(f"time/{phase}_s", [])) for phase in ("rollout", "train", "push")]
+    if "time/step_s" not in scalars and all(phases):
+        scalars["time/step_s"] = [(s, sum(p[s] for p in phases)) for s in sorted(phases[0])
+                                  if all(s in p for p in phases)]
     per_step = scalars.get("determinism/mismatched_tokens")
     if per_step and "determinism/mismatched_tokens_total" not in scalars:
         totals = itertools.accumulate(v for _, v in per_step)
@@ -76,9 +87,10 @@ def with_todays_tags(scalars: dict) -> dict:
     return scalars
 
 
-def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+def read_scalars(run_dir: str, eval_size: int = 0) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value), ...]} from the event files of one run directory (all of them:
-    a resumed run appends a file; TensorBoard's reader drops the steps a resume purged)."""
+    a resumed run appends a file; TensorBoard's reader drops the steps a resume purged);
+    eval_size: an older run's held-out problems, for its accuracy's interval."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not any(Path(run_dir).glob("events.out.tfevents.*")):
@@ -89,7 +101,7 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return with_todays_tags({t: [(e.step, e.value) for e in acc.Scalars(t)]
-                             for t in acc.Tags()["scalars"]})
+                             for t in acc.Tags()["scalars"]}, eval_size)
 
 
 def chosen_charts(only: list[str]) -> list[tuple[str, str, list[str]]]:
@@ -177,9 +189,11 @@ def main():
     p.add_argument("--title", default="", help="a title above the charts")
     p.add_argument("--charts", default="", help="comma-separated chart titles (their first "
                    "words) to draw; empty: every chart of the first group with data")
+    p.add_argument("--eval-size", type=int, default=0, help="the run's --eval-size, for a run "
+                   "logged before the held-out accuracy's interval was (0: no band then)")
     a = p.parse_args()
     only = [c.strip() for c in a.charts.split(",") if c.strip()]
-    plot(read_scalars(a.run_dir), a.out, a.title, only)
+    plot(read_scalars(a.run_dir, a.eval_size), a.out, a.title, only)
     print(f"wrote {a.out}")
 
 

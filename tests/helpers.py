@@ -37,6 +37,7 @@ def make_tokenizer(out: Path, vocab_size: int = 320, chat: bool = False):
         vocab_size=vocab_size,
         special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # off a terminal, its bar is blank lines
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
@@ -250,7 +251,7 @@ def first_turns(engine, prompts, indices, step) -> rl.Rollout:
 class ExactEngine(TorchEngine):
     """The stand-in engine, with its logprobs recomputed by its copy of the policy in the
     trainer's own micro-batches: the trainer's first forward, op for op and shape for shape,
-    so every token matches bit for bit, at any thread count.
+    so every token matches bit for bit, at any thread count, in every turn of an episode.
 
     Shape for shape because the CPU reference kernels are not batch-invariant (vLLM's are):
     MKL's SGEMM rounds a row differently with the number of rows in the call, and which row
@@ -261,14 +262,55 @@ class ExactEngine(TorchEngine):
     the whole batch rounded some tokens unlike the trainer's micro-batches, at some thread
     counts (the routing tests failed at 2, 4 and 8 threads, and passed at 1 by luck).
 
+    The trainer packs whole episodes, so a turn's logprobs depend on the turns after it (they
+    set the micro-batches): the engine follows the step's episodes through its generate calls
+    (a later turn's request is an episode's ids and the tool's) and, after each call, writes
+    every turn's logprobs again, from the episodes as they stand; after the last call they are
+    the trainer's. A request that continues none of them (an eval) stops the following.
+
     `routed` (MoE): per sample, every layer's experts (a dense layer's rows 0) for each token
-    that went through the model, the last generated one excepted, as vLLM returns them.
+    that went through the model, the last generated one excepted, as vLLM returns them; for
+    an episode of one turn only (as TorchEngine, a later turn returns none).
     """
 
+    episodes = None  # the step's: [first prompt, [(context ids, Completion) per turn]]
+
     def rollout(self, prompts, indices, step):
+        self.episodes = None
         outs = super().rollout(prompts, indices, step)
-        samples = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
-        packed = rl.pack([p for p, _ in samples], [c.ids for _, c in samples])
+        self.episodes = [[list(p), [([], c)]] for p, cs in zip(prompts, outs) for c in cs]
+        self.rescore()
+        return outs
+
+    def generate(self, prompts, n, seeds, max_tokens, temperature):
+        outs = super().generate(prompts, n, seeds, max_tokens, temperature)
+        if self.episodes is not None:
+            self.follow(prompts, outs)
+        return outs
+
+    def follow(self, prompts, outs) -> None:
+        """Each request's completion as the next turn of the episode it continues (requests
+        come in episode order; episodes of equal ids go on alike, by the env contract)."""
+        ids = [p + [t for ctx, c in turns for t in ctx + c.ids] for p, turns in self.episodes]
+        k = 0
+        for prompt, (out,) in zip(prompts, outs):
+            while k < len(ids) and not (len(ids[k]) < len(prompt) and
+                                        prompt[:len(ids[k])] == ids[k]):
+                k += 1
+            if k == len(ids):
+                self.episodes = None  # not the step's episodes
+                return
+            self.episodes[k][1].append((prompt[len(ids[k]):], out))
+            k += 1
+        self.rescore()
+
+    def rescore(self) -> None:
+        """Every turn's logprobs (and a one-turn episode's experts) from the trainer's forward
+        of the episodes as they stand."""
+        completions = [[t for ctx, c in turns for t in ctx + c.ids] for _, turns in self.episodes]
+        generated = [[m for ctx, c in turns for m in [False] * len(ctx) + [True] * len(c.ids)]
+                     for _, turns in self.episodes]
+        packed = rl.pack([p for p, _ in self.episodes], completions, generated)
         logprobs = torch.empty(len(packed.targets))  # (N,)
         routed = []
         with torch.no_grad():
@@ -276,12 +318,13 @@ class ExactEngine(TorchEngine):
                 part, owned = rl.sub_pack(packed, part_samples)
                 logprobs[owned], _ = self.model(part, self.cfg.temperature)
                 routed += self.routed_rows(part)
-        for (p, c), lp in zip(samples, logprobs.split([len(c.ids) for _, c in samples])):
+        turns = [c for _, ts in self.episodes for _, c in ts]
+        for c, lp in zip(turns, logprobs.split([len(c.ids) for c in turns])):
             c.logprobs = lp.tolist()  # fp32 values: Python floats hold them exactly
         if rl.sparse_layers(self.model.args):
-            for (p, c), rows in zip(samples, routed):
-                c.routed = rl.generated_routing(rows, len(p), len(c.ids))
-        return outs
+            for (p, ts), rows in zip(self.episodes, routed):
+                if len(ts) == 1:
+                    ts[0][1].routed = rl.generated_routing(rows, len(p), len(ts[0][1].ids))
 
     def routed_rows(self, part) -> list:
         """vLLM's routed_experts of each sample of the forward just run: (L - 1, layers, k)."""

@@ -39,5 +39,10 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, help="the preset's layers cut to this many")
     a = p.parse_args()
     shape = {**PRESETS[a.preset], **({"layers": a.layers} if a.layers else {})}
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # its bars, off a terminal, are lines of carriage returns
+    print(f"making a random {a.preset} ({shape['layers']} layers, bf16) on {a.device} and "
+          f"saving it to {a.out} with a tokenizer (a 1.7B on CPU: about 30 s)", flush=True)
     make_checkpoint(Path(a.out), **shape, dtype=torch.bfloat16, device=a.device, seed=a.seed)
     print(f"wrote {a.out}")

@@ -594,14 +594,22 @@ def test_moe_layer_bench_table_and_target():
 
 def test_plot_run_reads_older_runs_and_says_what_it_left_out(tmp_path, capsys):
     """The committed event files of runs logged before today's tags: the held-out accuracy as
-    a fraction (`eval/accuracy`), no run total of mismatched tokens, no step time, KL at 0."""
+    a fraction (`eval/accuracy`) without its interval (drawn from --eval-size), no run total
+    of mismatched tokens, no step time (the sum of its phases), KL at 0."""
     run = ROOT / "results" / "learning_h200" / "runs" / "n2"
     out = tmp_path / "not" / "yet" / "curves.png"  # its folder is made
-    fig = plot_run.plot(plot_run.read_scalars(str(run)), str(out))
+    scalars = plot_run.read_scalars(str(run), eval_size=512)
+    fig = plot_run.plot(scalars, str(out))
     panels = [ax for ax in fig.axes if ax.get_visible()]
     titles = [title for title, _, _ in plot_run.charts()]
     assert [ax.get_title().replace("\n", " ") for ax in panels] == [titles[i] for i in
-                                                                    (0, 1, 2, 4, 5)]
+                                                                    (0, 1, 2, 4, 5, 6)]
+    band = panels[1].collections[0].get_paths()[0].vertices[:, 1]  # the 95% interval's edge
+    half = 196 * (0.24609375 * (1 - 0.24609375) / 512) ** 0.5
+    assert band.min() == pytest.approx(24.609375 - half)
+    step_s = [v for _, v in scalars["time/step_s"]]
+    phases = [scalars[f"time/{phase}_s"][0][1] for phase in ("rollout", "train", "push")]
+    assert len(step_s) == 120 and step_s[0] == pytest.approx(sum(phases))
     assert out.exists()
     held_out = panels[1].lines[0]
     assert list(held_out.get_xdata()) == [0, 25, 50, 75, 100, 120]
@@ -611,8 +619,10 @@ def test_plot_run_reads_older_runs_and_says_what_it_left_out(tmp_path, capsys):
     assert list(mismatched.get_xdata()) == list(range(120))
     assert list(mismatched.get_ydata()) == [0.0] * 120
     assert capsys.readouterr().err == ("plot_run: left out KL to the initial policy: every "
-                                       "value is 0 (--kl-coef 0); step time: not in these "
-                                       "event files\n")
+                                       "value is 0 (--kl-coef 0)\n")
+    logged = plot_run.plot(plot_run.read_scalars(str(run)), str(out))
+    assert not logged.axes[1].collections  # without --eval-size: no band, as it was logged
+    capsys.readouterr()
     old = ROOT / "results" / "h200_reorder_check" / "runs" / "a"
     fig = plot_run.plot(plot_run.read_scalars(str(old)), str(out), only=["reward", "held-out"])
     assert len([ax for ax in fig.axes if ax.get_visible()]) == 2

@@ -26,7 +26,8 @@ def test_check_a_good_run_prints_one_line_per_check_and_makes_nothing(ckpt, tmp_
     assert code == 0 and err == ""
     lines = out.strip().splitlines()
     assert [line.split(":")[1].split()[0] for line in lines] == [
-        "config", "run", "model", "tokenizer", "data", "reward", "GPU"]
+        "config", "run", "model", "tokenizer", "data", "reward", "LoRA", "GPU"]
+    assert "check: LoRA: off (full fine-tuning: 1.7M params trained)" in lines
     assert all(line.startswith("check: ") for line in lines)
     assert f"check: run directory {logs / 'r'}: is made when the run starts" in lines
     assert "check: reward simple_rl.reward: takes (completion, answer), gives 0 on an empty " \

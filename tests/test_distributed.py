@@ -148,7 +148,7 @@ def test_check_under_torchrun_needs_no_gpu_and_names_a_bad_reward(ckpt, tmp_path
     good = check_under_torchrun(argv, env)
     assert good.returncode == 0, good.stderr[-3000:]
     lines = good.stdout.splitlines()
-    assert len(lines) == 7 and all(line.startswith("check: ") for line in lines), good.stdout
+    assert len(lines) == 8 and all(line.startswith("check: ") for line in lines), good.stdout
     assert "check: reward simple_rl.reward: takes (completion, answer), gives 0 on an empty " \
         "completion" in lines
     assert "no CUDA GPU found" not in good.stdout + good.stderr
@@ -159,5 +159,6 @@ def test_check_under_torchrun_needs_no_gpu_and_names_a_bad_reward(ckpt, tmp_path
     said = [line for line in bad.stderr.splitlines() if line.startswith("simple_rl")]
     assert said == [f"simple_rl: error: --reward: score(completion) in {fn} must take "
                     "(completion, answer)."], bad.stderr[-3000:]
-    assert bad.stdout == "" and bad.returncode != 0
+    passed = [line.split(":")[1].split()[0] for line in bad.stdout.splitlines()]
+    assert passed == ["config", "run", "model", "tokenizer", "data"] and bad.returncode != 0
     assert "exitcode  : 2" in bad.stderr and "no CUDA GPU found" not in bad.stderr

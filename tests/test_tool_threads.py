@@ -1,0 +1,256 @@
+"""The tools' limits: a call past --tool-timeout is ended, not left running; the calls
+that will not end are counted on the step line and stop the run at a bound; a hung --reward
+has a timeout and a signal ends it; a tool's own KeyboardInterrupt, GeneratorExit or
+signal.alarm is the env's failure, said in one sentence."""
+
+import threading
+import time
+
+import pytest
+
+import simple_rl as rl
+from helpers import cpu_argv, main_cpu, metrics_rows
+
+# Envs and rewards that misbehave once the --check call is done (their first).
+MISBEHAVING = '''
+import os
+import signal
+import time
+from pathlib import Path
+
+RUN = None  # the test's folder: its flag files
+calls = [0]
+
+
+def late():
+    calls[0] += 1
+    return calls[0] > 1
+
+
+class Plain:
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion):
+        return None, float(len(completion) % 2)
+
+
+class BusyTenth(Plain):
+    """Every tenth call loops in Python, without end, on a free core's worth of work."""
+
+    def step(self, completion):
+        if late() and calls[0] % 10 == 0:
+            while True:
+                pass
+        return super().step(completion)
+
+
+class Stubborn(Plain):
+    """Every call after --check's waits for the test's flag, and ignores being abandoned."""
+
+    def step(self, completion):
+        while late() and not (Path(RUN) / "release").exists():
+            try:
+                time.sleep(0.02)
+            except BaseException:
+                pass
+        return super().step(completion)
+
+
+class Interrupts(Plain):
+    def step(self, completion):
+        if late():
+            raise KeyboardInterrupt
+        return super().step(completion)
+
+
+class Exits(Plain):
+    def step(self, completion):
+        if late():
+            raise GeneratorExit
+        return super().step(completion)
+
+
+class Alarmed(Plain):
+    def step(self, completion):
+        signal.signal(signal.SIGALRM, lambda *_: None)
+        return super().step(completion)
+
+
+def hangs_once(completion, answer):
+    if late() and calls[0] == 3:
+        while True:
+            pass
+    return float(len(completion) % 2)
+
+
+def busy_after_sigterm(completion, answer):
+    """At step 1's first call, a SIGTERM, then 20 s of looping (hung, as far as the run can
+    tell)."""
+    killed = Path(RUN) / "killed"
+    if (Path(RUN) / "r" / "checkpoints" / "step_000001").exists() and not killed.exists():
+        killed.write_text(repr(time.time()))
+        signal.raise_signal(signal.SIGTERM)
+        until = time.time() + 20
+        while time.time() < until:
+            pass
+    return float(len(completion) % 2)
+
+
+def alarm_timed(completion, answer):
+    """Times itself with signal.alarm's timer, as a reward in the main thread may."""
+    def expire(signum, frame):
+        raise TimeoutError
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, 0.01)
+    try:
+        while True:
+            pass
+    except TimeoutError:
+        return float(len(completion) % 2)
+'''
+
+
+@pytest.fixture
+def user(tmp_path):
+    """FILE.py:NAME of one of MISBEHAVING's envs or rewards."""
+    path = tmp_path / "misbehaving.py"
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    path.write_text(MISBEHAVING.replace("RUN = None", f"RUN = {str(tmp_path / 'runs')!r}"))
+    return lambda name: f"{path}:{name}"
+
+
+def said(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines()
+            if line.startswith("simple_rl")]
+
+
+def wait_for_threads(most: int, seconds: float = 5.0) -> int:
+    t0 = time.perf_counter()
+    while rl.abandoned_threads() > most and time.perf_counter() - t0 < seconds:
+        time.sleep(0.02)
+    return rl.abandoned_threads()
+
+
+def test_2_a_call_looping_past_the_timeout_is_ended_not_left_running(ckpt, tmp_path, user):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=user("BusyTenth"), steps=2, eval_size=0,
+                    tool_timeout=0.3, run_name="r")
+    before = threading.active_count()
+    assert main_cpu(argv) == 0
+    rows = metrics_rows(tmp_path / "runs" / "r")
+    assert sum(r["episode/tool_timeout_frac"] for r in rows) > 0  # some calls were abandoned
+    assert wait_for_threads(0) == 0  # each ended (they loop forever otherwise)
+    assert threading.active_count() <= before
+
+
+def test_2_calls_that_will_not_end_show_on_the_step_line_then_stop_the_run_with_7(
+        ckpt, tmp_path, user, capsys, monkeypatch):
+    monkeypatch.setattr(rl, "MAX_ABANDONED_THREADS", 8)
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=user("Stubborn"), steps=3, eval_size=0,
+                    tool_timeout=0.2, run_name="r")  # 6 episodes: 6 stuck calls a step
+    try:
+        assert main_cpu(argv) == 7
+        out = capsys.readouterr()
+        step1 = [line for line in out.out.splitlines() if line.startswith("step 1/3")]
+        assert len(step1) == 1 and " | 6 abandoned tool calls still running (the run stops " \
+            "at 8) | " in step1[0], out.out
+        err = [line for line in out.err.splitlines() if line.startswith("simple_rl")]
+        assert err == [f"simple_rl: step 2: the env ({user('Stubborn')}) has 12 calls still "
+                       "running past --tool-timeout 0.2s, abandoned but not ended (the run "
+                       "stops at 8); nothing of this step was applied. Last good checkpoint: "
+                       f"{tmp_path / 'runs' / 'r' / 'checkpoints' / 'step_000002'}."], err
+        assert metrics_rows(tmp_path / "runs" / "r")[1]["tools/abandoned_threads"] == 12
+    finally:
+        (tmp_path / "runs" / "release").write_text("")
+    assert wait_for_threads(0) == 0
+
+
+def test_5_a_hung_reward_ends_at_the_tool_timeout_and_the_run_goes_on(ckpt, tmp_path, user,
+                                                                       monkeypatch):
+    kept = []
+    plain = rl.episodes_rollout
+    monkeypatch.setattr(rl, "episodes_rollout", lambda *a: kept.append(plain(*a)) or kept[-1])
+    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=user("hangs_once"), steps=1,
+                    eval_size=0, tool_timeout=0.5, run_name="r")
+    assert main_cpu(argv) == 0  # the hung call loops forever otherwise
+    ended = [e.status for e in kept[0].episodes]
+    assert ended[1] == "tool_timeout" and kept[0].episodes[1].reward == 0.0
+    assert ended.count("tool_timeout") == 1
+
+
+def test_5_sigterm_ends_a_hung_reward_saves_the_steps_done_and_exits_143(ckpt, tmp_path,
+                                                                           user, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=user("busy_after_sigterm"), steps=2,
+                    save_every=1, eval_size=0, tool_timeout=0, run_name="r")
+    assert main_cpu(argv) == 143
+    assert time.time() - float((tmp_path / "runs" / "killed").read_text()) < 10  # it hangs 20
+    ckpt1 = tmp_path / "runs" / "r" / "checkpoints" / "step_000001"
+    assert said(capsys) == [f"simple_rl: stopped in step 1's reward calls, which were "
+                            f"abandoned; checkpoint {ckpt1}; continue with --resume {ckpt1}"]
+
+
+def test_5_a_reward_timing_itself_with_signal_alarm_still_works(ckpt, tmp_path, user):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", reward=user("alarm_timed"), steps=1,
+                    eval_size=0, tool_timeout=30, run_name="r")
+    assert main_cpu(argv) == 0
+
+
+@pytest.mark.parametrize("name,raised", [("Interrupts", "KeyboardInterrupt"),
+                                         ("Exits", "GeneratorExit")])
+def test_6_a_tools_keyboard_interrupt_or_generator_exit_is_its_failure_exit_7(
+        ckpt, tmp_path, user, capsys, name, raised):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=user(name), steps=1, eval_size=0,
+                    run_name="r")
+    assert main_cpu(argv) == 7
+    [line] = said(capsys)
+    assert line.startswith(f"simple_rl: step 0: the env ({user(name)}) raised {raised} on "
+                           "sample 0 of training problem "), line
+
+
+def test_7_an_env_setting_a_signal_handler_is_told_why_it_cannot(ckpt, tmp_path, user, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=user("Alarmed"))
+    assert main_cpu(argv + ["--check"]) == 2
+    assert said(capsys) == [
+        f"simple_rl: error: --env {user('Alarmed')}: on an empty completion it raised "
+        "ValueError: signal only works in main thread of the main interpreter (an env's reset "
+        "and step run on worker threads, where signal handlers cannot be set: bound a call "
+        "with --tool-timeout instead)."]
+
+
+def test_8_a_timeout_out_of_fp32s_range_is_named_as_that(ckpt, tmp_path, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", tool_timeout=1e300)
+    assert main_cpu(argv + ["--check"]) == 2
+    assert said(capsys) == ["simple_rl: error: --tool-timeout must be a finite number below "
+                            "3e38 in magnitude, fp32's range (got 1e+300)."]
+
+
+FORKS = '''
+import os
+
+
+class Forks:
+    """Its step forks a child that comes back from the call instead of exiting."""
+
+    def reset(self, problem):
+        return problem.question
+
+    def step(self, completion):
+        pid = os.fork()
+        if pid:
+            os.waitpid(pid, 0)
+        return None, 0.0
+'''
+
+
+def test_8_a_child_a_tool_forks_ends_quietly(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "forks.py"
+    path.write_text(FORKS)
+    argv = cpu_argv(ckpt(), tmp_path / "runs", env=f"{path}:Forks") + ["--check"]
+    out = subprocess.run([sys.executable, str(rl.__file__), *argv], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.count("check: config: valid") == 1  # the child did not go on
