@@ -971,7 +971,8 @@ class VLLMEngine(Engine):
             enforce_eager=not graphs,
             compilation_config=CompilationConfig(
                 mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                max_cudagraph_capture_size=min(sizes["max_num_seqs"], CUDA_GRAPH_MAX_BATCH),
+                max_decode_cudagraph_capture_requests=min(sizes["max_num_seqs"],
+                                                          CUDA_GRAPH_MAX_BATCH),
                 # every request has the adapter: no graphs for requests without one
                 cudagraph_specialize_lora=False) if graphs else None,
         )
@@ -2284,8 +2285,7 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
         tell_torchrun(f"simple_rl: {e}")
         return e.code
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_groups()
     return 0
 
 
@@ -3209,6 +3209,18 @@ def check_ranks(cfg: Config, world: int) -> None:
          "rank needs at least one prompt per step.")
     need(not (cfg.debug_parity and world > 1), "--debug-parity runs in one process; start it "
          "with python, not torchrun.")
+
+
+def end_process_groups() -> None:
+    """Destroy the process groups, vLLM's first. vLLM 0.34's engine destroys its own groups when
+    it is collected at exit and raises (a traceback after the run's last line) if they are gone:
+    its cleanup now leaves it nothing to destroy, then ours ends what remains."""
+    vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_groups is not None:
+        vllm_groups.destroy_model_parallel()
+        vllm_groups.destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def tell_torchrun(message: str) -> None:
@@ -5650,13 +5662,16 @@ def quiet_console(verbose: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "warning")  # its autotuner's INFO lines
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split"
+    os.environ.setdefault("TQDM_DISABLE", "1")  # vLLM 0.34's "Capturing CUDA graphs" bar
     if sys.modules.get("datasets") is not None:  # imported before: it read the variable
         sys.modules["datasets"].disable_progress_bars()
     for module in ("torch", "vllm", "transformers", "torchtitan", "datasets", "triton"):
         warnings.filterwarnings("ignore", module=module)
     import logging
 
-    for name in ("torch.distributed", "torchtitan", "datasets", "httpx"):
+    # torch 2.14 warns at vLLM's import that two of its own APIs are deprecated
+    for name in ("torch.distributed", "torch._opaque_base", "torch._library.opaque_object",
+                 "torchtitan", "datasets", "httpx"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

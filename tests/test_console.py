@@ -49,7 +49,8 @@ def test_step_line_shows_gpu_memory_when_measured():
 
 
 def test_libraries_are_quiet_unless_verbose(monkeypatch):
-    for name in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "FLASHINFER_LOGGING_LEVEL"):
+    for name in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "FLASHINFER_LOGGING_LEVEL",
+                 "TQDM_DISABLE"):
         monkeypatch.delenv(name, raising=False)
     rl.quiet_console(verbose=True)
     assert "VLLM_LOGGING_LEVEL" not in os.environ
@@ -57,6 +58,8 @@ def test_libraries_are_quiet_unless_verbose(monkeypatch):
     assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
     assert os.environ["FLASHINFER_LOGGING_LEVEL"] == "warning"
+    assert os.environ["TQDM_DISABLE"] == "1"  # vLLM 0.34 draws a bar while capturing graphs
+    assert logging.getLogger("torch._opaque_base").level == logging.ERROR
 
 
 def test_expected_vllm_warnings_are_dropped_and_others_kept():
@@ -144,3 +147,22 @@ def test_vllms_own_logging_config_gets_the_filter(monkeypatch):
     log.warning("Chat template warmup failed")
     log.warning("Not enough memory for the KV cache")
     assert stream.getvalue() == "Not enough memory for the KV cache\n"
+
+
+def test_vllms_process_groups_end_before_ours(monkeypatch):
+    """At exit vLLM 0.34's engine destroys its groups and raises if ours were destroyed first:
+    end_process_groups tears down vLLM's state first (a stand-in records the order), then the
+    default group (a real gloo group of one)."""
+    import types
+
+    calls = []
+    stand_in = types.SimpleNamespace(
+        destroy_model_parallel=lambda: calls.append(("model_parallel", rl.dist.is_initialized())),
+        destroy_distributed_environment=lambda: calls.append(("world", rl.dist.is_initialized())))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", stand_in)
+    rl.dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    rl.end_process_groups()
+    assert calls == [("model_parallel", True), ("world", True)]  # while ours was still alive
+    assert not rl.dist.is_initialized()
+    rl.end_process_groups()  # nothing left: a no-op
+    assert len(calls) == 4 and not rl.dist.is_initialized()
