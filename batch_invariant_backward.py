@@ -856,6 +856,8 @@ def _rotary_bwd_kernel(G, POS, CS, OUT, n_rows, H, HALF: tl.constexpr, BLOCK_R: 
 def rotary_backward_triton(gq: Tensor, gk: Tensor, positions: Tensor,
                            cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """`rotary_backward` (rotate by -sin), one pass per tensor; g (T, H, D) -> (T, H, D)."""
+    assert cos_sin.shape[-1] == gq.shape[-1], "the Triton rotary backward turns whole heads; " \
+        "partial rotary (Qwen3.5) is the GPU path's to add"
     out = []
     for g in (gq, gk):
         g = g.contiguous()
