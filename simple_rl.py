@@ -326,20 +326,31 @@ class LoRA(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """rms_norm(x) * w; given a residual, vLLM's fused (rms_norm(x + r) * w, x + r)."""
+    """rms_norm(x) * w; given a residual, vLLM's fused (rms_norm(x + r) * w, x + r). Qwen3.5's
+    norms (`gemma`) scale by 1 + w: their weights are stored zero-centred."""
 
-    def __init__(self, dim: int, eps: float, ops: bib.Kernels, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, ops: bib.Kernels, dtype: torch.dtype,
+                 gemma: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
         self.ops = ops
         self.dtype = dtype
+        self.kernels = (ops.gemma_rms_norm, ops.gemma_add_rms_norm) if gemma else \
+            (ops.rms_norm, ops.add_rms_norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         w = self.weight.to(self.dtype)
         if residual is None:
-            return self.ops.rms_norm(x, w, self.eps)
-        return self.ops.add_rms_norm(x, residual, w, self.eps)
+            return self.kernels[0](x, w, self.eps)
+        return self.kernels[1](x, residual, w, self.eps)
+
+
+class GatedRMSNorm(RMSNorm):
+    """rms_norm(x) * w * silu(z), per head of Qwen3.5's linear attention (vLLM's RMSNormGated)."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm_gated(x, z, self.weight.to(self.dtype), self.eps)
 
 
 class FlashAttention(nn.Module):
@@ -366,15 +377,19 @@ class SiluAndMul(nn.Module):
 
 
 class Attention(nn.Module):
+    """Qwen3.5's (`gated`) projects a gate beside each q head (a head's q rows, then its gate's),
+    scales the head's output by sigmoid(gate) and turns the head's first rotary_dim dims only."""
+
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
+        self.gated = qwen35(args) is not None
         self.sizes = fused_sizes(args)["attention.wqkv.weight"]
         self.wqkv = Linear(args.dim, sum(self.sizes), ops)  # vLLM's qkv_proj = [q; k; v]
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, self.gated)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, self.gated)
         self.attn = FlashAttention(args.head_dim**-0.5, ops)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, ops)
         self.ops = ops
@@ -382,20 +397,61 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: "Packed", rope: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         D = self.head_dim
-        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)  # (T, Hq D), (T, Hk D), (T, Hk D)
-        q = self.q_norm(q.view(T, self.n_heads, D))  # (T, Hq, D)
+        q, k, v = self.wqkv(x).split(self.sizes, dim=-1)  # (T, Hq D (x2)), (T, Hk D), (T, Hk D)
+        if self.gated:
+            q, gate = q.view(T, self.n_heads, 2 * D).chunk(2, dim=-1)  # (T, Hq, D) each
+        q = self.q_norm(q.reshape(T, self.n_heads, D))  # (T, Hq, D)
         k = self.k_norm(k.view(T, self.n_kv_heads, D))  # (T, Hk, D)
         q, k = self.ops.rotary(q, k, batch.positions, rope)
         o = self.attn(q, k, v.reshape(T, self.n_kv_heads, D).contiguous(), batch)  # (T, Hq, D)
+        if self.gated:
+            o = self.ops.sigmoid_gate_mul(o, gate)
         return self.wo(o.reshape(T, -1))  # (T, dim)
 
 
-class FeedForward(nn.Module):
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention, as vLLM's QwenGatedDeltaNetAttention runs it:
+        [q; k; v; z] = x W_qkvz^T,  [b; a] = x W_ba^T,  [q; k; v] <- silu(conv1d([q; k; v]))
+        o = gated_delta_rule(q, k, v; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
+        y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
+    conv1d is causal and depthwise, K taps, over each sequence from zeros; the rule
+    (bib.gated_delta_rule_chunked) carries a state per head through each sequence."""
+
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
-        self.w13 = Linear(args.dim, 2 * args.hidden_dim, ops)  # vLLM's gate_up_proj
+        c = qwen35(args)
+        self.shape = (c.k_heads, c.k_dim, c.v_heads, c.v_dim)
+        self.sizes = fused_sizes(args)["attention.in_proj_qkvz.weight"]  # [q k v, z]
+        self.in_proj_qkvz = Linear(args.dim, sum(self.sizes), ops)
+        self.in_proj_ba = Linear(args.dim, 2 * c.v_heads, ops)
+        self.conv1d = nn.Parameter(torch.empty(self.sizes[0], 1, c.conv_kernel))  # (C, 1, K)
+        self.A_log = nn.Parameter(torch.empty(c.v_heads))  # used in fp32, as vLLM keeps it
+        self.dt_bias = nn.Parameter(torch.empty(c.v_heads))
+        self.norm = GatedRMSNorm(c.v_dim, args.norm_eps, ops, dtype)
+        self.out_proj = Linear(c.v_heads * c.v_dim, args.dim, ops)
+        self.ops = ops
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor, batch: "Packed", rope=None) -> torch.Tensor:
+        T = x.shape[0]
+        Hk, Dk, Hv, Dv = self.shape
+        qkv, z = self.in_proj_qkvz(x).split(self.sizes, dim=-1)  # (T, 2 Hk Dk + Hv Dv), (T, Hv Dv)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)  # (T, Hv) each
+        qkv = self.ops.causal_conv1d(qkv, self.conv1d[:, 0].to(self.dtype), batch.cu_seqlens,
+                                     batch.max_seqlen)  # (T, 2 Hk Dk + Hv Dv)
+        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        o = self.ops.gated_delta_rule(q.view(T, Hk, Dk), k.view(T, Hk, Dk), v.view(T, Hv, Dv), a,
+                                      b, self.A_log, self.dt_bias.to(self.dtype),
+                                      batch.cu_seqlens, batch.max_seqlen)  # (T, Hv, Dv)
+        return self.out_proj(self.norm(o, z.view(T, Hv, Dv)).reshape(T, -1))  # (T, dim)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int, ops: bib.Kernels):
+        super().__init__()
+        self.w13 = Linear(dim, 2 * hidden, ops)  # vLLM's gate_up_proj
         self.act_fn = SiluAndMul(ops)
-        self.w2 = Linear(args.hidden_dim, args.dim, ops)
+        self.w2 = Linear(hidden, dim, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act_fn(self.w13(x)))  # (T, 2I) -> (T, I) -> (T, dim)
@@ -456,8 +512,8 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Qwen3-MoE's sparse MLP in vLLM's order: router GEMM -> top-k -> experts (no shared
-    expert). (T, dim) -> (T, dim)."""
+    """Qwen3-MoE's sparse MLP in vLLM's order: router GEMM -> top-k -> experts (Qwen3.5-MoE:
+    + sigmoid(x g^T) FFN(x), a gated shared expert). (T, dim) -> (T, dim)."""
 
     def __init__(self, args, ops: bib.Kernels):
         super().__init__()
@@ -465,10 +521,17 @@ class MoE(nn.Module):
         self.router = Router(args.dim, m.num_experts, ops)
         self.topk = TopK(m.top_k, m.route_norm, ops)
         self.experts = GroupedExperts(m.num_experts, args.dim, args.moe_inter_dim, ops)
+        shared = getattr(qwen35(args), "shared_expert_dim", 0)
+        self.shared_expert = FeedForward(args.dim, shared, ops) if shared else None
+        self.shared_expert_gate = Linear(args.dim, 1, ops) if shared else None
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
-        return self.experts(x, weights, ids)
+        y = self.experts(x, weights, ids)  # (T, dim)
+        if self.shared_expert is not None:
+            y = y + self.ops.sigmoid_gate_mul(self.shared_expert(x), self.shared_expert_gate(x))
+        return y
 
 
 def sparse_layers(args) -> tuple[int, ...]:
@@ -484,19 +547,22 @@ def sparse_layers(args) -> tuple[int, ...]:
 class Block(nn.Module):
     """One decoder layer, as vLLM runs it: the residual add is fused into the next norm.
 
-    Its MLP is `feed_forward` (dense) or, in a Qwen3-MoE sparse layer, `moe` (TorchTitan's
+    Its token mixer `attention` is softmax attention or, in a Qwen3.5 linear-attention layer,
+    Gated DeltaNet; its MLP is `feed_forward` (dense) or, in a sparse layer, `moe` (TorchTitan's
     names)."""
 
-    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype, sparse: bool = False):
+    def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype, sparse: bool = False,
+                 linear: bool = False):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
-        self.attention = Attention(args, ops, dtype)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
+        gemma = qwen35(args) is not None
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma)
+        self.attention = (GatedDeltaNet if linear else Attention)(args, ops, dtype)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma)
         self.sparse = sparse
         if sparse:
             self.moe = MoE(args, ops)
         else:
-            self.feed_forward = FeedForward(args, ops, dtype)
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim, ops)
 
     def forward(self, x, residual, batch: "Packed", rope) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: no residual to add yet
@@ -509,7 +575,7 @@ class Block(nn.Module):
 
 
 class Qwen3(nn.Module):
-    """Qwen3 with TorchTitan names and vLLM's fused layout, run op by op as vLLM runs it."""
+    """Qwen3 (-MoE, 3.5) with TorchTitan names and vLLM's fused layout, run as vLLM runs it."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -517,18 +583,19 @@ class Qwen3(nn.Module):
         self.ops = ops
         self.dtype = dtype
         self.tok_embeddings = Embedding(args.vocab_size, args.dim, dtype)
-        sparse = sparse_layers(args)
-        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse)
+        sparse, linear = sparse_layers(args), linear_layers(args)
+        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse, i in linear)
                                     for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype)
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, qwen35(args) is not None)
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
-        self.rope: torch.Tensor | None = None  # (max_seq_len, head_dim) cos|sin, see init_rope
+        self.rope: torch.Tensor | None = None  # (max_seq_len, rotary dims) cos|sin: init_rope
 
     def init_rope(self, device) -> None:
-        """The rotary cos/sin cache, built on the GPU as vLLM builds its own (same bits)."""
+        """The rotary cos/sin cache (of a head's rotated dims), built as vLLM builds its own."""
         a = self.args
-        self.rope = bib.rope_cos_sin_cache(a.head_dim, a.rope_theta, a.max_seq_len, device,
+        rotary_dim = qwen35(a).rotary_dim if qwen35(a) else a.head_dim
+        self.rope = bib.rope_cos_sin_cache(rotary_dim, a.rope_theta, a.max_seq_len, device,
                                            self.dtype)
 
     def hidden(self, batch: "Packed") -> torch.Tensor:
@@ -751,11 +818,14 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
 # Load & convert: HF Qwen3 checkpoint <-> trainer (vLLM layout)
 # ==========================================================================
 # The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
-# gate/up fused into one. TorchTitan's adapter maps HF <-> TorchTitan names; this table fuses
-# TorchTitan's parts (concatenated on dim 0, in order).
+# gate/up fused into one (Qwen3.5's linear attention: q/k/v/z, b/a). TorchTitan's adapter maps
+# HF <-> TorchTitan names; this table fuses the parts (on dim 0, in order) a layer has.
 FUSED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+    "attention.in_proj_qkvz.weight": ("attention.in_proj_qkv.weight", "attention.in_proj_z.weight"),
+    "attention.in_proj_ba.weight": ("attention.in_proj_b.weight", "attention.in_proj_a.weight"),
+    "moe.shared_expert.w13.weight": ("moe.shared_expert.w1.weight", "moe.shared_expert.w3.weight"),
 }
 ROPE_BUFFER = "rotary_emb.inv_freq"  # a cache some exports store with the weights; not a weight
 
@@ -772,15 +842,18 @@ class ModelFiles:
 def _adapter(args):
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-    return Qwen3StateDictAdapter(args, None)
+    adapter = Qwen3StateDictAdapter(args, None)
+    adapter.from_hf_map.update(QWEN35_NAMES)  # names a Qwen3 never has
+    return adapter
 
 
 def fused_sizes(args) -> dict[str, list[int]]:
     """Row counts of the parts of each fused projection, in FUSED order."""
-    q = args.n_heads * args.head_dim
+    q = args.n_heads * args.head_dim * (2 if qwen35(args) else 1)  # Qwen3.5: q, gate per head
     kv = args.n_kv_heads * args.head_dim
     return {"attention.wqkv.weight": [q, kv, kv],
-            "feed_forward.w13.weight": [args.hidden_dim, args.hidden_dim]}
+            "feed_forward.w13.weight": [args.hidden_dim, args.hidden_dim],
+            **qwen35_fused_sizes(args)}
 
 
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
@@ -790,7 +863,6 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     or fused (the push's names) alike.
     """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
-    sparse = sparse_layers(args)
     try:
         moe = moe_from_hf(hf_state, args)  # pops what it takes from hf_state
         titan = _adapter(args).from_hf(hf_state)
@@ -799,10 +871,9 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
             titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
         for i in range(args.n_layers):
             for fused, parts in FUSED.items():
-                if i in sparse and fused.startswith("feed_forward."):
-                    continue  # a sparse layer has experts, not a dense MLP
-                titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
-                                                          for p in parts], dim=0)
+                if fused_in_layer(fused, i, args):
+                    titan[f"layers.{i}.{fused}"] = torch.cat([titan.pop(f"layers.{i}.{p}")
+                                                              for p in parts], dim=0)
     except (KeyError, RuntimeError) as e:
         raise ConfigError(f"the checkpoint's weights do not match its config.json "
                           f"({type(e).__name__}: {e}).") from e
@@ -853,7 +924,7 @@ def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
 def to_hf_items(name: str, tensor: torch.Tensor, args, adapter, fused_experts=False):
     """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped by
     TorchTitan's adapter (_adapter(args))."""
-    if ".moe." in name:
+    if ".moe.router." in name or ".moe.experts." in name:
         return moe_to_hf_items(name, tensor, args, fused_experts)
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
     if suffix in FUSED:
@@ -2543,7 +2614,10 @@ def resolve_checkpoint(name: str) -> Path:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+               "qwen3_5": "Qwen3_5ForConditionalGeneration",  # with a vision tower
+               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 MIN_VOCAB = 256  # a real tokenizer: at least the 256 bytes of a byte-level BPE
 MAX_POSITIONS = 2**20  # the rotary caches hold a row per position (256 MiB at head_dim 128)
 
@@ -2574,6 +2648,8 @@ def check_lora(cfg: Config, args) -> None:
     lora = lora_spec(cfg, args)
     if lora is None:
         return
+    need(qwen35(args) is None, "--lora-rank: LoRA on a Qwen3.5 is not supported yet (the "
+         "trainer has no adapters on its linear-attention layers); train it in full.")
     mlp = set(lora.targets) & {"gate_proj", "up_proj", "down_proj"}
     need(not (sparse_layers(args) and mlp), f"--lora-targets {','.join(sorted(mlp))}: a "
          "Qwen3-MoE's MLPs are its experts, which take no adapter here (vLLM's fused-MoE LoRA "
@@ -2604,7 +2680,9 @@ def check_weight_headers(path: Path, args) -> None:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     piece = f.get_slice(key)
-                    found[key] = (tuple(piece.get_shape()), piece.get_dtype())
+                    if text_weight_name(key) is not None:
+                        found[text_weight_name(key)] = (tuple(piece.get_shape()),
+                                                        piece.get_dtype())
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
@@ -2652,8 +2730,116 @@ def expected_hf_shapes(args, fused: set[int] = frozenset()) -> dict[str, tuple[i
     return {k: tuple(v.shape) for k, v in trainer_to_hf(model.state_dict(), args, fused).items()}
 
 
+@dataclass(frozen=True)
+class Qwen35Args:
+    """What Qwen3.5 adds to TorchTitan's Qwen3ModelArgs (model_args_from_hf sets it on them as
+    `qwen35`; Qwen3 has none): the kind of every layer, the linear attention's shape, the
+    rotated part of a full-attention head, Qwen3.5-MoE's shared expert."""
+
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" (Gated DeltaNet) or "full_..."
+    k_heads: int  # linear_num_key_heads
+    v_heads: int  # linear_num_value_heads, a multiple of k_heads (each k head serves a group)
+    k_dim: int  # linear_key_head_dim
+    v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim: the causal convolution's taps
+    rotary_dim: int  # head_dim * partial_rotary_factor (a quarter of each head)
+    shared_expert_dim: int = 0  # shared_expert_intermediate_size (Qwen3.5-MoE; 0: none)
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")  # the kinds of Qwen3.5 layer simple_rl runs
+
+
+def qwen35(args) -> Qwen35Args | None:
+    """What a Qwen3.5 adds to the model args, or None (Qwen3, Qwen3-MoE)."""
+    return getattr(args, "qwen35", None)
+
+
+def linear_layers(args) -> tuple[int, ...]:
+    """The layers whose token mixer is linear attention (Gated DeltaNet): Qwen3.5's three in
+    four; Qwen3 has none."""
+    c = qwen35(args)
+    return tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention") if c else ()
+
+
+def fused_in_layer(fused: str, i: int, args) -> bool:
+    """Whether layer i holds the fused projection `fused` (a FUSED key): its token mixer's
+    (softmax or linear attention) and its MLP's (dense, or a sparse layer's shared expert)."""
+    linear, sparse = i in linear_layers(args), i in sparse_layers(args)
+    shared = sparse and getattr(qwen35(args), "shared_expert_dim", 0) > 0
+    return {"attention.wqkv.weight": not linear, "attention.in_proj_qkvz.weight": linear,
+            "attention.in_proj_ba.weight": linear, "feed_forward.w13.weight": not sparse,
+            "moe.shared_expert.w13.weight": shared}[fused]
+
+
+def qwen35_fused_sizes(args) -> dict[str, list[int]]:
+    """Row counts of the parts of Qwen3.5's fused projections (fused_sizes), {} for Qwen3."""
+    c = qwen35(args)
+    if c is None:
+        return {}
+    v = c.v_heads * c.v_dim
+    return {"attention.in_proj_qkvz.weight": [2 * c.k_heads * c.k_dim + v, v],
+            "attention.in_proj_ba.weight": [c.v_heads, c.v_heads],
+            "moe.shared_expert.w13.weight": [c.shared_expert_dim] * 2}
+
+
+# Qwen3.5's names beyond Qwen3's, for TorchTitan's adapter: HF -> the trainer's parts, which
+# FUSED then joins. Its linear attention keeps vLLM's names, under the block's `attention`.
+QWEN35_NAMES = {
+    **{f"model.layers.{{}}.linear_attn.{n}": f"layers.{{}}.attention.{n}" for n in (
+        "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+        "A_log", "dt_bias", "norm.weight", "out_proj.weight")},
+    "model.layers.{}.linear_attn.conv1d.weight": "layers.{}.attention.conv1d",
+    **{f"model.layers.{{}}.mlp.shared_expert.{hf}_proj.weight":
+       f"layers.{{}}.moe.shared_expert.{ours}.weight"
+       for hf, ours in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
+    "model.layers.{}.mlp.shared_expert_gate.weight": "layers.{}.moe.shared_expert_gate.weight",
+}
+
+
+def text_weight_name(name: str) -> str | None:
+    """A checkpoint's weight name as its text model's, or None for a weight simple_rl does not
+    read. A Qwen3.5 with a vision tower (Qwen3_5ForConditionalGeneration) is trained as its
+    text model, on text: model.language_model.x is read as model.x, the tower (model.visual.)
+    is left out, and so is the multi-token-prediction head (mtp.), which drafts tokens for
+    speculative decoding and takes no part in a token's logprob."""
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    prefix = "model.language_model."
+    return "model." + name[len(prefix):] if name.startswith(prefix) else name
+
+
+def vision_note(path: Path) -> str:
+    """The sentence a vision-language checkpoint gets where its weights are read ("" else)."""
+    kind = MODEL_TYPES.get(json.loads((path / "config.json").read_text()).get("model_type"), "")
+    return ("; it is a vision-language model, trained (and exported) as its text model, on text: "
+            "its vision tower and multi-token-prediction head are left out"
+            if kind.endswith("ConditionalGeneration") else "")
+
+
+def check_qwen35_config(raw: dict, file: Path) -> None:
+    """Refuse the Qwen3.5 settings the trainer does not compute as vLLM does (raw JSON of the
+    text model), an unknown layer type first."""
+    kinds = raw.get("layer_types")
+    if kinds is not None:
+        need(isinstance(kinds, list), f"{file}: layer_types {kinds!r} must be a list.")
+        unknown = sorted({str(k) for k in kinds} - set(LAYER_TYPES))
+        need(not unknown, f"{file}: layer_types names {', '.join(map(repr, unknown))}: simple_rl "
+             f"runs Qwen3.5's {' and '.join(map(repr, LAYER_TYPES))} layers only.")
+        need(len(kinds) == raw.get("num_hidden_layers"), f"{file}: layer_types has {len(kinds)} "
+             f"entries for {raw.get('num_hidden_layers')!r} layers.")
+    need(raw.get("attn_output_gate", True) is True and not raw.get("layer_scale")
+         and raw.get("output_gate_type", "silu") in ("silu", "swish"), f"{file}: simple_rl runs "
+         "Qwen3.5's gated attention, silu-gated linear attention and no layer_scale only.")
+    k = raw.get("linear_num_key_heads", 16)  # transformers' defaults
+    v = raw.get("linear_num_value_heads", 32)
+    need(type(k) is int and type(v) is int and k >= 1 and v >= 1 and v % k == 0, f"{file}: "
+         f"linear_num_value_heads ({v!r}) must be a multiple of linear_num_key_heads ({k!r}).")
+
+
 def read_qwen3_config(path: Path):
-    """The HF config, after checking it describes a dense Qwen3 this script supports."""
+    """The HF config of the text model, after checking it describes a Qwen3, Qwen3-MoE,
+    Qwen3.5 or Qwen3.5-MoE this script supports (a Qwen3.5 with a vision tower: its
+    text_config, see text_weight_name)."""
     from transformers import AutoConfig
 
     file = path / "config.json"
@@ -2668,9 +2854,17 @@ def read_qwen3_config(path: Path):
     kind = MODEL_TYPES.get(raw.get("model_type"))
     need(kind is not None and (not archs or kind in archs),
          f"{path} holds a {raw.get('model_type')!r} model ({', '.join(archs) or 'no archs'}); "
-         "simple_rl trains Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM) only.")
-    if kind == "Qwen3MoeForCausalLM":
-        check_moe_config(raw, file)
+         "simple_rl trains Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE (Qwen3ForCausalLM, "
+         "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, or the last two "
+         "ForConditionalGeneration) only.")
+    if kind.endswith("ConditionalGeneration"):
+        raw = raw.get("text_config")
+        need(isinstance(raw, dict), f"{file}: a Qwen3.5 with a vision tower needs its "
+             "text_config (a JSON object).")
+    if "Moe" in kind:
+        check_moe_config(raw, file, shared="3_5" in kind)
+    if "3_5" in kind:
+        check_qwen35_config(raw, file)
     positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
     need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
          f"max_position_embeddings {positions!r} must be a whole number in [1, "
@@ -2681,6 +2875,8 @@ def read_qwen3_config(path: Path):
         text = " ".join(str(e).split())[:300]  # one line, however the library words it
         raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
                           f"{text}).") from e
+    hf = hf.get_text_config()
+    # Qwen3.5's multimodal rope gives text tokens one position in all its sections: 1-D rope
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default"}
     need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
          and rope.get("rope_type", "default") == "default",
@@ -2688,8 +2884,9 @@ def read_qwen3_config(path: Path):
     return hf
 
 
-def check_moe_config(raw: dict, file: Path) -> None:
-    """Refuse the Qwen3-MoE settings the trainer does not compute as vLLM does (raw JSON)."""
+def check_moe_config(raw: dict, file: Path, shared: bool = False) -> None:
+    """Refuse the Qwen3-MoE settings the trainer does not compute as vLLM does (raw JSON);
+    Qwen3.5-MoE (`shared`) has a shared expert in every layer."""
     n = raw.get("num_experts", raw.get("num_local_experts"))
     k = raw.get("num_experts_per_tok")
     step = raw.get("decoder_sparse_step", 1)
@@ -2706,19 +2903,25 @@ def check_moe_config(raw: dict, file: Path) -> None:
     need(type(raw.get("moe_intermediate_size")) is int and raw["moe_intermediate_size"] >= 1,
          f"{file}: moe_intermediate_size {raw.get('moe_intermediate_size')!r} must be a whole "
          "number >= 1.")
-    need(not raw.get("shared_expert_intermediate_size"), f"{file}: shared experts "
-         "(shared_expert_intermediate_size) are not supported: Qwen3-MoE has none.")
+    size = raw.get("shared_expert_intermediate_size")
+    need(shared or not size, f"{file}: shared experts (shared_expert_intermediate_size) are "
+         "not supported: Qwen3-MoE has none.")
+    need(not shared or type(size) is int and size >= 1, f"{file}: Qwen3.5-MoE's "
+         f"shared_expert_intermediate_size {size!r} must be a whole number >= 1.")
     need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
          "true or false.")
 
 
 def model_args_from_hf(hf):
-    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config or Qwen3MoeConfig.
+    """TorchTitan's Qwen3ModelArgs from an HF Qwen3Config, Qwen3MoeConfig or Qwen3.5 text
+    config (Qwen3_5TextConfig, Qwen3_5MoeTextConfig).
 
     For Qwen3-MoE, moe_enabled / moe_inter_dim / moe_args (softmax scores, top-k, route_norm =
     norm_topk_prob, no shared expert) carry the experts, and `sparse_layers` (an attribute
     TorchTitan does not have) the layers whose MLP is sparse: TorchTitan makes every layer
-    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step.
+    sparse, Qwen3-MoE skips mlp_only_layers and honours decoder_sparse_step; Qwen3.5-MoE's
+    layers are all sparse, its top-k weights always renormalised. For Qwen3.5, `qwen35` (an
+    attribute too) carries what Qwen3.5 adds (Qwen35Args).
     """
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
@@ -2726,17 +2929,18 @@ def model_args_from_hf(hf):
     rope = getattr(hf, "rope_parameters", None) or {}
     moe = {}
     sparse: tuple[int, ...] = ()
-    if hf.model_type == "qwen3_moe":
+    if hf.model_type in ("qwen3_moe", "qwen3_5_moe_text"):
         n = hf.num_experts
         only = set(getattr(hf, "mlp_only_layers", None) or [])
         step = getattr(hf, "decoder_sparse_step", 1) or 1
-        sparse = tuple(i for i in range(hf.num_hidden_layers)
-                       if i not in only and n > 0 and (i + 1) % step == 0)
+        sparse = tuple(i for i in range(hf.num_hidden_layers) if hf.model_type != "qwen3_moe"
+                       or i not in only and n > 0 and (i + 1) % step == 0)
         moe = dict(moe_enabled=bool(sparse), moe_inter_dim=hf.moe_intermediate_size,
                    moe_args=MoEArgs(num_experts=n, num_shared_experts=0,
                                     top_k=hf.num_experts_per_tok, score_func="softmax",
-                                    route_norm=bool(hf.norm_topk_prob), route_scale=1.0,
-                                    score_before_experts=False, load_balance_coeff=None))
+                                    route_norm=bool(getattr(hf, "norm_topk_prob", True)),
+                                    route_scale=1.0, score_before_experts=False,
+                                    load_balance_coeff=None))
     args = Qwen3ModelArgs(
         dim=hf.hidden_size,
         n_layers=hf.num_hidden_layers,
@@ -2744,7 +2948,7 @@ def model_args_from_hf(hf):
         n_kv_heads=hf.num_key_value_heads,
         vocab_size=hf.vocab_size,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        hidden_dim=hf.intermediate_size,
+        hidden_dim=getattr(hf, "intermediate_size", 0),  # Qwen3.5-MoE: no dense MLP
         norm_eps=hf.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(hf, "rope_theta", 1e6)),
         max_seq_len=hf.max_position_embeddings,
@@ -2753,6 +2957,13 @@ def model_args_from_hf(hf):
     )
     if sparse:
         args.sparse_layers = sparse
+    if hf.model_type.startswith("qwen3_5"):
+        args.qwen35 = Qwen35Args(
+            layer_types=tuple(hf.layer_types), k_heads=hf.linear_num_key_heads,
+            v_heads=hf.linear_num_value_heads, k_dim=hf.linear_key_head_dim,
+            v_dim=hf.linear_value_head_dim, conv_kernel=hf.linear_conv_kernel_dim,
+            rotary_dim=int(args.head_dim * rope.get("partial_rotary_factor", 1.0)),
+            shared_expert_dim=getattr(hf, "shared_expert_intermediate_size", 0))
     return args
     # output_router_logits / router_aux_loss_coef only add a load-balancing loss in
     # transformers' training; the forward (and vLLM's) is the same, and GRPO adds no aux loss.
@@ -2811,7 +3022,8 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     state = {}
     for f in weight_files(path):
         try:
-            state.update(load_file(path / f))
+            state.update((text_weight_name(k), v) for k, v in load_file(path / f).items()
+                         if text_weight_name(k) is not None)
         except Exception as e:
             raise ConfigError(f"{path / f} could not be read ({e}).") from e
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
@@ -3096,7 +3308,8 @@ def read_weights(cfg: Config, files: ModelFiles, vllm: bool) -> dict[str, torch.
     lora = lora_spec(cfg, files.args)
     loaded: dict = {}
     if not (lora and vllm):
-        print0(f"reading the weights of {files.path} (each checked finite)")
+        note = vision_note(files.path)
+        print0(f"reading the weights of {files.path} (each checked finite){note}")
         read = lambda: loaded.update(state=load_hf_state_dict(files.path))  # noqa: E731
         read() if lora else on_rank0(read)
     return loaded.get("state", {})
@@ -3349,8 +3562,10 @@ def map_kv_cache(awake: bool) -> None:
 
 
 # vLLM's Qwen3 names (model.layers.3.self_attn.qkv_proj.base_layer.weight, under LoRA) ->
-# the trainer's (layers.3.attention.wqkv.weight): one rule per part of the name.
-VLLM_TO_TRAINER = (("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "norm."),
+# the trainer's (layers.3.attention.wqkv.weight): one rule per part of the name; then Qwen3.5's
+# (a vision-language engine's text model is its language_model).
+VLLM_TO_TRAINER = (("language_model.", ""),
+                   ("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "norm."),
                    ("lm_head.", "output."), ("model.layers.", "layers."), (".base_layer", ""),
                    ("self_attn.qkv_proj", "attention.wqkv"), ("self_attn.o_proj", "attention.wo"),
                    ("self_attn.q_norm", "attention.q_norm"),
@@ -3359,7 +3574,12 @@ VLLM_TO_TRAINER = (("model.embed_tokens.", "tok_embeddings."), ("model.norm.", "
                    ("mlp.gate_up_proj", "feed_forward.w13"), ("mlp.down_proj", "feed_forward.w2"),
                    ("mlp.gate.", "moe.router.gate."), ("experts.routed_experts.", "experts."),
                    ("mlp.experts.w13_weight", "moe.experts.w13"),
-                   ("mlp.experts.w2_weight", "moe.experts.w2"))
+                   ("mlp.experts.w2_weight", "moe.experts.w2"),
+                   ("linear_attn.conv1d.weight", "attention.conv1d"),
+                   ("linear_attn.", "attention."),
+                   ("mlp.shared_expert.gate_up_proj", "moe.shared_expert.w13"),
+                   ("mlp.shared_expert.down_proj", "moe.shared_expert.w2"),
+                   ("mlp.shared_expert_gate", "moe.shared_expert_gate"))
 
 
 def trainer_name(name: str) -> str:
@@ -4950,6 +5170,9 @@ def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Pat
     tensors = {k: v.detach().contiguous().cpu() for k, v in hf_state.items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
+    if "text_config" in config:  # a vision-language model trained as its text model: export that
+        kind = config["model_type"] + "_text"
+        config = {**config["text_config"], "model_type": kind, "architectures": [MODEL_TYPES[kind]]}
     config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")  # as saved
     config.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -5060,7 +5283,7 @@ def check_lines(cfg: Config, ckpt: Path | None) -> Iterator[None]:
     files = yield
     prompts = "the chat template" if uses_chat_template(cfg, files.tokenizer) else "Q:/A: text"
     say(f"model {files.path}: {count_params(files.args) / 1e6:.1f}M params; config.json and "
-        "every safetensors header agree",
+        f"every safetensors header agree{vision_note(files.path)}",
         f"tokenizer: {len(files.tokenizer)} tokens, eos ids {files.eos_ids}, prompts in {prompts}")
     task = yield
     lengths = [len(p) for p in task.prompt_ids + task.eval_prompt_ids]
@@ -5395,7 +5618,12 @@ def expert_params(args) -> int:
 def count_params(args) -> int:
     """Parameters of a Qwen3 (the tied head counted once); for Qwen3-MoE every expert counts
     (each has an fp32 master, AdamW state and a bf16 copy in the engine):
-    a sparse layer's MLP is E (dim + 3 dim I) (router + experts), a dense one's 3 dim H."""
+    a sparse layer's MLP is E (dim + 3 dim I) (router + experts), a dense one's 3 dim H.
+    A Qwen3.5's are counted on the model built on the meta device."""
+    if qwen35(args):
+        with torch.device("meta"):
+            return sum(p.numel() for p in Qwen3(args, bib.reference_kernels(),
+                                                torch.float32).parameters())
     q = args.n_heads * args.head_dim
     kv = args.n_kv_heads * args.head_dim
     block = args.dim * (q + 2 * kv) + q * args.dim + 3 * args.dim * args.hidden_dim \

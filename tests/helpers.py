@@ -92,6 +92,79 @@ def make_checkpoint(
     return out
 
 
+def make_qwen35_checkpoint(
+    out: Path,
+    *,
+    tied: bool = True,
+    layers: int = 4,
+    vocab: int = 384,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    inter: int = 128,
+    k_heads: int = 2,
+    v_heads: int = 4,
+    k_dim: int = 16,
+    v_dim: int = 8,
+    experts: int = 0,
+    top_k: int = 0,
+    moe_inter: int = 0,
+    shared_inter: int = 0,
+    vision: bool = False,
+    seed: int = 0,
+    dtype=torch.float32,
+    max_pos: int = 2048,
+    rope_theta: float = 10_000_000.0,
+    device: str = "cpu",
+    chat: bool = False,
+) -> Path:
+    """A random Qwen3.5 text model (Qwen3_5ForCausalLM; with `experts`, Qwen3_5MoeForCausalLM)
+    saved by transformers, plus a tokenizer: three linear-attention layers in four, each k
+    head serving v_heads / k_heads v heads, a quarter of each full-attention head rotated.
+
+    With `vision`, laid out as the hub's Qwen3.5 checkpoints are (ForConditionalGeneration):
+    config.json with a text_config, the text weights under model.language_model., and a
+    stand-in vision tower (model.visual.) and multi-token-prediction head (mtp.)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig)
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                 linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+                 linear_key_head_dim=k_dim, linear_value_head_dim=v_dim,
+                 tie_word_embeddings=tied, max_position_embeddings=max_pos, eos_token_id=0,
+                 rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
+                                  "partial_rotary_factor": 0.25})
+    if experts:
+        cfg = Qwen3_5MoeTextConfig(**shape, num_experts=experts, num_experts_per_tok=top_k,
+                                   moe_intermediate_size=moe_inter,
+                                   shared_expert_intermediate_size=shared_inter)
+        model = random_model(Qwen3_5MoeForCausalLM, cfg, dtype, device, router_std=2 / hidden**0.5)
+    else:
+        cfg = Qwen3_5TextConfig(**shape, intermediate_size=inter)
+        model = random_model(Qwen3_5ForCausalLM, cfg, dtype, device)
+    model.save_pretrained(out)
+    make_tokenizer(out, vocab_size=min(vocab, 320), chat=chat)
+    if vision:
+        text = json.loads((out / "config.json").read_text())
+        kind = "qwen3_5_moe" if experts else "qwen3_5"
+        arch = f"Qwen3_5{'Moe' if experts else ''}ForConditionalGeneration"
+        config = {"architectures": [arch], "model_type": kind, "text_config": text,
+                  "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
+                                    "intermediate_size": 64, "out_hidden_size": hidden},
+                  "tie_word_embeddings": tied}
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        weights = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.")
+                   else k: v for k, v in load_file(out / "model.safetensors").items()}
+        weights["model.visual.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 16, 16)
+        weights["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def supervised_warm_start(src: Path, out: Path, steps: int, batch) -> Path:
     """`steps` AdamW steps (lr 3e-3) of next-token loss on the Qwen3 at src (fp32), saved with
     its tokenizer at out. batch(tok, rng) gives a step's (sequences, labels) as id lists, label

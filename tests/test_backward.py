@@ -81,6 +81,48 @@ def test_rotary_backward():
     )
 
 
+def test_partial_rotary_turns_the_first_dims_and_passes_the_rest():
+    """Qwen3.5: a cache of R < D columns rotates the first R dims of a head, as a cache of a
+    head of R dims would, and leaves the others; the backward too."""
+    q, k, _, _ = packed_qkv([5, 3])
+    pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    cs = bib.rope_cos_sin_cache(4, 10000.0, 32, "cpu", torch.float64)  # R = 4 of D = 16
+    rq, rk = bib.ref_rotary(q, k, pos, cs)
+    alone = bib.ref_rotary(q[..., :4].contiguous(), k[..., :4].contiguous(), pos, cs)
+    assert torch.equal(rq[..., :4], alone[0]) and torch.equal(rk[..., :4], alone[1])
+    assert torch.equal(rq[..., 4:], q[..., 4:]) and torch.equal(rk[..., 4:], k[..., 4:])
+    assert not torch.equal(rq[1:5, :, :4], q[1:5, :, :4])
+    check(lambda q, k: CUSTOM.rotary(q, k, pos, cs), lambda q, k: REF.rotary(q, k, pos, cs),
+          [q, k])
+
+
+def test_gemma_rms_norm_backward_and_forward():
+    """Qwen3.5's norms: y = x_hat (1 + w), the weight zero-centred; with a residual too."""
+    x, r, w = torch.randn(7, 3, 32, **F64), torch.randn(7, 3, 32, **F64), torch.randn(32, **F64)
+    y = bib.ref_gemma_rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, bib.ref_rms_norm(x, w + 1, 1e-6), atol=1e-15, rtol=0)
+    check(lambda x, w: CUSTOM.gemma_rms_norm(x, w, 1e-6),
+          lambda x, w: REF.gemma_rms_norm(x, w, 1e-6), [x, w])
+    check(lambda *a: CUSTOM.gemma_add_rms_norm(*a, 1e-6),
+          lambda *a: REF.gemma_add_rms_norm(*a, 1e-6), [x, r, w])
+
+
+@pytest.mark.parametrize("gate_shape", [(6, 3, 16), (6, 1)])
+def test_sigmoid_gate_mul_backward(gate_shape):
+    """The attention output gate (one gate per output) and the shared expert's (one per token,
+    broadcast over the row)."""
+    o = torch.randn(6, 3, 16, **F64) if len(gate_shape) == 3 else torch.randn(6, 40, **F64)
+    gate = torch.randn(gate_shape, **F64)
+    torch.testing.assert_close(bib.ref_sigmoid_gate_mul(o, gate), o * torch.sigmoid(gate))
+    check(CUSTOM.sigmoid_gate_mul, REF.sigmoid_gate_mul, [o, gate])
+
+
+def test_rms_norm_gated_backward():
+    x, z, w = torch.randn(9, 4, 16, **F64), torch.randn(9, 4, 16, **F64), torch.randn(16, **F64)
+    check(lambda *a: CUSTOM.rms_norm_gated(*a, 1e-6), lambda *a: REF.rms_norm_gated(*a, 1e-6),
+          [x, z, w])
+
+
 def test_rotary_is_a_rotation():
     q, k, _, _ = packed_qkv([6])
     cs = bib.rope_cos_sin_cache(16, 10000.0, 32, "cpu", torch.float64)

@@ -1,0 +1,318 @@
+"""Qwen3.5 on the reference kernels: the gated delta rule's chunked and recurrent forms and their
+gradients against float64, the trainer's forward against transformers', the weights' exact
+round trip, --check, a run on the exact stand-in engine, and what is refused."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+from helpers import ExactEngine, cpu_argv, main_cpu, make_qwen35_checkpoint, metrics_rows
+
+F64 = dict(dtype=torch.float64)
+MOE = dict(experts=8, top_k=2, moe_inter=32, shared_inter=48)  # Qwen3.5-MoE, tiny
+
+
+@pytest.fixture(scope="module")
+def q35(tmp_path_factory):
+    """Tiny random Qwen3.5 checkpoints (make_qwen35_checkpoint's shape: 4 layers, the last full
+    attention; 2 k heads of 16 dims, 4 v heads of 8), built once per module."""
+    made = {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"), **kw)
+        return made[key]
+
+    return get
+
+
+def load(path):
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    return args, rl.load_hf_state_dict(path)
+
+
+def trainer(path, kernels=None):
+    args, hf = load(path)
+    return rl.build_model(args, rl.hf_to_trainer(hf, args), kernels or bib.reference_kernels(),
+                          torch.float32, "cpu")
+
+
+def rule_inputs(B=2, H=3, L=150, Dk=16, Dv=8, seed=0) -> list[torch.Tensor]:
+    """q, k (unit rows), v, g and beta from gdn_gates of random a, b, A_log, dt_bias, and an
+    initial state: the gated delta rule's arguments, float64, L spanning three chunks."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, **F64)
+
+    g, beta = (x.transpose(1, 2).contiguous()
+               for x in bib.gdn_gates(r(B, L, H), r(B, L, H), r(H) * 0.5, r(H)))  # (B, H, L)
+    q, k = bib.l2_normalize(r(B, H, L, Dk)), bib.l2_normalize(r(B, H, L, Dk))
+    return [q, k, r(B, H, L, Dv), g, beta, r(B, H, Dk, Dv)]
+
+
+def seqs(lengths, vocab=384, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+# --- the gated delta rule ------------------------------------------------------------------
+
+
+def test_chunked_and_recurrent_forms_agree_with_float64():
+    """From a random initial state over 150 tokens: the chunked form (prefill's) equals the
+    recurrent one (decode's) in float64 to rounding, at any chunk size; each form in fp32 is
+    within 2e-6 of float64 (outputs and final states of size about 1)."""
+    x = rule_inputs()
+    o, S = bib.gated_delta_rule_recurrent(*x)  # (B, H, L, Dv), (B, H, Dk, Dv)
+    assert o.abs().max() > 0.1 and S.abs().max() > 0.1
+    for chunk in (64, 16, 1):
+        oc, Sc = bib.gated_delta_rule_chunked(*x, chunk=chunk)
+        torch.testing.assert_close(oc, o, atol=1e-12, rtol=0)
+        torch.testing.assert_close(Sc, S, atol=1e-12, rtol=0)
+    for form in (bib.gated_delta_rule_chunked, bib.gated_delta_rule_recurrent):
+        o32, S32 = form(*[t.float() for t in x])
+        assert o32.dtype == S32.dtype == torch.float32
+        torch.testing.assert_close(o32.double(), o, atol=2e-6, rtol=0)
+        torch.testing.assert_close(S32.double(), S, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("split", [1, 64, 70, 149])
+def test_the_state_carried_across_a_split_equals_one_pass(split):
+    """The first `split` tokens' final state, handed to the rest, gives the outputs and state
+    of one pass over all 150, in either form: a prefill continued chunked or token by token."""
+    q, k, v, g, beta, S0 = rule_inputs()
+    o, S = bib.gated_delta_rule_chunked(q, k, v, g, beta, S0)
+    head = [t[:, :, :split] for t in (q, k, v, g, beta)]
+    tail = [t[:, :, split:] for t in (q, k, v, g, beta)]
+    o1, S1 = bib.gated_delta_rule_chunked(*head, S0)
+    for form in (bib.gated_delta_rule_chunked, bib.gated_delta_rule_recurrent):
+        o2, S2 = form(*tail, S1)
+        torch.testing.assert_close(torch.cat([o1, o2], dim=2), o, atol=1e-12, rtol=0)
+        torch.testing.assert_close(S2, S, atol=1e-12, rtol=0)
+
+
+def test_chunked_gradients_match_float64_recurrent_autograd():
+    """Autograd through the fp32 chunked form (the trainer's reference path) against autograd
+    through the float64 recurrence: every input's gradient (q, k, v, g, beta, the initial state)
+    within 2e-6 of its largest entry; the float64 chunked form to rounding."""
+    x = rule_inputs(B=1, H=2, L=80)
+
+    def grads(form, inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        o, S = form(*inputs)
+        gen = torch.Generator().manual_seed(1)
+        wo, wS = (torch.randn(t.shape, generator=gen, **F64).to(t.dtype) for t in (o, S))
+        return torch.autograd.grad((o * wo).sum() + (S * wS).sum(), inputs)
+
+    want = grads(bib.gated_delta_rule_recurrent, x)
+    got32 = grads(bib.gated_delta_rule_chunked, [t.float() for t in x])
+    got64 = grads(bib.gated_delta_rule_chunked, x)
+    for name, a, b, w in zip(("q", "k", "v", "g", "beta", "state"), got32, got64, want):
+        scale = w.abs().max().item()
+        assert scale > 0.1, name
+        torch.testing.assert_close(a.double(), w, atol=2e-6 * scale, rtol=0, msg=name)
+        torch.testing.assert_close(b, w, atol=1e-12 * scale, rtol=0, msg=name)
+
+
+def test_packed_rule_runs_each_sequence_from_zero_with_shared_k_heads():
+    """ref_gated_delta_rule over a packed batch (lengths 1, 70, 130; 2 k heads, 4 v heads):
+    each sequence equals the float64 recurrence run alone from a zero state on its L2-normalised
+    q and k (v head h reading k head h // 2) and its gates."""
+    lens, Hk, Hv, Dk, Dv = [1, 70, 130], 2, 4, 16, 8
+    gen = torch.Generator().manual_seed(2)
+    T = sum(lens)
+    q, k = (torch.randn(T, Hk, Dk, generator=gen) for _ in range(2))
+    v, a, b = torch.randn(T, Hv, Dv, generator=gen), *torch.randn(2, T, Hv, generator=gen)
+    A_log, dt_bias = torch.randn(Hv, generator=gen) * 0.5, torch.randn(Hv, generator=gen)
+    cu = torch.tensor([0, 1, 71, 201], dtype=torch.int32)
+    o = bib.ref_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu, max(lens))  # (T, Hv, Dv)
+    assert o.shape == (T, Hv, Dv) and o.dtype == torch.float32
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        g, beta = bib.gdn_gates(a[s:e].double(), b[s:e].double(), A_log, dt_bias)  # (L, Hv)
+
+        def heads(t):  # (L, H, D) -> (1, Hv, L, D)
+            return t[s:e].double().repeat_interleave(Hv // t.shape[1], dim=1).transpose(0, 1)[None]
+
+        want, _ = bib.gated_delta_rule_recurrent(
+            bib.l2_normalize(heads(q)), bib.l2_normalize(heads(k)), heads(v), g.t()[None],
+            beta.t()[None])
+        torch.testing.assert_close(o[s:e].double(), want[0].transpose(0, 1), atol=2e-6, rtol=0)
+
+
+def test_causal_conv1d_runs_each_sequence_from_zeros():
+    """y_t = silu(sum_j w[:, j] x_{t-3+j}) with x = 0 before the sequence's first token."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 5, generator=gen, **F64), torch.randn(5, 4, generator=gen, **F64)
+    cu = torch.tensor([0, 2, 9], dtype=torch.int32)
+    y = bib.ref_causal_conv1d(x, w, cu, 7)
+    for s, e in ((0, 2), (2, 9)):
+        xs = torch.cat([torch.zeros(3, 5, **F64), x[s:e]])  # (3 + L, C)
+        want = torch.stack([(w.t() * xs[t : t + 4]).sum(0) for t in range(e - s)])
+        torch.testing.assert_close(y[s:e], torch.nn.functional.silu(want), atol=1e-14, rtol=0)
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
+def test_logits_match_transformers_fp32(q35, kind):
+    """The trainer's packed forward (reference kernels, fp32) against transformers' own
+    Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM) on the same random weights, one sequence at a
+    time; 80 tokens run two chunks of the linear attention."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+
+    path = q35(**MOE) if kind == "moe" else q35(tied=kind == "tied")
+    model = trainer(path)
+    cls = Qwen3_5MoeForCausalLM if kind == "moe" else Qwen3_5ForCausalLM
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()  # fla absent: its torch path
+    assert ref.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    ids = seqs([33, 7, 80, 1])
+    p = rl.pack(ids, [[] for _ in ids])
+    with torch.no_grad():
+        ours = model.logits(model.hidden(p))  # (T, V)
+        for i, x in enumerate(ids):
+            want = ref(torch.tensor([x])).logits[0]
+            got = ours[p.cu_seqlens[i] : p.cu_seqlens[i + 1]]
+            assert want.abs().max() > 0.5
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_custom_backward_model_matches_autograd_model(q35, moe):
+    """Every hand-written backward a Qwen3.5 runs (its Gemma norms, gates, gated norm, and
+    Qwen3's) against plain autograd, through the whole model."""
+    path = q35(**MOE) if moe else q35(tied=False)
+    a = trainer(path, bib.custom_backward_kernels(bib.reference_forwards()))
+    b = trainer(path)
+    ids = seqs([17, 4, 70])
+    p = rl.pack([x[:3] for x in ids], [x[3:] for x in ids])
+    for m in (a, b):
+        lp, ent = m(p, 0.9)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
+        assert pa.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
+def test_round_trip_is_exact_and_the_layout_is_vllms(q35, kind):
+    """HF -> trainer -> HF gives every tensor back bit for bit; the trainer holds vLLM's fused
+    projections: in_proj_qkvz = [in_proj_qkv; in_proj_z], in_proj_ba = [b; a], and the full
+    attention's qkv_proj = [q_proj (each head's q, then its gate); k_proj; v_proj]."""
+    path = q35(**MOE) if kind == "moe" else q35(tied=kind == "tied")
+    args, hf = load(path)
+    st = rl.hf_to_trainer(hf, args)
+    back = rl.trainer_to_hf(st, args, rl.fused_layers(hf, args))
+    assert sorted(back) == sorted(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+    lin, full = "model.layers.0.linear_attn.", "model.layers.3.self_attn."
+    assert torch.equal(st["layers.0.attention.in_proj_qkvz.weight"],
+                       torch.cat([hf[lin + "in_proj_qkv.weight"], hf[lin + "in_proj_z.weight"]]))
+    assert torch.equal(st["layers.0.attention.in_proj_ba.weight"],
+                       torch.cat([hf[lin + "in_proj_b.weight"], hf[lin + "in_proj_a.weight"]]))
+    assert torch.equal(st["layers.0.attention.conv1d"], hf[lin + "conv1d.weight"])
+    assert torch.equal(st["layers.3.attention.wqkv.weight"],
+                       torch.cat([hf[full + f"{n}_proj.weight"] for n in "qkv"]))
+    assert st["layers.3.attention.wqkv.weight"].shape[0] == (2 * 4 + 2 * 2) * 32
+    if kind == "moe":
+        shared = "model.layers.2.mlp.shared_expert."
+        assert torch.equal(st["layers.2.moe.shared_expert.w13.weight"],
+                           torch.cat([hf[shared + "gate_proj.weight"],
+                                      hf[shared + "up_proj.weight"]]))
+    model = rl.build_model(args, st, bib.reference_kernels(), torch.float32, "cpu")
+    assert {n for n, _ in model.named_parameters()} == set(st)
+
+
+def test_a_vision_language_checkpoint_is_read_as_its_text_model(q35):
+    """A checkpoint laid out as the hub's Qwen3.5 (Qwen3_5ForConditionalGeneration: text_config,
+    model.language_model.*, a vision tower, an MTP head) gives the trainer the very tensors of
+    the text checkpoint with the same weights; the tower and the MTP head are left out."""
+    text_args, text_hf = load(q35(tied=False))
+    args, hf = load(q35(tied=False, vision=True))
+    assert args == text_args and args.qwen35 == text_args.qwen35
+    assert sorted(hf) == sorted(text_hf)  # no model.visual.*, no mtp.*
+    for k in hf:
+        assert torch.equal(hf[k], text_hf[k]), k
+    rl.check_weight_headers(q35(tied=False, vision=True), args)
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_check_a_qwen35(q35, tmp_path, capsys, vision):
+    path = q35(tied=False, vision=vision)
+    capsys.readouterr()
+    assert rl.main(cpu_argv(path, tmp_path / "logs", run_name="r") + ["--check"]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""
+    lines = out.out.strip().splitlines()
+    n = sum(t.numel() for t in load(path)[1].values())
+    model = [line for line in lines if line.startswith(f"check: model {path}:")]
+    assert model == [f"check: model {path}: {n / 1e6:.1f}M params; config.json and every "
+                     "safetensors header agree" + ("; it is a vision-language model, trained "
+                     "(and exported) as its text model, on text: its vision tower and "
+                     "multi-token-prediction head are left out" if vision else "")]
+    assert f"check: LoRA: off (full fine-tuning: {n / 1e6:.1f}M params trained)" in lines
+
+
+def test_a_run_on_the_exact_stand_in_engine_matches_every_token(q35, tmp_path):
+    """Two steps of GRPO on a Qwen3.5 with a vision tower, the stand-in engine's logprobs the
+    trainer's own forward: every token equal; the export is the text model, which transformers
+    loads whole."""
+    from transformers import Qwen3_5ForCausalLM
+
+    argv = cpu_argv(q35(vision=True), tmp_path / "runs", steps=2, eval_size=0, save_every=0,
+                    run_name="r")
+    assert main_cpu(argv, ExactEngine) == 0
+    rows = metrics_rows(tmp_path / "runs" / "r")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["determinism/tokens"] > 0 and row["determinism/mismatched_tokens"] == 0, row
+    final = tmp_path / "runs" / "r" / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and "text_config" not in config
+    _, info = Qwen3_5ForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_an_unknown_layer_type_is_refused_in_one_sentence(q35, tmp_path, capsys, vision):
+    path = tmp_path / "ckpt"
+    shutil.copytree(q35(vision=vision), path)
+    raw = json.loads((path / "config.json").read_text())
+    text = raw["text_config"] if vision else raw
+    text["layer_types"][1] = "sliding_attention"
+    (path / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert main_cpu(cpu_argv(path, tmp_path / "logs") + ["--check"]) == 2
+    assert capsys.readouterr().err == (
+        f"simple_rl: error: {path / 'config.json'}: layer_types names 'sliding_attention': "
+        "simple_rl runs Qwen3.5's 'linear_attention' and 'full_attention' layers only.\n")
+
+
+def test_lora_on_a_qwen35_is_refused_in_one_sentence(q35, tmp_path, capsys):
+    argv = cpu_argv(q35(), tmp_path / "logs", lora_rank=8, kernels="vllm") + ["--check"]
+    capsys.readouterr()  # what came before (the checkpoint made for the test) is not the run's
+    assert main_cpu(argv) == 2
+    assert capsys.readouterr().err == (
+        "simple_rl: error: --lora-rank: LoRA on a Qwen3.5 is not supported yet (the trainer has "
+        "no adapters on its linear-attention layers); train it in full.\n")
+
+
+def test_vllms_qwen35_kernels_are_a_seam_that_says_so():
+    """vllm_forwards() fills Qwen3.5's ops with stand-ins (its kernels come with the GPU path):
+    called, each raises NotImplementedError in one sentence."""
+    assert set(bib.QWEN35_OPS) == {"gemma_rms_norm", "gemma_add_rms_norm", "sigmoid_gate_mul",
+                                   "rms_norm_gated", "causal_conv1d", "gated_delta_rule"}
+    with pytest.raises(NotImplementedError, match=r"^gated_delta_rule: the trainer does not "
+                       r"call vLLM's Qwen3.5 kernels yet, so Qwen3.5 trains on the reference "
+                       r"kernels only \(--kernels reference\)\.$"):
+        bib.not_wired("gated_delta_rule")(torch.zeros(1))
