@@ -2240,6 +2240,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         return None
     files, task, reward_fn, make_env, inputs = checked
     if engine_factory is None:  # the GPU, the environment parity needs and vLLM
+        need(qwen35(files.args) is None, f"--model {files.path} is a Qwen3.5: vLLM does not run "
+             "its Gated DeltaNet layers batch-invariant, nor does the trainer call their kernels "
+             "yet, so it trains on CPU reference kernels only (the tests; --check).")
         if not gpu_first:
             prepare_environment(cfg)
         engine_factory = VLLMEngine

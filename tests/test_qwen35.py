@@ -316,3 +316,16 @@ def test_vllms_qwen35_kernels_are_a_seam_that_says_so():
                        r"call vLLM's Qwen3.5 kernels yet, so Qwen3.5 trains on the reference "
                        r"kernels only \(--kernels reference\)\.$"):
         bib.not_wired("gated_delta_rule")(torch.zeros(1))
+
+
+def test_a_gpu_run_of_a_qwen35_is_refused_before_vllm_starts(q35, tmp_path, capsys):
+    """Until the trainer calls vLLM's Gated DeltaNet kernels, a run that would start vLLM (no
+    stand-in engine) stops after the input checks, in one sentence, before any GPU work."""
+    path = q35()
+    capsys.readouterr()
+    assert rl.main(cpu_argv(path, tmp_path / "logs", run_name="r"), device_type="cpu") == 2
+    assert capsys.readouterr().err == (
+        f"simple_rl: error: --model {path} is a Qwen3.5: vLLM does not run its Gated DeltaNet "
+        "layers batch-invariant, nor does the trainer call their kernels yet, so it trains on "
+        "CPU reference kernels only (the tests; --check).\n")
+    assert not (tmp_path / "logs" / "r").exists()  # nothing made
