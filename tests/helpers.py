@@ -551,3 +551,30 @@ def make_moe_checkpoint(out: Path, *, vocab, hidden, layers, heads, kv_heads, he
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     make_tokenizer(out, vocab_size=min(vocab, 320))
     return out
+
+
+def cpu_trainer(path, kernels=None):
+    """The trainer's model of the checkpoint at `path`, fp32 on CPU (reference kernels)."""
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
+    return rl.build_model(args, state, kernels or bib.reference_kernels(), torch.float32, "cpu")
+
+
+def random_ids(lengths, vocab=384, seed=0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def assert_custom_backwards_match_autograd(path, lengths) -> None:
+    """The whole model with every hand-written backward against plain autograd (same
+    forwards): every parameter's gradient close, and none all zero."""
+    a = cpu_trainer(path, bib.custom_backward_kernels(bib.reference_forwards()))
+    b = cpu_trainer(path)
+    ids = random_ids(lengths)
+    p = rl.pack([x[:3] for x in ids], [x[3:] for x in ids])
+    for m in (a, b):
+        lp, ent = m(p, 0.9)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
+        assert pa.grad.abs().sum() > 0, name

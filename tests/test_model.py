@@ -3,20 +3,12 @@
 import pytest
 import torch
 
-import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import cast_once_changes_no_bit
+from helpers import assert_custom_backwards_match_autograd, cast_once_changes_no_bit
+from helpers import cpu_trainer as trainer
+from helpers import random_ids as seqs
 
 
-def trainer(path, kernels=None):
-    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
-    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
-    return rl.build_model(args, state, kernels or bib.reference_kernels(), torch.float32, "cpu")
-
-
-def seqs(lengths, vocab=384, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -89,17 +81,7 @@ def test_token_logprobs_and_entropy(ckpt, temperature):
 
 def test_custom_backward_model_matches_autograd_model(ckpt):
     """The whole model with every hand-written backward vs plain autograd (same forwards)."""
-    path = ckpt(tied=False)
-    a = trainer(path, bib.custom_backward_kernels(bib.reference_forwards()))
-    b = trainer(path)
-    ids = seqs([17, 4, 29])
-    p = rl.pack([x[:3] for x in ids], [x[3:] for x in ids])
-    for m in (a, b):
-        lp, ent = m(p, 0.9)
-        (lp.sum() + 0.1 * ent.sum()).backward()
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
-        assert pa.grad.abs().sum() > 0, name
+    assert_custom_backwards_match_autograd(ckpt(tied=False), [17, 4, 29])
 
 
 @pytest.mark.parametrize("tied", [True, False])

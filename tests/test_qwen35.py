@@ -10,7 +10,10 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import ExactEngine, cpu_argv, main_cpu, make_qwen35_checkpoint, metrics_rows
+from helpers import ExactEngine, assert_custom_backwards_match_autograd, cpu_argv, main_cpu
+from helpers import cpu_trainer as trainer
+from helpers import make_qwen35_checkpoint, metrics_rows
+from helpers import random_ids as seqs
 
 F64 = dict(dtype=torch.float64)
 MOE = dict(experts=8, top_k=2, moe_inter=32, shared_inter=48)  # Qwen3.5-MoE, tiny
@@ -36,10 +39,6 @@ def load(path):
     return args, rl.load_hf_state_dict(path)
 
 
-def trainer(path, kernels=None):
-    args, hf = load(path)
-    return rl.build_model(args, rl.hf_to_trainer(hf, args), kernels or bib.reference_kernels(),
-                          torch.float32, "cpu")
 
 
 def rule_inputs(B=2, H=3, L=150, Dk=16, Dv=8, seed=0) -> list[torch.Tensor]:
@@ -56,9 +55,6 @@ def rule_inputs(B=2, H=3, L=150, Dk=16, Dv=8, seed=0) -> list[torch.Tensor]:
     return [q, k, r(B, H, L, Dv), g, beta, r(B, H, Dk, Dv)]
 
 
-def seqs(lengths, vocab=384, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 # --- the gated delta rule ------------------------------------------------------------------
@@ -187,17 +183,7 @@ def test_logits_match_transformers_fp32(q35, kind):
 def test_custom_backward_model_matches_autograd_model(q35, moe):
     """Every hand-written backward a Qwen3.5 runs (its Gemma norms, gates, gated norm, and
     Qwen3's) against plain autograd, through the whole model."""
-    path = q35(**MOE) if moe else q35(tied=False)
-    a = trainer(path, bib.custom_backward_kernels(bib.reference_forwards()))
-    b = trainer(path)
-    ids = seqs([17, 4, 70])
-    p = rl.pack([x[:3] for x in ids], [x[3:] for x in ids])
-    for m in (a, b):
-        lp, ent = m(p, 0.9)
-        (lp.sum() + 0.1 * ent.sum()).backward()
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
-        assert pa.grad.abs().sum() > 0, name
+    assert_custom_backwards_match_autograd(q35(**MOE) if moe else q35(tied=False), [17, 4, 70])
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
