@@ -7,8 +7,9 @@ checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and tw
 trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
 Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention, router) and of
 the shards a TP = 2 engine's ranks hold for Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
-The Triton kernel's tiles do not depend on N, so a column slice of its GEMM has the full GEMM's
-bits; with the shards checked, so does cuBLASLt's (docs/tensor_parallel.md).
+On vLLM 0.26 the Triton kernel's tiles did not depend on N, so a column slice of its GEMM had
+the full GEMM's bits; 0.34 picks them by (N, K), so whether a shard's GEMM equals the full
+GEMM's columns is a check of its own (docs/tensor_parallel.md).
 
 cuBLASLt reads its workspace size once per process, so the check runs in a fresh process
 (`python tests/test_gemm_gpu.py` prints its JSON) in which batch-invariant mode is set before
