@@ -18,6 +18,11 @@ The MoE experts' backward sorts the (token, slot) pairs by expert once; in PyTor
 over the experts (the CPU path and the reference), in Triton it runs each of its GEMMs as one
 grouped launch over every expert (the GPU path).
 
+Qwen3.5's Gated DeltaNet conv and rule have no hand-written backward yet: their autograd
+Functions run vLLM's kernels forward (the rule on vLLM's schedule: each prompt chunked as its
+prefill, each generated token recurrent as its decode step) and, backward, recompute the fp32
+reference and differentiate it with autograd: the gradient of the same math.
+
 One forward is our own: the logprob head's. vLLM's sampler computes the sampled token's
 logprob only; the loss also needs the entropy and, for the backward, each row's max and log
 sum, so `_logprobs_entropy_kernel` computes all of them with vLLM's reduction, in vLLM's order
