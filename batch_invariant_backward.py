@@ -18,6 +18,11 @@ The MoE experts' backward sorts the (token, slot) pairs by expert once; in PyTor
 over the experts (the CPU path and the reference), in Triton it runs each of its GEMMs as one
 grouped launch over every expert (the GPU path).
 
+Qwen3.5's Gated DeltaNet conv and rule have no hand-written backward yet: their autograd
+Functions run vLLM's kernels forward (the rule on vLLM's schedule: each prompt chunked as its
+prefill, each generated token recurrent as its decode step) and, backward, recompute the fp32
+reference and differentiate it with autograd: the gradient of the same math.
+
 One forward is our own: the logprob head's. vLLM's sampler computes the sampled token's
 logprob only; the loss also needs the entropy and, for the backward, each row's max and log
 sum, so `_logprobs_entropy_kernel` computes all of them with vLLM's reduction, in vLLM's order
@@ -87,8 +92,12 @@ class Kernels:
     rms_norm_gated: Callable  # (x (..., D), z (..., D), w (D,), eps) -> rms_norm(x) w silu(z)
     causal_conv1d: Callable  # (x (T, C), w (C, K), cu_seqlens, max_seqlen) -> (T, C)
     # (q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv), A_log, dt_bias (Hv,), cu_seqlens,
-    # max_seqlen) -> o (T, Hv, Dv): the gated delta rule over each sequence from a zero state
+    # max_seqlen, prefill (B,)) -> o (T, Hv, Dv): the gated delta rule over each sequence from
+    # a zero state (vLLM's: each sample's first prefill[n] tokens chunked, the rest recurrent)
     gated_delta_rule: Callable
+    # (q_gate (T, Hq 2D), k (T, Hk D), wq, wk (D,), eps, positions (T,), cos_sin (P, R)) ->
+    # (q (T, Hq, D), k (T, Hk, D), gate (T, Hq, D)): Gemma-normed, the first R dims turned
+    gated_qk_norm_rope: Callable
 
 
 # ---------------------------------------------------------------------------
@@ -1353,7 +1362,7 @@ def ref_causal_conv1d(x: Tensor, w: Tensor, cu_seqlens: Tensor, max_seqlen: int)
     packed batch (x_s = 0 before a sequence's first token: no state comes in), in fp32.
     x (T, C), w (C, K) -> (T, C) in x's dtype."""
     K = w.shape[1]
-    xp, valid = _pad(x[:, None], cu_seqlens, max_seqlen)  # (B, 1, L, C)
+    xp, valid = _pad(_wide(x)[:, None], cu_seqlens, max_seqlen)  # (B, 1, L, C)
     xp = F.pad(xp[:, 0].transpose(1, 2), (K - 1, 0))  # (B, C, K - 1 + L): the zeros before
     y = F.conv1d(xp, _wide(w)[:, None], groups=w.shape[0])  # (B, C, L)
     return _unpad(F.silu(y).transpose(1, 2)[:, None], valid)[:, 0].to(x.dtype)  # (T, C)
@@ -1434,20 +1443,189 @@ def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
 
 
 def ref_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                         dt_bias: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+                         dt_bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                         prefill: Tensor | None = None) -> Tensor:
     """Qwen3.5's linear attention over a packed batch, every sequence from a zero state: q and
     k L2-normalised, g and beta from gdn_gates, each k head serving Hv / Hk v heads (v head h
-    reads k head h // (Hv / Hk)), the chunked rule, in fp32.
+    reads k head h // (Hv / Hk)), the chunked rule, in fp32. `prefill` (vLLM's schedule) is
+    not needed: each form computes the same rule, so each sequence runs in one.
     q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv) -> o (T, Hv, Dv) in v's dtype."""
     group = v.shape[1] // k.shape[1]
     qp, valid = _pad(l2_normalize(_wide(q)), cu_seqlens, max_seqlen)  # (B, Hk, L, Dk)
     kp, _ = _pad(l2_normalize(_wide(k)), cu_seqlens, max_seqlen)
-    vp, _ = _pad(v, cu_seqlens, max_seqlen)  # (B, Hv, L, Dv)
+    vp, _ = _pad(_wide(v), cu_seqlens, max_seqlen)  # (B, Hv, L, Dv)
     g, beta = (_pad(x[..., None], cu_seqlens, max_seqlen)[0][..., 0]
                for x in gdn_gates(a, b, A_log, dt_bias))  # (B, Hv, L) each, 0 past the end
     o, _ = gated_delta_rule_chunked(qp.repeat_interleave(group, dim=1),
                                     kp.repeat_interleave(group, dim=1), vp, g, beta)
     return _unpad(o, valid).to(v.dtype)  # (T, Hv, Dv)
+
+
+def ref_prefill_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                     dt_bias: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """A prefill of whole prompts in the chunked form, in fp32, each from a zero state: the
+    reference's stand-in for vLLM's (gdn_prefill_vllm). Packed as ref_gated_delta_rule's
+    arguments -> (o (T, Hv, Dv) in v's dtype, final states (B, Hv, Dk, Dv) fp32)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    L = int(lengths.max())
+    group = v.shape[1] // k.shape[1]
+    qp, valid = _pad(l2_normalize(_wide(q)), cu_seqlens, L)  # (B, Hk, L, Dk)
+    kp, _ = _pad(l2_normalize(_wide(k)), cu_seqlens, L)
+    vp, _ = _pad(_wide(v), cu_seqlens, L)  # (B, Hv, L, Dv)
+    g, beta = (_pad(x[..., None], cu_seqlens, L)[0][..., 0]
+               for x in gdn_gates(a, b, A_log, dt_bias))  # (B, Hv, L), 0 past each end
+    o, S = gated_delta_rule_chunked(qp.repeat_interleave(group, dim=1),
+                                    kp.repeat_interleave(group, dim=1), vp, g, beta)
+    return _unpad(o, valid).to(v.dtype), S
+
+
+def ref_decode_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                    dt_bias: Tensor, state: Tensor) -> Tensor:
+    """One sample's decode steps in the recurrent form, in fp32, from the state its prefill
+    left (state (Hv, Dk, Dv)): the reference's stand-in for vLLM's (gdn_decode_vllm).
+    q, k (L, Hk, Dk), v (L, Hv, Dv), a, b (L, Hv) -> o (L, Hv, Dv) in v's dtype."""
+    group = v.shape[1] // k.shape[1]
+    q, k = (l2_normalize(_wide(x)).transpose(0, 1).repeat_interleave(group, dim=0)[None]
+            for x in (q, k))  # (1, Hv, L, Dk)
+    g, beta = (x.transpose(0, 1)[None] for x in gdn_gates(a, b, A_log, dt_bias))  # (1, Hv, L)
+    o, _ = gated_delta_rule_recurrent(q, k, _wide(v).transpose(0, 1)[None], g, beta,
+                                      _wide(state)[None])
+    return o[0].transpose(0, 1).to(v.dtype)  # (L, Hv, Dv)
+
+
+def prefill_schedule(cu_seqlens: Tensor, prefill: Tensor) -> tuple[Tensor, Tensor, list]:
+    """The rows vLLM prefilled and those it decoded, in a packed batch of B samples whose first
+    prefill[n] tokens (its prompt) were prefilled in one pass and the rest decoded one a step:
+    (prompt rows (Tp,) of the packed batch, their cu_seqlens (B+1,) int32 (on CPU),
+    [(start, stop)] of each sample's decoded rows)."""
+    starts = cu_seqlens[:-1].long().cpu()
+    stops = cu_seqlens[1:].long().cpu()
+    P = prefill.long().cpu()
+    assert bool(((P >= 1) & (P <= stops - starts)).all()), "a prefill is 1 to L tokens"
+    rows = torch.cat([torch.arange(s, s + p) for s, p in zip(starts.tolist(), P.tolist())])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), P.cumsum(0)]).int()
+    return rows.to(cu_seqlens.device), cu, list(zip((starts + P).tolist(), stops.tolist()))
+
+
+def replay_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+                            A_log: Tensor, dt_bias: Tensor, cu_seqlens: Tensor, prefill: Tensor,
+                            prefill_form: Callable, decode_form: Callable) -> Tensor:
+    """The gated delta rule over a packed batch as vLLM's engine scheduled it: every sample's
+    prompt rows through `prefill_form` (one call over all prompts, each from a zero state),
+    then each sample's generated rows through `decode_form` from the state its prompt left.
+    The forms are vLLM's kernels (gdn_prefill_vllm, gdn_decode_vllm) or the reference's
+    (ref_prefill_form, ref_decode_form); exact arithmetic gives ref_gated_delta_rule.
+    q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv), prefill (B,) -> o (T, Hv, Dv)."""
+    rows, cu_prompt, spans = prefill_schedule(cu_seqlens, prefill)
+    o = v.new_empty(v.shape)  # (T, Hv, Dv)
+    o_prompt, states = prefill_form(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias,
+                                    cu_prompt.to(q.device))
+    o[rows] = o_prompt
+    for n, (start, stop) in enumerate(spans):
+        if stop > start:
+            part = (x[start:stop] for x in (q, k, v, a, b))
+            o[start:stop] = decode_form(*part, A_log, dt_bias, states[n])
+    return o
+
+
+class CausalConv1dFn(torch.autograd.Function):
+    """A given forward of the causal conv1d (vLLM's kernel); the backward differentiates the
+    fp32 reference, ref_causal_conv1d, with autograd. With u = sum_j w_j x_{t-K+1+j} per channel
+    and y = silu(u): du = dy silu'(u), dx_s = sum_j w_j du_{s+K-1-j}, dw_j = sum_t du_t
+    x_{t-K+1+j} (within each sequence): the gradient of the same math, taken at the fp32
+    forward (which differs from the kernel's bf16 output by its rounding only)."""
+
+    @staticmethod
+    def forward(ctx, x, w, cu_seqlens, max_seqlen, fwd):
+        ctx.save_for_backward(x, w, cu_seqlens)
+        ctx.max_seqlen = max_seqlen
+        return fwd(x, w, cu_seqlens, max_seqlen)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+            y = ref_causal_conv1d(xr, wr, cu_seqlens, ctx.max_seqlen)
+            dx, dw = torch.autograd.grad(y, (xr, wr), gy)
+        return dx, dw, None, None, None
+
+
+class GatedDeltaRuleFn(torch.autograd.Function):
+    """A given forward of Qwen3.5's gated delta rule (vLLM's kernels, replayed on vLLM's
+    schedule: replay_gated_delta_rule); the backward recomputes the rule in the fp32 reference
+    form (ref_gated_delta_rule: the L2 norms, the gates and the chunked rule over each whole
+    sequence) and differentiates it with autograd. The chunked and recurrent forms are one
+    function of the inputs, so this is the exact gradient of the rule vLLM computes, taken at
+    the fp32 forward (which differs from the kernels' bf16 outputs by their rounding only).
+    Backpropagating through the chunked form is the derivative of
+        S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,  o_t = scale S_t^T q_t
+    in the adjoint states dS_t, run backward in time (as fla's chunk backward does in fused
+    kernels: a faster backward is future work; this one holds (B, H, L, D) fp32 tensors)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, max_seqlen, prefill, fwd):
+        ctx.save_for_backward(q, k, v, a, b, A_log, dt_bias, cu_seqlens)
+        ctx.max_seqlen = max_seqlen
+        return fwd(q, k, v, a, b, A_log, dt_bias, cu_seqlens, max_seqlen, prefill)
+
+    @staticmethod
+    def backward(ctx, go):
+        *inputs, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in inputs]
+            o = ref_gated_delta_rule(*leaves, cu_seqlens, ctx.max_seqlen)
+            grads = torch.autograd.grad(o, leaves, go)
+        return *grads, None, None, None, None
+
+
+# ---------------------------------------------------------------------------
+# Qwen3.5: full attention's q/k preparation (vLLM on CUDA: `fused_qk_rmsnorm_rope_gate`, one
+# kernel: the gate split off each q head, Gemma RMSNorm of q and k heads, partial NeoX rotary)
+# ---------------------------------------------------------------------------
+
+
+def ref_gated_qk_norm_rope(q_gate: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float,
+                           positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q_gate (T, Hq 2D) holds each head's q, then its gate; k (T, Hk D). q and k are normed
+    per head (ref_gemma_rms_norm, weights wq, wk (D,)), then their first R dims turned
+    (ref_rotary, cos_sin (P, R)); the gate is copied. -> q (T, Hq, D), k (T, Hk, D), gate."""
+    T, D = q_gate.shape[0], wq.shape[0]
+    q, gate = q_gate.reshape(T, -1, 2 * D).chunk(2, dim=-1)  # (T, Hq, D) each
+    q = ref_gemma_rms_norm(q, wq, eps)
+    k = ref_gemma_rms_norm(k.reshape(T, -1, D), wk, eps)
+    q, k = ref_rotary(q, k, positions, cos_sin)
+    return q, k, gate
+
+
+def gated_qk_norm_rope_backward(q_gate: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float,
+                                positions: Tensor, cos_sin: Tensor, gq: Tensor, gk: Tensor,
+                                ggate: Tensor, norm_bwd: Callable, rotary_bwd: Callable):
+    """y = R(p) n(x) per head (n: the Gemma norm, R(p) the rotation) and gate = its copy:
+    the norm's backward of R(p)^T dy (rotary_bwd), dgate = its output's gradient, laid back
+    into q_gate's rows. -> (dq_gate, dk, dwq, dwk)."""
+    T, D = q_gate.shape[0], wq.shape[0]
+    q, _ = q_gate.reshape(T, -1, 2 * D).chunk(2, dim=-1)  # (T, Hq, D): the normed input
+    gq, gk = rotary_bwd(gq, gk, positions, cos_sin)
+    dq, dwq = norm_bwd(q, wq, gq, eps)
+    dk, dwk = norm_bwd(k.reshape(T, -1, D), wk, gk, eps)
+    dq_gate = torch.cat([dq, ggate.to(dq.dtype)], dim=-1).reshape(q_gate.shape)
+    return dq_gate, dk.reshape(k.shape), dwq, dwk
+
+
+class GatedQKNormRopeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_gate, k, wq, wk, eps, positions, cos_sin, fwd, bwd):
+        ctx.save_for_backward(q_gate, k, wq, wk, positions, cos_sin)
+        ctx.eps, ctx.bwd = eps, bwd
+        return fwd(q_gate, k, wq, wk, eps, positions, cos_sin)
+
+    @staticmethod
+    def backward(ctx, gq, gk, ggate):
+        q_gate, k, wq, wk, positions, cos_sin = ctx.saved_tensors
+        dq_gate, dk, dwq, dwk = ctx.bwd(q_gate, k, wq, wk, ctx.eps, positions, cos_sin, gq, gk,
+                                        ggate)
+        return dq_gate, dk, dwq, dwk, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -1461,8 +1639,11 @@ TORCH_BACKWARDS = dict(rms_norm=rms_norm_backward, rotary=rotary_backward,
                        moe_experts=moe_experts_backward,
                        gemma_rms_norm=gemma_backward(rms_norm_backward),
                        sigmoid_gate_mul=sigmoid_gate_mul_backward,
-                       rms_norm_gated=rms_norm_gated_backward)
-# Qwen3.5's gates and gated norm keep their PyTorch backward on the GPU for now.
+                       rms_norm_gated=rms_norm_gated_backward,
+                       gated_qk_norm_rope=functools.partial(
+                           gated_qk_norm_rope_backward, norm_bwd=gemma_backward(rms_norm_backward),
+                           rotary_bwd=rotary_backward))
+# Qwen3.5's gates, gated norm and partial rotary keep their PyTorch backward on the GPU for now.
 TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backward_triton,
                         silu_and_mul=silu_and_mul_backward_triton,
                         attention=attention_backward_tiled,
@@ -1470,7 +1651,11 @@ TRITON_BACKWARDS = dict(rms_norm=rms_norm_backward_triton, rotary=rotary_backwar
                         moe_experts=moe_experts_backward_grouped,
                         gemma_rms_norm=gemma_backward(rms_norm_backward_triton),
                         sigmoid_gate_mul=sigmoid_gate_mul_backward,
-                        rms_norm_gated=rms_norm_gated_backward)
+                        rms_norm_gated=rms_norm_gated_backward,
+                        gated_qk_norm_rope=functools.partial(
+                            gated_qk_norm_rope_backward,
+                            norm_bwd=gemma_backward(rms_norm_backward_triton),
+                            rotary_bwd=rotary_backward))
 
 
 def reference_kernels() -> Kernels:
@@ -1493,6 +1678,7 @@ def reference_kernels() -> Kernels:
         rms_norm_gated=ref_rms_norm_gated,
         causal_conv1d=ref_causal_conv1d,
         gated_delta_rule=ref_gated_delta_rule,
+        gated_qk_norm_rope=ref_gated_qk_norm_rope,
     )
 
 
@@ -1532,9 +1718,10 @@ def custom_backward_kernels(fwd: Kernels, bwd: dict = TORCH_BACKWARDS) -> Kernel
         rms_norm_gated=lambda x, z, w, eps: RMSNormGatedFn.apply(x, z, w, eps,
                                                                  fwd.rms_norm_gated,
                                                                  bwd["rms_norm_gated"]),
-        # no backward of their own yet: autograd through the reference forwards
-        causal_conv1d=fwd.causal_conv1d,
-        gated_delta_rule=fwd.gated_delta_rule,
+        causal_conv1d=lambda x, w, cu, L: CausalConv1dFn.apply(x, w, cu, L, fwd.causal_conv1d),
+        gated_delta_rule=lambda *x: GatedDeltaRuleFn.apply(*x, fwd.gated_delta_rule),
+        gated_qk_norm_rope=lambda q_gate, k, wq, wk, eps, pos, cs: GatedQKNormRopeFn.apply(
+            q_gate, k, wq, wk, eps, pos, cs, fwd.gated_qk_norm_rope, bwd["gated_qk_norm_rope"]),
     )
 
 
@@ -1654,8 +1841,155 @@ def vllm_lora(x: Tensor, y: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) ->
     return u
 
 
+# vLLM's Qwen3.5 kernels on CUDA (its vllm/models/qwen3_5/nvidia model), each called as the
+# engine's layer calls it: the same arguments, dtypes and memory layouts (CUDA only).
+
+
+def vllm_gemma_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """Qwen3_5RMSNorm without a residual (the first layer's input norm): FlashInfer's
+    gemma_rmsnorm, x (T, D) -> x / rms(x) * (1 + w)."""
+    from flashinfer.norm import gemma_rmsnorm
+
+    return gemma_rmsnorm(x, w, eps)
+
+
+def vllm_gemma_add_rms_norm(x: Tensor, residual: Tensor, w: Tensor,
+                            eps: float) -> tuple[Tensor, Tensor]:
+    """Qwen3_5RMSNorm with a residual: FlashInfer's gemma_fused_add_rmsnorm, which works in
+    place (residual <- x + residual, x <- its norm), on copies. -> (y, x + residual)."""
+    from flashinfer.norm import gemma_fused_add_rmsnorm
+
+    x, residual = x.clone(), residual.clone()
+    gemma_fused_add_rmsnorm(x, residual, w, eps)
+    return x, residual
+
+
+def vllm_sigmoid_gate_mul(o: Tensor, gate: Tensor) -> Tensor:
+    """Gated attention's output gate: vLLM's fused_sigmoid_gate_mul on (T, Hq D) rows, one
+    rounding of o sigmoid(gate). A gate of another shape (Qwen3.5-MoE's shared expert, (T, 1))
+    takes the kernel's own eager fallback, o * torch.sigmoid(gate)."""
+    from vllm.kernels.triton.fused_sigmoid_gate_mul import fused_sigmoid_gate_mul
+
+    if o.shape != gate.shape:
+        return fused_sigmoid_gate_mul(o, gate)
+    T = o.shape[0]
+    return fused_sigmoid_gate_mul(o.reshape(T, -1), gate.reshape(T, -1)).view(o.shape)
+
+
+def vllm_rms_norm_gated(x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
+    """Gated DeltaNet's output norm: vLLM's fused_gdn_gated_rms_norm (norm before the gate,
+    silu), on x (T, Hv, Dv) flattened to rows and z read strided from the qkvz projection."""
+    from vllm.models.qwen3_5.nvidia.ops.fused_gdn_gated_norm import fused_gdn_gated_rms_norm
+
+    T, Hv, Dv = x.shape
+    x2 = x.reshape(T, Hv * Dv)
+    out = torch.empty_like(x2)  # the engine writes over x; a copy keeps x for the backward
+    fused_gdn_gated_rms_norm(x=x2, z=z.reshape(T, Hv * Dv), weight=w, out=out, eps=eps,
+                             num_v_heads=Hv, head_v_dim=Dv, norm_before_gate=True,
+                             activation="silu")
+    return out.view(T, Hv, Dv)
+
+
+def vllm_causal_conv1d(x: Tensor, w: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """Gated DeltaNet's conv1d + silu: vLLM's causal_conv1d_fn over every token of each sample,
+    as a prefill with no state runs it (a decode step's causal_conv1d_update computes each
+    token alike). x (T, C) is the column slice of the qkvz projection the engine passes (its
+    transpose: channel-last); conv states bf16, slot n + 1 sample n's (slot 0: the null block).
+    w (C, K) -> (T, C)."""
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+
+    B = cu_seqlens.numel() - 1
+    C, K = w.shape
+    states = x.new_zeros(B + 1, C, K - 1)
+    y = causal_conv1d_fn(x.transpose(0, 1), w, None, conv_states=states,
+                         query_start_loc=cu_seqlens.int(),
+                         cache_indices=torch.arange(1, B + 1, dtype=torch.int32, device=x.device),
+                         has_initial_state=torch.zeros(B, dtype=torch.bool, device=x.device),
+                         activation="silu")  # (C, T)
+    return y.transpose(0, 1)
+
+
+def gdn_prefill_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                     dt_bias: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """A prefill of whole prompts as vLLM's Triton/fla backend runs it: fused_post_conv_prep
+    (the L2 norms of q and k rounded to bf16, the gates g and beta in fp32) on the conv output
+    rows (T, 2 Hk Dk + Hv Dv), contiguous, then chunk_gated_delta_rule from zero fp32 states
+    with the chunk metadata the engine's builder makes. -> (o (T, Hv, Dv), final states
+    (B, Hv, Dv, Dk) fp32, vLLM's layout)."""
+    from vllm.third_party.flash_linear_attention.ops import (chunk_gated_delta_rule,
+                                                             fused_post_conv_prep)
+    from vllm.third_party.flash_linear_attention.ops.index import (prepare_chunk_indices,
+                                                                   prepare_chunk_offsets)
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
+    from vllm.utils.torch_utils import async_tensor_h2d
+
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    conv_out = torch.cat([x.reshape(T, -1) for x in (q, k, v)], dim=-1)  # (T, C) contiguous
+    b, a = torch.cat([b, a], dim=-1).chunk(2, dim=-1)  # strided views of one [b | a], as vLLM's
+    q, k, v, g, beta = fused_post_conv_prep(conv_output=conv_out, a=a, b=b, A_log=A_log,
+                                            dt_bias=dt_bias, num_k_heads=Hk, head_k_dim=Dk,
+                                            head_v_dim=Dv, apply_l2norm=True, output_g_exp=False)
+    cu_cpu = cu_seqlens.cpu().int()
+    device = q.device
+    h0 = torch.zeros(cu_cpu.numel() - 1, Hv, Dv, Dk, dtype=torch.float32, device=device)
+    o, final = chunk_gated_delta_rule(
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], initial_state=h0,
+        output_final_state=True, cu_seqlens=cu_cpu.to(device),
+        chunk_indices=async_tensor_h2d(prepare_chunk_indices(cu_cpu, FLA_CHUNK_SIZE), device),
+        chunk_offsets=async_tensor_h2d(prepare_chunk_offsets(cu_cpu, FLA_CHUNK_SIZE), device),
+        use_qk_l2norm_in_kernel=False)
+    return o[0], final  # (T, Hv, Dv), (B, Hv, Dv, Dk)
+
+
+def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                    dt_bias: Tensor, state: Tensor) -> Tensor:
+    """One sample's decode steps as vLLM runs a decode token (packed decode off): one launch of
+    fused_sigmoid_gating_delta_rule_update over its L tokens (its arithmetic per token does
+    not depend on how many tokens a launch covers; the state stays fp32), gates, L2 norms and
+    scale inside the kernel, from the state its prefill left in slot 1 (slot 0: the null
+    block), the 1-D slot index of the engine's decode (one entry a token: the token's state
+    is written back there). state (Hv, Dv, Dk) fp32 -> o (L, Hv, Dv)."""
+    from vllm.third_party.flash_linear_attention.ops import (
+        fused_sigmoid_gating_delta_rule_update)
+
+    L = q.shape[0]
+    i32 = dict(dtype=torch.int32, device=q.device)
+    slots = torch.stack([torch.zeros_like(state), state])  # (2, Hv, Dv, Dk)
+    o, _ = fused_sigmoid_gating_delta_rule_update(
+        A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q[None], k=k[None], v=v[None],
+        initial_state=slots, inplace_final_state=True, cu_seqlens=torch.tensor([0, L], **i32),
+        ssm_state_indices=torch.ones(L, **i32), use_qk_l2norm_in_kernel=True)
+    return o[0]  # (L, Hv, Dv)
+
+
+def vllm_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, max_seqlen,
+                          prefill) -> Tensor:
+    """Gated DeltaNet's rule on vLLM's kernels, on the engine's schedule (prompts prefilled
+    whole, generated tokens decoded): replay_gated_delta_rule with vLLM's two forms."""
+    return replay_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, prefill,
+                                   gdn_prefill_vllm, gdn_decode_vllm)
+
+
+def vllm_gated_qk_norm_rope(q_gate: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float,
+                            positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gated attention's q/k preparation as vLLM's Qwen3NextAttention runs it on CUDA (text
+    positions: 1-D, no M-RoPE sections): fused_qk_rmsnorm_rope_gate on the q_gate and k
+    column slices of the qkv projection, norm_beta 1 (the Gemma scale 1 + w), rotary_dim the
+    cache's width. -> q (T, Hq, D), k (T, Hk, D), gate (T, Hq, D)."""
+    from vllm.model_executor.layers.fused_qk_norm_rope import fused_qk_rmsnorm_rope_gate
+
+    T, D = q_gate.shape[0], wq.shape[0]
+    Hq, Hk = q_gate.shape[1] // (2 * D), k.shape[1] // D
+    q, k, gate = fused_qk_rmsnorm_rope_gate(q_gate, k, wq, wk, cos_sin, positions, eps, Hq, Hk,
+                                            D, cos_sin.shape[-1], mrope_section=None,
+                                            norm_beta=1.0)
+    return q.view(T, Hq, D), k.view(T, Hk, D), gate.view(T, Hq, D)
+
+
 def vllm_forwards() -> Kernels:
-    """The kernels vLLM 0.34's Qwen3 forward calls with VLLM_BATCH_INVARIANT=1 (CUDA only)."""
+    """The kernels vLLM 0.34's Qwen3 (and, on CUDA, Qwen3.5) forward calls with
+    VLLM_BATCH_INVARIANT=1 (CUDA only)."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.determinism import batch_invariant as bi
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -1701,24 +2035,14 @@ def vllm_forwards() -> Kernels:
         moe_topk=vllm_moe_topk,
         moe_experts=vllm_moe_experts,
         lora=vllm_lora,
-        **{op: not_wired(op) for op in QWEN35_OPS},
+        gemma_rms_norm=vllm_gemma_rms_norm,
+        gemma_add_rms_norm=vllm_gemma_add_rms_norm,
+        sigmoid_gate_mul=vllm_sigmoid_gate_mul,
+        rms_norm_gated=vllm_rms_norm_gated,
+        causal_conv1d=vllm_causal_conv1d,
+        gated_delta_rule=vllm_gated_delta_rule,
+        gated_qk_norm_rope=vllm_gated_qk_norm_rope,
     )
-
-
-# Qwen3.5's ops whose vLLM kernels the trainer does not call yet: the seam the GPU path fills.
-QWEN35_OPS = ("gemma_rms_norm", "gemma_add_rms_norm", "sigmoid_gate_mul", "rms_norm_gated",
-              "causal_conv1d", "gated_delta_rule")
-
-
-def not_wired(op: str) -> Callable:
-    """A stand-in for vLLM's kernel of a Qwen3.5 op, which says so when called."""
-
-    def missing(*args, **kwargs):
-        raise NotImplementedError(f"{op}: the trainer does not call vLLM's Qwen3.5 kernels yet, "
-                                  "so Qwen3.5 trains on the reference kernels only "
-                                  "(--kernels reference).")
-
-    return missing
 
 
 def vllm_kernels() -> Kernels:

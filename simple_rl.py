@@ -398,11 +398,14 @@ class Attention(nn.Module):
         T = x.shape[0]
         D = self.head_dim
         q, k, v = self.wqkv(x).split(self.sizes, dim=-1)  # (T, Hq D (x2)), (T, Hk D), (T, Hk D)
-        if self.gated:
-            q, gate = q.view(T, self.n_heads, 2 * D).chunk(2, dim=-1)  # (T, Hq, D) each
-        q = self.q_norm(q.reshape(T, self.n_heads, D))  # (T, Hq, D)
-        k = self.k_norm(k.view(T, self.n_kv_heads, D))  # (T, Hk, D)
-        q, k = self.ops.rotary(q, k, batch.positions, rope)
+        if self.gated:  # as vLLM's one kernel: the gate split off, q and k normed, then turned
+            w = (self.q_norm.weight.to(x.dtype), self.k_norm.weight.to(x.dtype))
+            q, k, gate = self.ops.gated_qk_norm_rope(q, k, *w, self.q_norm.eps, batch.positions,
+                                                     rope)  # (T, Hq, D), (T, Hk, D), (T, Hq, D)
+        else:
+            q = self.q_norm(q.reshape(T, self.n_heads, D))  # (T, Hq, D)
+            k = self.k_norm(k.view(T, self.n_kv_heads, D))  # (T, Hk, D)
+            q, k = self.ops.rotary(q, k, batch.positions, rope)
         o = self.attn(q, k, v.reshape(T, self.n_kv_heads, D).contiguous(), batch)  # (T, Hq, D)
         if self.gated:
             o = self.ops.sigmoid_gate_mul(o, gate)
@@ -414,8 +417,9 @@ class GatedDeltaNet(nn.Module):
         [q; k; v; z] = x W_qkvz^T,  [b; a] = x W_ba^T,  [q; k; v] <- silu(conv1d([q; k; v]))
         o = gated_delta_rule(q, k, v; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
         y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
-    conv1d is causal and depthwise, K taps, over each sequence from zeros; the rule
-    (bib.gated_delta_rule_chunked) carries a state per head through each sequence."""
+    conv1d is causal and depthwise, K taps, over each sequence from zeros; the rule carries a
+    state per head through each sequence: as vLLM, a sample's prompt in chunks (its prefill),
+    then its completion token by token (its decode steps; batch.prefill says where)."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -442,7 +446,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         o = self.ops.gated_delta_rule(q.view(T, Hk, Dk), k.view(T, Hk, Dk), v.view(T, Hv, Dv), a,
                                       b, self.A_log, self.dt_bias.to(self.dtype),
-                                      batch.cu_seqlens, batch.max_seqlen)  # (T, Hv, Dv)
+                                      batch.cu_seqlens, batch.max_seqlen,
+                                      batch.prefill)  # (T, Hv, Dv)
         return self.out_proj(self.norm(o, z.view(T, Hv, Dv)).reshape(T, -1))  # (T, dim)
 
 
@@ -801,7 +806,8 @@ def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, 
     """
     adapter = _adapter(model.args)
     for name, p in model.named_parameters():
-        yield from to_hf_items(name, full_tensor(p.detach().to(model.dtype)), model.args, adapter,
+        dtype = torch.float32 if name.endswith("A_log") else model.dtype  # as vLLM's Qwen3.5
+        yield from to_hf_items(name, full_tensor(p.detach().to(dtype)), model.args, adapter,
                                fused_experts)
 
 
@@ -1007,6 +1013,7 @@ class VLLMEngine(Engine):
 
     lora: LoRASpec | None = None  # --lora-rank: the adapter every request names
     lora_request = None
+    preempted: Callable[[], int] | None = None  # Qwen3.5: requests preempted since last asked
 
     def __init__(self, cfg: Config, files: ModelFiles, ranks: Ranks):
         from vllm import LLM
@@ -1014,6 +1021,8 @@ class VLLMEngine(Engine):
 
         route_vllm_add_rms_norm_through_padded_rows()
         route_vllm_linear_through_cublaslt()
+        qwen = qwen35(files.args) is not None  # a schedule the trainer replays, see after the
+        cfg = prepare_qwen35_engine(cfg) if qwen else cfg  # story ("Qwen3.5 on vLLM")
         self.cfg = cfg
         self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
@@ -1058,8 +1067,10 @@ class VLLMEngine(Engine):
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
             **(engine_lora_args(self.lora) if self.lora else {}),
+            **(QWEN35_ENGINE_ARGS if qwen else {}),
         )
         self.lora_request = start_adapter(self, files) if self.lora else None
+        self.preempted = preemption_counter(self.llm) if qwen else None
 
     def base_weights(self, args) -> dict[str, torch.Tensor]:
         """The engine's own weights (no copy) under the trainer's names, checked finite."""
@@ -1076,6 +1087,8 @@ class VLLMEngine(Engine):
         with gc_paused():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                      use_tqdm=False, lora_request=self.lora_request)
+        if self.preempted:  # a preempted request is prefilled again: not the replayed schedule
+            check_no_preemption(self.preempted())
         if temperature == 0:
             self.llm.reset_prefix_cache()
         return [[Completion(list(c.token_ids), completion_logprobs(c), c.finish_reason == "stop",
@@ -1171,6 +1184,7 @@ class Packed:
     gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
     targets: torch.Tensor  # (N,) the generated tokens
     sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
+    prefill: torch.Tensor  # (B,) the first tokens of each sample vLLM prefilled: its prompt
 
     def to(self, device) -> "Packed":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -1202,6 +1216,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
         gen_index=(starts + P - 1)[sample] + offset,
         targets=tokens[(starts + P)[sample] + offset],
         sample=sample,
+        prefill=P,
     )
 
 
@@ -1236,6 +1251,7 @@ def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
         gen_index=packed.gen_index[n0:n1] - t0,
         targets=packed.targets[n0:n1],
         sample=packed.sample[n0:n1] - samples.start,
+        prefill=packed.prefill[samples.start : samples.stop],
     )
     return part, slice(n0, n1)
 
@@ -1927,7 +1943,7 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
         for name, t in weights:
             assert t.data_ptr() in engine.adapter_ptrs, f"{name} is not the engine's tensor"
     else:
-        engine.llm.apply_model(lambda m: m.load_weights(weights))
+        engine.llm.apply_model(lambda m: m.load_weights(engine_names(m, weights)))
     t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait
     if engine.asleep:
         map_kv_cache(True) if lora else engine.llm.wake_up(tags=["kv_cache"])
@@ -2240,6 +2256,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         return None
     files, task, reward_fn, make_env, inputs = checked
     if engine_factory is None:  # the GPU, the environment parity needs and vLLM
+        check_qwen35_engine(cfg, passed, files.args)  # what it cannot do yet, if a Qwen3.5
         need(qwen35(files.args) is None, f"--model {files.path} is a Qwen3.5: vLLM does not run "
              "its Gated DeltaNet layers batch-invariant, nor does the trainer call their kernels "
              "yet, so it trains on CPU reference kernels only (the tests; --check).")
@@ -3645,6 +3662,97 @@ def route_vllm_linear_through_cublaslt() -> None:
 
         apply.cublaslt = True
         method.apply = apply
+
+
+# ==========================================================================
+# Qwen3.5 on vLLM: a schedule the trainer replays
+# ==========================================================================
+# vLLM runs a Gated DeltaNet layer's prompt tokens through fla's chunked rule (its prefill) and
+# each generated token through a recurrent kernel (a decode step): two forms of one rule that
+# round differently. The trainer replays that split, sample by sample (bib's gated delta rule:
+# the prompt chunked from a zero state, then the completion token by token from the prompt's
+# fp32 state), which is exactly what vLLM computed when each prompt was prefilled in one pass
+# and each generated token decoded once. These settings make it so; a preemption (a request
+# prefilled again, prompt and generated tokens together) is refused after each generate.
+QWEN35_ENGINE_ARGS = dict(
+    gdn_prefill_backend="triton",  # fla's chunked rule (on Hopper the default is FlashInfer's)
+    mamba_ssm_cache_dtype="float32",  # the state between decode steps: fp32, stored exactly
+    mamba_cache_dtype="auto",  # the conv state: the raw bf16 inputs, exact
+    enable_chunked_prefill=False,  # a prompt is prefilled whole (the budget fits the longest)
+    language_model_only=True,  # a checkpoint with a vision tower: its text model alone
+)
+# (No prefix caching either: a cached prefix would resume from a saved state, another split;
+# VLLMEngine turns it off, and an explicit --prefix-caching is refused.)
+PACKED_DECODE = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"  # "1": a second decode kernel
+# fla's gated RMSNorm (the linear attention's output norm) blocks 1 to 4 rows together as a
+# call grows; pinned to one row, every row count reduces alike (engine and trainer, one process)
+GDN_NORM_ROWS_PER_BLOCK = 1
+
+
+def prepare_qwen35_engine(cfg: Config) -> Config:
+    """In the engine's process, before its Qwen3.5 is built: let vLLM run Gated DeltaNet in
+    batch-invariant mode (its backend declines by default: the two forms above), send every
+    decode token through the one recurrent kernel the trainer replays, and pin the gated
+    norm's rows per block. Returns the config the engine runs: no prefix caching."""
+    from vllm.models.qwen3_5.nvidia.ops import fused_gdn_gated_norm
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
+
+    need(os.environ.get(PACKED_DECODE, "0") == "0", f"{PACKED_DECODE}="
+         f"{os.environ.get(PACKED_DECODE)} gives a Qwen3.5's decode steps a kernel the trainer "
+         f"does not replay; unset it or set {PACKED_DECODE}=0.")
+    os.environ[PACKED_DECODE] = "0"
+    GDNAttentionBackend.supports_batch_invariance = classmethod(lambda cls: True)
+    fused_gdn_gated_norm.calc_rows_per_block = lambda n_rows, device: GDN_NORM_ROWS_PER_BLOCK
+    return dataclasses.replace(cfg, prefix_caching=False)
+
+
+def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
+    """What a Qwen3.5 on vLLM cannot do yet, refused before vLLM starts (nothing for others)."""
+    if qwen35(args) is None:
+        return
+    need(not cfg.env, "--env: episodes of several turns on a Qwen3.5 are not supported yet "
+         "(vLLM prefills each turn's whole context again, a schedule the trainer does not "
+         "replay yet); train it on single-turn tasks.")
+    need(not (cfg.prefix_caching and "prefix_caching" in passed), "--prefix-caching: a "
+         "Qwen3.5 runs without vLLM's prefix cache (a cached prefix resumes its linear "
+         "attention from a saved state, a split the trainer does not replay); drop the flag.")
+
+
+def preemption_counter(llm) -> Callable[[], int]:
+    """A function that says how many requests vLLM's scheduler (in this process) preempted
+    since it was last called: its preemption method, wrapped once to count."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preempt = scheduler._preempt_request
+    count = [0]
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return preempt(*args, **kwargs)
+
+    def since_last() -> int:
+        n, count[0] = count[0], 0
+        return n
+
+    scheduler._preempt_request = counted
+    return since_last
+
+
+def check_no_preemption(n: int) -> None:
+    if n:
+        raise RuntimeError(f"vLLM preempted {n} request(s) of this generate (its KV cache ran "
+                           "out) and prefilled them again, which a Qwen3.5's trainer does not "
+                           "replay bit for bit: give it more KV cache (--kv-cache-gib) or fewer "
+                           "samples a step.")
+
+
+def engine_names(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]):
+    """The push's HF names as the engine's model loads them: vLLM's Qwen3.5 with a vision tower
+    (Qwen3_5ForConditionalGeneration) holds its text model as the hub does, under
+    model.language_model. (its lm_head keeps its name); any other model takes them as they are."""
+    if not hasattr(model, "language_model"):
+        return weights
+    prefix = "model.language_model."
+    return ((prefix + n[len("model."):] if n.startswith("model.") else n, t) for n, t in weights)
 
 
 # ==========================================================================
@@ -5852,8 +5960,14 @@ def engine_memory(cfg: Config, args, ranks: Ranks, lora: bool) -> tuple[dict, in
     sizes = dict(kv_cache_memory_bytes=kv,
                  gpu_memory_utilization=min(0.9, max(0.05, (weights + kv + ENGINE_MARGIN) / total)),
                  max_num_seqs=samples,  # every sample decodes in every step
-                 max_num_batched_tokens=max(samples, 8192))
+                 max_num_batched_tokens=batched_tokens(cfg, args, samples))
     return sizes, kv if lora else weights + kv
+
+
+def batched_tokens(cfg: Config, args, samples: int) -> int:
+    """The tokens one engine step may schedule: every sample's decode, at least 8192; a
+    Qwen3.5's prompt is prefilled whole (QWEN35_ENGINE_ARGS), so the longest fits too."""
+    return max(samples, 8192, cfg.max_model_len if qwen35(args) else 0)
 
 
 # ==========================================================================
@@ -5872,6 +5986,8 @@ EXPECTED_VLLM_WARNINGS = (
     "Random sampling without an explicit seed",  # vLLM's default parameters; ours are seeded
     "Chat template warmup failed",  # no tokenizer in the engine: we pass token ids
     "FlashInfer's precompiled kernels are missing",  # no FlashInfer kernel runs here
+    # a Qwen3.5's prompts are prefilled whole on purpose (QWEN35_ENGINE_ARGS)
+    "This model does not officially support disabling chunked prefill",
 )
 
 

@@ -60,10 +60,14 @@ def weights_equal(engine, model) -> tuple[bool, int]:
 
     def check(m):
         theirs = dict(m.named_parameters())
+        # a name TO_VLLM does not know (Qwen3.5's): the engine's name as simple_rl adopts it
+        adopted = {rl.trainer_name(k): v for k, v in theirs.items()}
         bad = []
         for n, p in model.named_parameters():  # every rank gathers in the same order
-            ours = rl.full_tensor(p.detach().to(model.dtype))
-            if vllm_name(n) not in theirs or not torch.equal(theirs[vllm_name(n)], ours):
+            t = theirs.get(vllm_name(n), adopted.get(n))
+            # in the engine's dtype: the compute dtype, but Qwen3.5's A_log (fp32 in both)
+            ours = rl.full_tensor(p.detach().to(model.dtype if t is None else t.dtype))
+            if t is None or not torch.equal(t, ours):
                 bad.append(n)
         return bad
 

@@ -1,0 +1,373 @@
+"""Qwen3.5 on vLLM, what can be checked without a GPU: the engine's arguments, environment and
+patches (vLLM replaced by stand-ins that record them), the push's names and dtypes, the
+adoption of the engine's tensors, Packed's prefill lengths, the refusals, the preemption
+check, and vLLM's schedule of the gated delta rule replayed with the reference forms standing
+in for vLLM's kernels, forward and backward."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+from helpers import cpu_argv, make_qwen35_checkpoint
+
+F64 = dict(dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def q35(tmp_path_factory):
+    """The tiny Qwen3.5 of make_qwen35_checkpoint: layers 0-2 Gated DeltaNet, 3 attention."""
+    made = {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"), **kw)
+        return made[key]
+
+    return get
+
+
+def model_args(path):
+    return rl.model_args_from_hf(rl.read_qwen3_config(path))
+
+
+# --- the engine ----------------------------------------------------------------------------
+
+
+class Scheduler:
+    def __init__(self):
+        self.preempted = []
+
+    def _preempt_request(self, request, timestamp, drop_stale_output=False):
+        self.preempted.append(request)
+
+
+def fake_vllm(monkeypatch) -> dict:
+    """Stand-ins for the vLLM modules VLLMEngine imports; returns what they recorded: the LLM's
+    keyword arguments, the GDN backend class and the gated norm's module."""
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen["kwargs"] = kwargs
+            seen["env"] = dict(rl.os.environ)
+            scheduler = Scheduler()
+            seen["scheduler"] = scheduler
+            core = types.SimpleNamespace(scheduler=scheduler)
+            self.llm_engine = types.SimpleNamespace(
+                engine_core=types.SimpleNamespace(engine_core=core))
+
+    class GDNAttentionBackend:
+        @classmethod
+        def supports_batch_invariance(cls):
+            return False
+
+    gated_norm = types.SimpleNamespace(calc_rows_per_block=lambda n_rows, device: 4)
+    modules = {
+        "vllm": types.SimpleNamespace(LLM=LLM),
+        "vllm.config": types.SimpleNamespace(CompilationConfig=dict, CompilationMode=None,
+                                             CUDAGraphMode=None),
+        "vllm.v1.attention.backends.gdn_attn": types.SimpleNamespace(
+            GDNAttentionBackend=GDNAttentionBackend),
+        "vllm.models.qwen3_5.nvidia.ops": types.SimpleNamespace(fused_gdn_gated_norm=gated_norm),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(rl, "route_vllm_add_rms_norm_through_padded_rows", lambda: None)
+    monkeypatch.setattr(rl, "route_vllm_linear_through_cublaslt", lambda: None)
+    monkeypatch.setattr(rl, "engine_memory", lambda cfg, args, ranks, lora: (dict(
+        max_num_seqs=8, max_num_batched_tokens=rl.batched_tokens(cfg, args, 8)), 0))
+    seen.update(backend=GDNAttentionBackend, gated_norm=gated_norm)
+    return seen
+
+
+def start_engine(path, monkeypatch, **cfg):
+    seen = fake_vllm(monkeypatch)
+    monkeypatch.delenv(rl.PACKED_DECODE, raising=False)
+    files = types.SimpleNamespace(args=model_args(path), path=path, eos_ids=[0], tool_ids=[])
+    config = rl.Config(model=str(path), cuda_graphs=False, max_model_len=9000, **cfg)
+    engine = rl.VLLMEngine(config, files, rl.Ranks(0, 1, torch.device("cpu")))
+    return engine, seen
+
+
+def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch):
+    """LLM() gets fla's chunked prefill, fp32 recurrent states, bf16 conv states, prompts
+    prefilled whole (a budget that holds the longest), no prefix cache, the text model only;
+    before it starts, the GDN backend accepts batch-invariant mode, packed decode is off and
+    the gated norm takes one row a block."""
+    engine, seen = start_engine(q35(), monkeypatch)
+    kw = seen["kwargs"]
+    assert {k: kw[k] for k in rl.QWEN35_ENGINE_ARGS} == dict(
+        gdn_prefill_backend="triton", mamba_ssm_cache_dtype="float32", mamba_cache_dtype="auto",
+        enable_chunked_prefill=False, language_model_only=True)
+    assert kw["enable_prefix_caching"] is False and engine.cfg.prefix_caching is False
+    assert kw["max_num_batched_tokens"] >= 9000  # --max-model-len: the longest prompt fits
+    assert kw["attention_backend"] == "FLASH_ATTN" and kw["enable_return_routed_experts"] is False
+    assert seen["env"][rl.PACKED_DECODE] == "0"
+    assert seen["backend"].supports_batch_invariance() is True
+    assert seen["gated_norm"].calc_rows_per_block(600, None) == 1
+    assert engine.preempted is not None and engine.preempted() == 0
+
+
+def test_a_qwen3_engine_is_untouched(tmp_path, monkeypatch):
+    from helpers import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "q3")
+    engine, seen = start_engine(path, monkeypatch)
+    kw = seen["kwargs"]
+    assert not set(rl.QWEN35_ENGINE_ARGS) & set(kw)
+    assert kw["enable_prefix_caching"] is True and engine.preempted is None
+    assert seen["backend"].supports_batch_invariance() is False
+    assert rl.PACKED_DECODE not in seen["env"]
+
+
+def test_packed_decode_set_to_one_is_refused(q35, monkeypatch):
+    seen = fake_vllm(monkeypatch)
+    monkeypatch.setenv(rl.PACKED_DECODE, "1")
+    with pytest.raises(rl.ConfigError, match=r"^VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=1 gives "
+                       r"a Qwen3.5's decode steps a kernel the trainer does not replay; unset it "
+                       r"or set VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0\.$"):
+        rl.prepare_qwen35_engine(rl.Config())
+    assert seen["backend"].supports_batch_invariance() is False  # nothing patched
+
+
+def test_a_preemption_stops_the_generate_in_one_sentence(q35, monkeypatch):
+    """The scheduler's preemptions are counted (since last asked); a generate after which one
+    happened raises, naming the cause and what to change."""
+    engine, seen = start_engine(q35(), monkeypatch)
+    scheduler = seen["scheduler"]
+    scheduler._preempt_request("r1", 0.0)
+    scheduler._preempt_request("r2", 0.0)
+    assert scheduler.preempted == ["r1", "r2"]  # the wrapped method still preempts
+    assert engine.preempted() == 2 and engine.preempted() == 0
+
+    def generate(prompts, params, use_tqdm, lora_request=None):
+        scheduler._preempt_request("r3", 0.0)
+        return []
+
+    engine.llm.generate = generate
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        TokensPrompt=dict, SamplingParams=lambda **k: k))
+    with pytest.raises(RuntimeError, match=r"^vLLM preempted 1 request\(s\) of this generate "
+                       r"\(its KV cache ran out\) and prefilled them again, which a Qwen3\.5's "
+                       r"trainer does not replay bit for bit: give it more KV cache "
+                       r"\(--kv-cache-gib\) or fewer samples a step\.$"):
+        engine.generate([[1, 2]], 1, [0], [4], 1.0)
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+def test_episodes_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35, tmp_path, capsys):
+    path = q35()
+    args = model_args(path)
+    with pytest.raises(rl.ConfigError, match=r"^--env: episodes of several turns on a Qwen3\.5 "
+                       r"are not supported yet \(vLLM prefills each turn's whole context again, "
+                       r"a schedule the trainer does not replay yet\); train it on single-turn "
+                       r"tasks\.$"):
+        rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)
+    rl.check_qwen35_engine(rl.Config(), set(), args)  # prefix caching on by default: turned off
+    rl.check_qwen35_engine(rl.Config(prefix_caching=False), {"prefix_caching"}, args)
+    rl.check_qwen35_engine(rl.Config(env="calc"), {"prefix_caching"}, None)  # Qwen3: nothing
+    capsys.readouterr()
+    argv = cpu_argv(path, tmp_path / "logs", run_name="r", prefix_caching=True)
+    assert rl.main(argv, device_type="cpu") == 2  # a run that would start vLLM
+    assert capsys.readouterr().err == (
+        "simple_rl: error: --prefix-caching: a Qwen3.5 runs without vLLM's prefix cache (a "
+        "cached prefix resumes its linear attention from a saved state, a split the trainer "
+        "does not replay); drop the flag.\n")
+    assert not (tmp_path / "logs" / "r").exists()
+
+
+# --- weights -------------------------------------------------------------------------------
+
+# What vLLM's Qwen3_5ForCausalLM (vllm/models/qwen3_5/nvidia/model.py) names its parameters,
+# layer by layer: Gated DeltaNet (QwenGatedDeltaNetAttention) and gated attention
+# (Qwen3NextAttention), each with Qwen3NextMLP and two Qwen3_5RMSNorms.
+VLLM_GDN = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
+            "linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias",
+            "linear_attn.norm.weight", "linear_attn.out_proj.weight")
+VLLM_ATTN = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+             "self_attn.k_norm.weight")
+VLLM_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight",
+              "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+# What its load_weights takes from a checkpoint (the hub's names, which Qwen3_5Model's mapper
+# stacks: in_proj_qkv -> in_proj_qkvz shards 0-2, in_proj_z -> 3, in_proj_b/a -> in_proj_ba,
+# q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj).
+HF_GDN = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+          "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
+          "linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias",
+          "linear_attn.norm.weight", "linear_attn.out_proj.weight")
+HF_ATTN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+           "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+HF_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def names(per_layer, prefix, layers=4):
+    gdn, attn, every = per_layer
+    return {f"{prefix}layers.{i}.{n}" for i in range(layers)
+            for n in (gdn if i < 3 else attn) + every}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_push_sends_what_vllms_qwen35_loader_takes(q35, tied):
+    """hf_weights names every tensor as the hub does (vLLM's loader stacks the parts itself),
+    A_log in fp32 (vLLM's parameter and the trainer's forward), the rest in the compute dtype;
+    a vision-language engine (Qwen3_5ForConditionalGeneration) gets them under
+    model.language_model. (lm_head as it is: its mapper moves it)."""
+    path = q35(tied=tied)
+    args = model_args(path)
+    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
+    model = rl.build_model(args, state, bib.reference_kernels(), torch.bfloat16, "cpu")
+    pushed = dict(rl.hf_weights(model))
+    head = set() if tied else {"lm_head.weight"}
+    assert set(pushed) == names((HF_GDN, HF_ATTN, HF_LAYER), "model.") | head | {
+        "model.embed_tokens.weight", "model.norm.weight"}
+    for name, t in pushed.items():
+        assert t.dtype == (torch.float32 if name.endswith("A_log") else torch.bfloat16), name
+    text = types.SimpleNamespace()
+    assert rl.engine_names(text, iter(pushed.items())) is not None
+    assert {n for n, _ in rl.engine_names(text, iter(pushed.items()))} == set(pushed)
+    vl = types.SimpleNamespace(language_model=None)
+    renamed = {n for n, _ in rl.engine_names(vl, iter(pushed.items()))}
+    assert renamed == {n.replace("model.", "model.language_model.", 1) if n.startswith("model.")
+                       else n for n in pushed}
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in renamed
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_the_engines_qwen35_tensors_are_adopted_under_the_trainers_names(q35, vision):
+    """engine_weights maps vLLM's parameter names (text model; under a vision tower,
+    language_model.model. and a dropped visual.) onto every trainer weight, and keeps the
+    engine's tensors as they are: A_log fp32, dt_bias bf16."""
+    path = q35(tied=False)
+    args = model_args(path)
+    prefix = "language_model." if vision else ""
+    shapes = {k: v.shape for k, v in rl.hf_to_trainer(rl.load_hf_state_dict(path), args).items()}
+    params = {n: torch.zeros(1, dtype=torch.float32 if n.endswith("A_log") else torch.bfloat16)
+              for n in names((VLLM_GDN, VLLM_ATTN, VLLM_LAYER), prefix + "model.")}
+    params.update({prefix + n: torch.zeros(1, dtype=torch.bfloat16) for n in (
+        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")})
+    if vision:
+        params["visual.blocks.0.attn.qkv.weight"] = torch.zeros(1)
+    llm = types.SimpleNamespace(apply_model=lambda fn: [fn(types.SimpleNamespace(
+        named_parameters=lambda: params.items()))])
+    adopted = rl.engine_weights(llm, args, torch.bfloat16)
+    assert set(adopted) == set(shapes)
+    assert adopted["layers.0.attention.A_log"].dtype == torch.float32
+    assert adopted["layers.0.attention.dt_bias"].dtype == torch.bfloat16
+
+
+# --- Packed --------------------------------------------------------------------------------
+
+
+def test_packed_holds_each_samples_prefill_length():
+    """Worked example: prompts of 3 and 1 tokens, completions of 2 and 3: the prefill lengths
+    are the prompt lengths (3, 1), and a micro-batch keeps its samples' (sub_pack)."""
+    p = rl.pack([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]])
+    assert p.prefill.tolist() == [3, 1]
+    assert p.cu_seqlens.tolist() == [0, 5, 9]
+    part, _ = rl.sub_pack(p, range(1, 2))
+    assert part.prefill.tolist() == [1] and part.cu_seqlens.tolist() == [0, 4]
+    rows, cu, spans = bib.prefill_schedule(p.cu_seqlens, p.prefill)
+    assert rows.tolist() == [0, 1, 2, 5] and cu.tolist() == [0, 3, 4]
+    assert spans == [(3, 5), (6, 9)]  # the rows vLLM decoded, one a step
+
+
+# --- vLLM's schedule, on the reference forms ----------------------------------------------
+
+
+def rule_batch(lengths, prefill, Hk=2, Hv=4, Dk=16, Dv=8, seed=0, dtype=torch.float32):
+    """A packed batch's gated delta rule arguments (random, as after the conv), with grads."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+
+    def r(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    x = [r(T, Hk, Dk), r(T, Hk, Dk), r(T, Hv, Dv), r(T, Hv), r(T, Hv), r(Hv, s=0.5), r(Hv)]
+    for t in x:
+        t.requires_grad_()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return x, cu, max(lengths), torch.tensor(prefill)
+
+
+SCHEDULES = {"one-token prompts": ([5, 3], [1, 1]), "whole samples": ([9, 70], [9, 70]),
+             "across chunks": ([150, 1, 66], [70, 1, 64])}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_prompt_chunked_then_completion_recurrent_is_the_whole_rule(schedule):
+    """replay_gated_delta_rule with the reference forms standing in for vLLM's kernels (each
+    prompt chunked from zero, then its completion token by token from the prompt's state)
+    equals the rule over each whole sequence: exactly in float64's rounding, and within 2e-6 in
+    fp32 (outputs of size about 1)."""
+    lengths, prefill = SCHEDULES[schedule]
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        x, cu, L, P = rule_batch(lengths, prefill, dtype=dtype)
+        whole = bib.ref_gated_delta_rule(*x, cu, L)
+        replayed = bib.replay_gated_delta_rule(*x, cu, P, bib.ref_prefill_form,
+                                               bib.ref_decode_form)
+        assert whole.abs().max() > 0.1
+        torch.testing.assert_close(replayed, whole, atol=tol, rtol=0)
+
+
+def replayed_forwards() -> bib.Kernels:
+    """The reference forward set with vLLM's schedule of the gated delta rule (the reference
+    forms in place of vLLM's kernels): what vllm_forwards computes, in fp32."""
+    ref = bib.reference_forwards()
+
+    def rule(q, k, v, a, b, A_log, dt_bias, cu, L, prefill):
+        return bib.replay_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu, prefill,
+                                           bib.ref_prefill_form, bib.ref_decode_form)
+
+    return bib.Kernels(**{**ref.__dict__, "gated_delta_rule": rule})
+
+
+def test_the_rules_backward_is_the_references_autograd():
+    """GatedDeltaRuleFn around the replayed forward: its gradients (recomputed through the
+    fp32 reference) equal autograd's through the reference, for every input."""
+    x, cu, L, P = rule_batch(*SCHEDULES["across chunks"], seed=1)
+    ops = bib.custom_backward_kernels(replayed_forwards())
+    gy = torch.randn(x[2].shape, generator=torch.Generator().manual_seed(2))
+    o = ops.gated_delta_rule(*x, cu, L, P)
+    ours = torch.autograd.grad(o, x, gy)
+    theirs = torch.autograd.grad(bib.ref_gated_delta_rule(*x, cu, L), x, gy)
+    for a, b in zip(ours, theirs):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_convs_and_the_qk_preps_backward_are_the_references_autograd():
+    """CausalConv1dFn (recomputed through the fp32 reference) and GatedQKNormRopeFn (the
+    rotation's transpose, then the Gemma norm's backward; the gate passed through) against
+    autograd through the reference forwards."""
+    gen = torch.Generator().manual_seed(3)
+    ops = bib.custom_backward_kernels(bib.reference_forwards())
+    x = torch.randn(20, 12, generator=gen, requires_grad=True)
+    w = torch.randn(12, 4, generator=gen, requires_grad=True)
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    gy = torch.randn(20, 12, generator=gen)
+    ours = torch.autograd.grad(ops.causal_conv1d(x, w, cu, 12), (x, w), gy)
+    theirs = torch.autograd.grad(bib.ref_causal_conv1d(x, w, cu, 12), (x, w), gy)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    T, Hq, Hk, D = 9, 4, 2, 16
+    q_gate = torch.randn(T, Hq * 2 * D, generator=gen, requires_grad=True)
+    k = torch.randn(T, Hk * D, generator=gen, requires_grad=True)
+    wq, wk = (0.1 * torch.randn(D, generator=gen).requires_grad_() for _ in range(2))
+    positions = torch.arange(T)
+    cos_sin = bib.rope_cos_sin_cache(4, 1e7, 64, "cpu", torch.float32)  # a quarter of each head
+    outs = [f(q_gate, k, wq, wk, 1e-6, positions, cos_sin)
+            for f in (ops.gated_qk_norm_rope, bib.ref_gated_qk_norm_rope)]
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    gs = [torch.randn(o.shape, generator=gen) for o in outs[0]]
+    ours, theirs = (torch.autograd.grad(o, (q_gate, k, wq, wk), gs) for o in outs)
+    for a, b in zip(ours, theirs):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
