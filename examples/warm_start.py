@@ -1,4 +1,4 @@
-"""Warm start: a small Qwen3 that half knows simple_rl's arithmetic task, trained from scratch.
+"""Warm start: a small Qwen3 or Qwen3.5 that half knows simple_rl's arithmetic task, from scratch.
 
 RL can only sharpen what a model already does sometimes: a random model never writes a right
 answer, its reward is 0 and every GRPO advantage is 0. This script makes a model worth
@@ -39,6 +39,15 @@ right 30% of the time, of two 3%, of four 0.03%. GRPO must learn to chain, a lin
 
     python examples/warm_start.py --tool lookup --out warm/lookup     # one H200: about 3 minutes
 
+With `--arch qwen3.5` the model is a Qwen3_5ForCausalLM of about the same size (27.6M params):
+every fourth layer full attention (output-gated, head_dim 128, a quarter of each head rotated),
+the others Gated DeltaNet linear attention (4 key and 8 value heads, of 64 at --dim 512; a
+causal conv of width 4); the tokenizer, data, loss and schedule are the ones above. Without
+flash-linear-attention and causal-conv1d installed, transformers runs Gated DeltaNet in plain
+PyTorch: correct, and slower (on a CPU a step takes about 3 times Qwen3's).
+
+    python examples/warm_start.py --arch qwen3.5 --out warm/qwen35-arith
+
 On a CPU the default size takes hours (a step of 256 sequences is about 3 TFLOP of forward and
 backward): its progress lines say how long.
 """
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -177,18 +187,42 @@ def lookup_answer(problem: rl.Problem, tokenizer, calls: int) -> list[tuple[list
     return parts + [(tokenizer(f"Answer: {age}", add_special_tokens=False)["input_ids"], True)]
 
 
-def make_model(tokenizer, a: argparse.Namespace):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# Qwen3.5's linear attention keeps its 9B's proportions at any --dim: value_dim = hidden and
+# key_dim = hidden / 2, here in 4 key heads and 8 value heads (of 64 at --dim 512).
+LINEAR_K_HEADS, LINEAR_V_HEADS = 4, 8
 
-    config = Qwen3Config(
+
+def make_model(tokenizer, a: argparse.Namespace):
+    """A Qwen3ForCausalLM, or (--arch qwen3.5) a Qwen3_5ForCausalLM with every fourth layer full
+    attention (output-gated, a quarter of each head rotated) and the others Gated DeltaNet linear
+    attention; the same embeddings, attention heads and MLP."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(
         vocab_size=a.vocab, hidden_size=a.dim, num_hidden_layers=a.layers,
         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=128,
         intermediate_size=a.ffn, max_position_embeddings=1024, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
-    return Qwen3ForCausalLM(config)
+    if a.arch == "qwen3":
+        rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+        return Qwen3ForCausalLM(Qwen3Config(**shape, rope_parameters=rope))
+    # Qwen3.5's pattern and rope: three linear-attention layers then a full one; theta 1e7, a
+    # quarter of each head rotated
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+             for i in range(a.layers)]
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    linear = dict(linear_num_key_heads=LINEAR_K_HEADS, linear_num_value_heads=LINEAR_V_HEADS,
+                  linear_key_head_dim=a.dim // 2 // LINEAR_K_HEADS,
+                  linear_value_head_dim=a.dim // LINEAR_V_HEADS, linear_conv_kernel_dim=4)
+    config = Qwen3_5TextConfig(**shape, **linear, layer_types=kinds, hidden_act="silu",
+                               rms_norm_eps=1e-6, rope_parameters=rope)
+    # Without flash-linear-attention and causal-conv1d, transformers runs Gated DeltaNet in plain
+    # PyTorch (correct, slower) and warns so once per op; the docstring says it instead.
+    logging.getLogger("transformers.integrations.hub_kernels").addFilter(
+        lambda record: "falling back to its reference PyTorch" not in record.getMessage())
+    return Qwen3_5ForCausalLM(config)
 
 
 def answer_parts(problems: list[rl.Problem], direct: list[bool], tokenizer, tool: str = ""
@@ -261,6 +295,9 @@ def main() -> None:
     p.add_argument("--eval-size", type=int, default=256, help="held-out problems per eval")
     p.add_argument("--batch", type=int, default=256, help="sequences per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's peak learning rate")
+    p.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3.5"),
+                   help="qwen3.5: a Qwen3_5ForCausalLM of about the same size, every fourth "
+                   "layer full attention and the others Gated DeltaNet linear attention")
     p.add_argument("--layers", type=int, default=8, help="transformer blocks")
     p.add_argument("--dim", type=int, default=512, help="hidden size")
     p.add_argument("--heads", type=int, default=4, help="query heads (head_dim 128)")
@@ -275,6 +312,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where to train")
     a = p.parse_args()
+    split = math.lcm(LINEAR_V_HEADS, 2 * LINEAR_K_HEADS)
+    if a.arch == "qwen3.5" and a.dim % split:
+        sys.exit(f"warm_start: --arch qwen3.5 splits --dim into {LINEAR_V_HEADS} value heads "
+                 f"(and half of it into {LINEAR_K_HEADS} key heads); choose a multiple of {split}.")
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         sys.exit(f"warm_start: {out} is not empty; choose another --out.")

@@ -4,6 +4,7 @@ round trip, --check, a run on the exact stand-in engine, and what is refused."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from helpers import cpu_trainer as trainer
 from helpers import make_qwen35_checkpoint, metrics_rows
 from helpers import random_ids as seqs
 
+ROOT = Path(__file__).resolve().parents[1]
 F64 = dict(dtype=torch.float64)
 MOE = dict(experts=8, top_k=2, moe_inter=32, shared_inter=48)  # Qwen3.5-MoE, tiny
 
@@ -268,6 +270,60 @@ def test_a_run_on_the_exact_stand_in_engine_matches_every_token(q35, tmp_path):
     assert config["architectures"] == ["Qwen3_5ForCausalLM"] and "text_config" not in config
     _, info = Qwen3_5ForCausalLM.from_pretrained(final, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_warm_start_trains_a_qwen35_simple_rl_reads(tmp_path, capsys):
+    """examples/warm_start.py --arch qwen3.5 at a tiny size (transformers' PyTorch Gated
+    DeltaNet): the loss falls, and the checkpoint is a Qwen3_5ForCausalLM, three linear-attention
+    layers then a full one, that transformers loads whole, --check passes, and the trainer's
+    forward (reference kernels, fp32) gives transformers' logits on the task's own text."""
+    import re
+    import subprocess
+    import sys
+
+    from transformers import Qwen3_5ForCausalLM
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import warm_start
+
+    out = tmp_path / "warm"
+    cmd = [sys.executable, str(ROOT / "examples" / "warm_start.py"), "--arch", "qwen3.5",
+           "--out", str(out), "--device", "cpu", "--layers", "4", "--dim", "64", "--ffn", "128",
+           "--batch", "8", "--steps", "8", "--lr", "0.05", "--eval-every", "8", "--eval-size",
+           "1", "--log-every", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "falling back" not in done.stderr  # the expected warning, said in the docstring
+    losses = [float(x) for x in re.findall(r"^step \d+/8 \| loss (\d+\.\d+)", done.stdout,
+                                           re.MULTILINE)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses  # from ln(512) = 6.2
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (config["linear_num_key_heads"], config["linear_key_head_dim"]) == (4, 8)  # 64 / 2
+    assert (config["linear_num_value_heads"], config["linear_value_head_dim"]) == (8, 8)
+    ref, info = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    capsys.readouterr()
+    assert rl.main(cpu_argv(out, tmp_path / "logs", run_name="r", kernels="reference")
+                   + ["--check"]) == 0
+    assert capsys.readouterr().err == ""
+    tok = rl.load_model_files(rl.Config(model=str(out))).tokenizer
+    problems = rl.arithmetic_problems(3, 7)
+    prompts = rl.format_prompts(problems, tok, rl.Config())
+    answers = tok([warm_start.worked_solution(p.question) for p in problems],
+                  add_special_tokens=False)["input_ids"]
+    assert max(len(q + a) for q, a in zip(prompts, answers)) > 64  # two chunks of the rule
+    packed = rl.pack(prompts, answers)
+    model = trainer(out)
+    with torch.no_grad():
+        ours = model.logits(model.hidden(packed))  # (T, V)
+        for i, (q, a) in enumerate(zip(prompts, answers)):
+            want = ref.eval()(torch.tensor([q + a])).logits[0]  # (L, V)
+            got = ours[packed.cu_seqlens[i] : packed.cu_seqlens[i + 1]]
+            assert want.abs().max() > 0.5
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("vision", [False, True])

@@ -164,6 +164,8 @@ def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
                         rf"\d\.\d{{3}} \| {clock}", lines[2]), lines[2]
     files = rl.load_model_files(rl.Config(model=str(out)))
     assert files.args.n_layers == 1 and files.args.enable_weight_tying
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]  # the default --arch
     tok = files.tokenizer
     assert tok.convert_ids_to_tokens(tok.encode("3901", add_special_tokens=False)) == \
         list("3901")
