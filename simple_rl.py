@@ -5778,13 +5778,33 @@ def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int
         N <= min(T, samples per rank x g, T g / (P_min + g)),
     the last as each sample's generated share g_b / (P_b + g_b) is at most g / (P_min + g).
     Only the N rows go through the head (`Qwen3.forward`), whose logits are the largest tensor."""
-    shortest, longest = prompts
-    g = min(cfg.max_new_tokens * (cfg.max_turns if cfg.env else 1), cfg.max_model_len - shortest)
-    # an episode's tool messages lengthen it (not its generated tokens) up to --max-model-len
-    sample = cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)
+    shortest = prompts[0]
+    g, sample = episode_bounds(cfg, prompts)
     samples = samples_per_rank(cfg, world)
     rows = min(cfg.micro_batch_tokens, samples * sample)
     return rows, min(rows, samples * g, -(-rows * g // (shortest + g)))
+
+
+def episode_bounds(cfg: Config, prompts: tuple[int, int]) -> tuple[int, int]:
+    """(g, the longest sample in tokens) for first prompts of prompts[0] to prompts[1] tokens,
+    g the model's tokens an episode may hold (every turn's)."""
+    shortest, longest = prompts
+    g = min(cfg.max_new_tokens * (cfg.max_turns if cfg.env else 1), cfg.max_model_len - shortest)
+    # an episode's tool messages lengthen it (not its generated tokens) up to --max-model-len
+    return g, cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)
+
+
+def padded_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> int:
+    """Rows of one Gated DeltaNet layer's fp32 recomputation in the backward: bib's
+    GatedDeltaRuleFn pads a micro-batch's B samples to the longest, L, then to whole chunks of
+    C = bib.GDN_CHUNK tokens: B round_up(L, C) rows, with T the micro-batch's (`trained_rows`)
+        B <= min(samples per rank, T // P_min),   L <= min(T, the longest sample),
+    as every sample holds its prompt. Beside one long sample, many short ones pad to its length:
+    up to the rank's samples x the longest, however small T."""
+    rows, _ = trained_rows(cfg, world, prompts)
+    _, sample = episode_bounds(cfg, prompts)
+    n = min(samples_per_rank(cfg, world), rows // prompts[0])
+    return n * -(-min(rows, sample) // bib.GDN_CHUNK) * bib.GDN_CHUNK
 
 
 def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
@@ -5812,6 +5832,60 @@ MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
 ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 
 
+def token_layer_bytes(args) -> float:
+    """What the backward keeps of one token in one layer, in bytes, the mean over the layers:
+        2 (8 dim + mixer) + mlp,  mixer (bf16 values) and mlp (bytes) by the layer's kind:
+    softmax attention   2 q + 4 kv; Qwen3.5's gated one 3 q more (the gate's columns of the
+                        projection, the gate, the gated output), its Gemma norms as RMSNorm's
+    Gated DeltaNet      4 Hk Dk + 5 Hv Dv + 2 Hv: the in-projections' outputs [q k v z] and
+                        [b a], the conv's output and the rule's (saved by GatedDeltaRuleFn and
+                        the gated norm), the gated norm's (out_proj's input)
+    dense MLP           2 x 3 H
+    sparse MLP          4 E + 8 k: the fp32 routing (the experts recompute their inside);
+                        Qwen3.5-MoE's shared expert 2 (3 S + dim + 1) more (its SwiGLU, its
+                        output and its sigmoid gate's input)
+    (q = Hq D, kv = Hkv D). The Qwen3 terms are those measured (results/h200_memory/); Qwen3.5's
+    are counted alike, and a block's saved tensors on CPU come under them (test_qwen35_memory)."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    c, sparse, linear = qwen35(args), sparse_layers(args), linear_layers(args)
+    total = 0
+    for i in range(args.n_layers):
+        if i in linear:
+            mixer = 4 * c.k_heads * c.k_dim + 5 * c.v_heads * c.v_dim + 2 * c.v_heads
+        else:
+            mixer = 2 * q + 4 * kv + (3 * q if c else 0)
+        if i in sparse:
+            m = args.moe_args
+            shared = getattr(c, "shared_expert_dim", 0)
+            mlp = 4 * m.num_experts + 8 * m.top_k + (2 * (3 * shared + args.dim + 1) if shared
+                                                     else 0)
+        else:
+            mlp = 2 * 3 * args.hidden_dim
+        total += 2 * (8 * args.dim + mixer) + mlp
+    return total / args.n_layers
+
+
+def gdn_backward_bytes(args, padded: int) -> int:
+    """Peak bytes of one Gated DeltaNet layer's backward, over `padded` rows (`padded_rows`):
+    the rule's fp32 recomputation (bib.GatedDeltaRuleFn: autograd through the chunked form)
+    holds, per row,
+        4 (Hv (8 Dk + 6 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)        (C = bib.GDN_CHUNK)
+    per v head: q and k repeated to it, their decayed chunks and W (Dk each), v, U, E, the
+    chunks' outputs and their concatenation (Dv each), six C-wide chunk matrices a row (decay,
+    k k^T, beta k k^T, A, q k^T, masked), the state entering each chunk (Dk Dv / C a row, twice
+    that in one-chunk samples), then the gradients the backward adds; per k head the fp32 q and
+    k. Measured on CPU (tests/test_qwen35_memory.py): 7.3 Dk + 5.4 Dv + 8.1 C + 1.1 Dk Dv / C
+    per v head and 2 Hk Dk. The conv's (bib.CausalConv1dFn) holds 4 x 6 (2 Hk Dk + Hv Dv) a row
+    (5.6 measured), the gated norm's backward about 8 Hv Dv fp32 values a token: less at
+    Qwen3.5's shapes. 0 without Gated DeltaNet."""
+    if not linear_layers(args):
+        return 0
+    c = qwen35(args)
+    C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
+    rule = Hv * (8 * Dk + 6 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk
+    return 4 * padded * max(rule, 6 * (2 * Hk * Dk + Hv * Dv))
+
+
 def memory_estimate(cfg: Config, args, world: int,
                     prompts: tuple[int, int] = ANY_PROMPT) -> dict[str, float]:
     """Peak bytes per GPU, by holder, and the peak:
@@ -5822,23 +5896,19 @@ def memory_estimate(cfg: Config, args, world: int,
     trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks;
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
     blocks at a time and the root (embeddings, head) whole, with its bf16 and fp32 gradients;
-    activations: what the backward keeps per token and layer, plus the head's bf16 logits and
-    their gradient on the generated rows or one sparse layer's backward, whichever is larger
-    (the head's are freed first); engine: bf16 weights + KV cache, released while the trainer
-    runs when it sleeps. `trained_rows` bounds the rows from the prompts' lengths.
+    activations: what the backward keeps per token and layer (`token_layer_bytes`), plus the
+    head's bf16 logits and their gradient on the generated rows, one sparse layer's backward or
+    one Gated DeltaNet layer's (`gdn_backward_bytes`), whichever is largest (the head's are
+    freed first); engine: bf16 weights + KV cache, released while the trainer runs when it
+    sleeps. `trained_rows` bounds the rows from the prompts' lengths.
     """
     n = count_params(args)
-    q = args.n_heads * args.head_dim
-    kv = args.n_kv_heads * args.head_dim
-    per_token_layer = 2 * (8 * args.dim + 2 * q + 4 * kv + 3 * args.hidden_dim)
+    per_token_layer = token_layer_bytes(args)
     n_sparse = len(sparse_layers(args))
     moe_transient = 0
     rows, generated = trained_rows(cfg, world, prompts)
-    if n_sparse:  # a sparse layer keeps its input and fp32 routing; the experts' inner
-        m = args.moe_args  # activations are recomputed by the backward, k slots per token
-        sparse_token = 2 * (8 * args.dim + 2 * q + 4 * kv) + 4 * m.num_experts + 8 * m.top_k
-        per_token_layer = (per_token_layer * (args.n_layers - n_sparse)
-                           + sparse_token * n_sparse) / args.n_layers
+    if n_sparse:  # the experts' inner activations are recomputed by the backward
+        m = args.moe_args
         # one layer's grouped backward at its peak: h, a, W2^T g (fp32), dh and dx per slot,
         # the fp32 sum of dx per token (measured at Qwen3-30B-A3B's shape: 15.5 KiB a slot)
         moe_transient = rows * (m.top_k * (14 * args.moe_inter_dim + 2 * args.dim)
@@ -5851,7 +5921,8 @@ def memory_estimate(cfg: Config, args, world: int,
         "bf16 weights": 2 * a if a else 2 * n if world == 1 else gathered,
         # the head's logits and their gradient are freed before a sparse layer's backward
         "activations": rows * args.n_layers * per_token_layer
-        + max(generated * args.vocab_size * 4, moe_transient)
+        + max(generated * args.vocab_size * 4, moe_transient,
+              gdn_backward_bytes(args, padded_rows(cfg, world, prompts)))
         + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
@@ -5934,15 +6005,74 @@ def check_memory(cfg: Config, args, ranks: Ranks, prompts: tuple[int, int] = ANY
 
 
 def kv_bytes_per_token(args) -> int:
-    """2 (K and V) x layers x kv heads x head_dim x 2 (bf16)."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+    """2 (K and V) x softmax-attention layers x kv heads x head_dim x 2 (bf16); a Qwen3.5's
+    Gated DeltaNet layers hold a state per sequence instead (`gdn_state_bytes`)."""
+    return 2 * (args.n_layers - len(linear_layers(args))) * args.n_kv_heads * args.head_dim * 2
 
 
 def kv_cache_bytes(cfg: Config, args, world: int) -> int:
-    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption)."""
+    """--kv-cache-gib, or room for every sample of this rank at --max-model-len (no preemption;
+    a Qwen3.5's is refused after each generate): samples (L + 16) KV bytes a token, or for a
+    Qwen3.5 what vLLM's hybrid allocator needs (`hybrid_kv_cache_bytes`)."""
     if cfg.kv_cache_gib > 0:
         return int(cfg.kv_cache_gib * 2**30)
+    if qwen35(args):
+        return hybrid_kv_cache_bytes(args, samples_per_rank(cfg, world), cfg.max_model_len)
     return samples_per_rank(cfg, world) * (cfg.max_model_len + 16) * kv_bytes_per_token(args)
+
+
+def gdn_state_bytes(args) -> int:
+    """One sequence's state in one Gated DeltaNet layer of vLLM's cache: the conv's last K - 1
+    inputs, (2 Hk Dk + Hv Dv) (K - 1) bf16, and the rule's state, Hv Dv Dk fp32
+    (QWEN35_ENGINE_ARGS: mamba_ssm_cache_dtype float32), each rounded up to 16 bytes (vLLM 0.34
+    aligns a state to 16 bytes under FlashInfer's ReplaySSM, else to 1: at Qwen3.5's shapes
+    the two agree). vLLM 0.34: model_executor/layers/mamba/mamba_utils.py:31-33, 106-118,
+    280-301; v1/kv_cache_interface.py:1145-1162."""
+    c = qwen35(args)
+    conv = (2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim) * (c.conv_kernel - 1) * 2
+    return sum(-(-b // 16) * 16 for b in (conv, c.v_heads * c.v_dim * c.k_dim * 4))
+
+
+# vLLM 0.34's KV block before a hybrid model enlarges it: CacheConfig.DEFAULT_BLOCK_SIZE, which
+# FLASH_ATTN keeps (FA3 on Hopper takes any multiple of 16 tokens; FA4's head-256 kernel on
+# Blackwell wants 128): config/cache.py:185, v1/attention/backends/flash_attn.py:357-379.
+VLLM_BLOCK_TOKENS = 64
+
+
+def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
+    """The kv_cache_memory_bytes in which vLLM 0.34 holds `samples` Qwen3.5 sequences of up to
+    max_len tokens at once. Its hybrid allocator (file:line in vLLM 0.34's package) makes
+    blocks of one page per layer of a group, the same page for every layer:
+    1. A full-attention page holds b tokens of K and V, b A bytes (A = 2 Hkv D x 2, bf16); a
+       Gated DeltaNet page one sequence's state, M bytes (`gdn_state_bytes`). vLLM raises b
+       from 64 to the least multiple of 64 whose page holds M, b = 64 ceil(M / 64 A), and pads
+       the GDN page to b A (platforms/interface.py:1078-1141).
+    2. Each kind's layers fall into groups of g = min(n_full, n_gdn) layers (the larger count
+       when below 1.5 the smaller), a kind of n layers in ceil(n / g) groups
+       (v1/core/kv_cache_planning.py:567-601); a block is a page of each layer of a group:
+       g' b A bytes, g' the largest group (kv_cache_planning.py:621-651).
+    3. Given kv_cache_memory_bytes, vLLM skips its profiling and takes them whole (no
+       multimodal reservation by default: v1/worker/gpu_worker.py:688-712,
+       multimodal/gpu_ipc_memory.py:188-240), as floor(bytes / g' b A) blocks, one of them the
+       null block (kv_cache_planning.py:1638-1676, v1/core/block_pool.py:164).
+    4. A sequence takes ceil(tokens / b) blocks in each attention group
+       (v1/core/single_type_kv_cache_manager.py:219) and one in each GDN group: without prefix
+       caching its block spans max_len tokens (model_executor/models/config.py:1111-1118).
+       The scheduler keeps tokens <= max_len - 1 (v1/core/sched/scheduler.py:866-873).
+    So: (samples (ceil(n_full / g) ceil(max_len / b) + ceil(n_gdn / g)) + 1) g' b A.
+    Not yet checked on a GPU: vLLM's block size (it logs "Setting attention block size to b
+    tokens") should be b, and its block count (the scheduler's block pool) what these bytes
+    give. (A Qwen3.5 without full attention has no page to align to: this gives it up to 64 A
+    bytes a layer more than it needs.)"""
+    n_gdn = len(linear_layers(args))
+    n_full = args.n_layers - n_gdn
+    A = 2 * args.n_kv_heads * args.head_dim * 2
+    b = VLLM_BLOCK_TOKENS * -(-gdn_state_bytes(args) // (VLLM_BLOCK_TOKENS * A))  # tokens
+    counts = [n for n in (n_full, n_gdn) if n]
+    g = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+    block = max(-(-n // -(-n // g)) for n in counts) * b * A  # g' pages
+    per_sequence = -(-n_full // g) * -(-max_len // b) + -(-n_gdn // g)
+    return (samples * per_sequence + 1) * block
 
 
 # vLLM checks at its start that gpu_memory_utilization of the GPU is free, though, given

@@ -1,0 +1,317 @@
+"""Qwen3.5's memory: the KV cache vLLM's hybrid allocator needs (full-attention KV a token, a
+Gated DeltaNet state a sequence, in pages and blocks shared by both), what the backward keeps of a
+Gated DeltaNet layer and what its fp32 recomputation holds at its peak (measured on CPU), the
+micro-batch picked for Qwen3.5-4B, and Qwen3's estimates as they were."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from make_checkpoint import QWEN35_PRESETS
+from torch.profiler import ProfilerActivity, profile
+from transformers import Qwen3_5TextConfig
+
+import batch_invariant_backward as bib
+import simple_rl as rl
+
+GIB = 2**30
+
+
+def qwen35_args(preset: str = "qwen3.5-4b", **change):
+    """The model args of a Qwen3.5 preset's shape (tests/make_checkpoint.py), no weights."""
+    p = {**QWEN35_PRESETS[preset], **change}
+    hf = Qwen3_5TextConfig(
+        vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+        head_dim=p["head_dim"], intermediate_size=p["inter"], tie_word_embeddings=p["tied"],
+        linear_num_key_heads=p["k_heads"], linear_num_value_heads=p["v_heads"],
+        linear_key_head_dim=p["k_dim"], linear_value_head_dim=p["v_dim"],
+        max_position_embeddings=p["max_pos"], layer_types=p.get("layer_types"),
+        rope_parameters={"rope_type": "default", "rope_theta": p["rope_theta"],
+                         "partial_rotary_factor": 0.25})
+    return rl.model_args_from_hf(hf)
+
+
+# --- Qwen3 and Qwen3-MoE: unchanged -------------------------------------------------------
+
+
+def test_qwen3_estimates_are_the_same_as_before_qwen35_was_counted():
+    """Bytes pinned from the estimate before Qwen3.5's terms were added, equal to the bit: dense
+    Qwen3 on one and two GPUs, with known prompts, Qwen3-30B-A3B's layers, dense and sparse
+    layers mixed with a reference model, Qwen3-14B under LoRA."""
+    from torchtitan.models.qwen3 import qwen3_args
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    def qwen3(dim, layers, heads, inter, tied=True):
+        return SimpleNamespace(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8,
+                               head_dim=128, hidden_dim=inter, vocab_size=151936,
+                               enable_weight_tying=tied)
+
+    a3b = rl.dataclasses.replace(qwen3_args["30B-A3B"], max_seq_len=40960, n_layers=4)
+    a3b.sparse_layers = (0, 1, 2, 3)
+    mixed = rl.dataclasses.replace(qwen3_args["30B-A3B"], max_seq_len=40960, n_layers=6)
+    mixed.sparse_layers = (1, 3, 5)
+    q14 = Qwen3ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, vocab_size=151936,
+                         head_dim=128, hidden_dim=17408, norm_eps=1e-6, rope_theta=1e6,
+                         max_seq_len=40960, enable_weight_tying=False)
+    q8, q17 = qwen3(4096, 36, 32, 12288, tied=False), qwen3(2048, 28, 16, 6144)
+    C = rl.Config
+    short = C(num_prompts=16, group_size=8, max_new_tokens=128, max_model_len=256,
+              micro_batch_tokens=32768)
+    pinned = [  # (args, cfg, world, prompts): (activations, peak, KV cache) bytes
+        (q8, C(micro_batch_tokens=4096), 1, rl.ANY_PROMPT,
+         27261724160, 222663668096.0, 19629342720),
+        (q8, C(micro_batch_tokens=4096), 2, rl.ANY_PROMPT,
+         27261724160, 133863675349.33334, 9814671360),
+        (q17, C(micro_batch_tokens=24576), 1, (20, 30),
+         73666480128, 135091004416.0, 15267266560),
+        (a3b, short, 2, (128, 128), 9128378368.0, 52138563328.0, 142606336),
+        (mixed, C(micro_batch_tokens=8192, kl_coef=0.01), 1, (40, 90),
+         8465567232.0, 79916544640.0, 1635778560),
+        (q14, C(micro_batch_tokens=8192, lora_rank=16), 1, rl.ANY_PROMPT,
+         76046435840, 111034072576.0, 21810380800),
+    ]
+    for args, cfg, world, prompts, activations, peak, kv in pinned:
+        est = rl.memory_estimate(cfg, args, world, prompts)
+        assert (est["activations"], est["peak"]) == (activations, peak)
+        assert rl.kv_cache_bytes(cfg, args, world) == kv
+        assert rl.gdn_backward_bytes(args, 10**6) == 0
+
+
+# --- the engine's KV cache ----------------------------------------------------------------
+
+
+def test_kv_cache_of_qwen35_4b_is_full_attention_kv_and_gdn_states_in_vllms_blocks():
+    """Qwen3.5-4B: 8 full-attention layers of 4 kv heads x 256, 24 Gated DeltaNet layers of 16 k
+    heads and 32 v heads of 128, conv kernel 4. Worked out:
+      KV a token, full attention only:  2 x 8 x 4 x 256 x 2 = 32768 (one layer's A = 4096)
+      a GDN layer's state a sequence:   (2 x 16 x 128 + 32 x 128) x 3 x 2 (conv, bf16)
+                                        + 32 x 128 x 128 x 4 (rule, fp32) = 2146304
+      vLLM's block: b = 64 ceil(2146304 / (64 x 4096)) = 576 tokens, a page 576 A = 2359296 B,
+        groups of 8 layers (one full attention, three GDN), 8 pages a block = 18874368 B
+      a sequence of 1024 tokens: ceil(1024 / 576) = 2 blocks + 3 (one a GDN group) = 5
+      128 samples (the defaults: 16 prompts x 8): (128 x 5 + 1 null block) blocks."""
+    args = qwen35_args()
+    assert rl.linear_layers(args) == tuple(i for i in range(32) if i % 4 != 3)
+    assert rl.kv_bytes_per_token(args) == 32768
+    assert rl.gdn_state_bytes(args) == 49152 + 2097152 == 2146304
+    block = 8 * 576 * 4096
+    assert block == 18874368
+    cfg = rl.Config()
+    assert rl.kv_cache_bytes(cfg, args, 1) == (128 * 5 + 1) * block
+    assert rl.kv_cache_bytes(cfg, args, 2) == (64 * 5 + 1) * block  # a rank's 64 samples
+    # at least what the tokens and states need, less than a tenth more (block rounding)
+    need = 128 * (8 * 1024 * 4096 + 24 * 2146304)
+    assert need < rl.kv_cache_bytes(cfg, args, 1) < 1.12 * need
+    assert rl.kv_cache_bytes(rl.Config(kv_cache_gib=3.5), args, 1) == int(3.5 * GIB)
+
+
+def test_qwen35_kv_cache_grows_by_blocks_with_samples_and_attention_with_length():
+    """Each sample adds its blocks (ceil(L / b) for attention, one a GDN group); a longer
+    --max-model-len adds attention blocks only, b tokens at a time, the states staying one a
+    sequence whatever its length."""
+    args = qwen35_args()
+    b, block = 576, 18874368
+
+    def kv(samples, max_len):
+        return rl.hybrid_kv_cache_bytes(args, samples, max_len)
+
+    for max_len in (256, 576, 577, 1024, 4096):
+        per_sample = -(-max_len // b) + 3
+        assert kv(1, max_len) == (per_sample + 1) * block
+        grown = [kv(s + 1, max_len) - kv(s, max_len) for s in (1, 7, 100)]
+        assert grown == [per_sample * block] * 3
+    assert kv(64, 576) == kv(64, 1) == 64 * 4 * block + block  # the states: one block a group
+    assert kv(64, 577) - kv(64, 576) == 64 * block  # one attention block more
+    assert kv(64, 576 * 7) - kv(64, 576 * 3) == 64 * 4 * block  # linear in length, b at a time
+
+
+def test_vllms_grouping_of_layers_of_other_ratios():
+    """vLLM groups each kind's layers by the smaller count, or by the larger when it is below 1.5
+    the smaller (4 full beside 5 GDN: one group each, the full one padded); the tiny preset's 1
+    full and 3 GDN layers: four groups of one layer. Its states fit a 64-token page."""
+    args = qwen35_args(layer_types=["linear_attention"] * 5 + ["full_attention"] * 4, layers=9)
+    A, b = 4096, 576
+    assert rl.hybrid_kv_cache_bytes(args, 10, 1024) == (10 * (2 + 1) + 1) * 5 * b * A
+    tiny = qwen35_args(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=32, k_heads=2,
+                       v_heads=4, k_dim=16, v_dim=8, inter=128)  # make_qwen35_checkpoint's
+    state = (2 * 2 * 16 + 4 * 8) * 3 * 2 + 4 * 8 * 16 * 4  # 576 + 2048
+    assert rl.gdn_state_bytes(tiny) == state == 2624
+    A = 2 * 2 * 32 * 2  # 256: a 64-token page (16 KiB) holds a state
+    assert rl.hybrid_kv_cache_bytes(tiny, 8, 200) == (8 * (4 + 3) + 1) * 64 * A
+
+
+def test_engine_memory_asks_vllm_for_the_hybrid_kv_cache(monkeypatch):
+    props = SimpleNamespace(total_memory=140 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    args = qwen35_args()
+    cfg = rl.Config()
+    sizes, wake = rl.engine_memory(cfg, args, rl.Ranks(0, 1, torch.device("cpu")), False)
+    assert sizes["kv_cache_memory_bytes"] == rl.kv_cache_bytes(cfg, args, 1) == 641 * 18874368
+    assert wake == 2 * rl.count_params(args) + 641 * 18874368
+
+
+# --- the trainer's activations ------------------------------------------------------------
+
+
+def test_qwen35_layers_keep_what_their_formulas_count():
+    """Qwen3.5-4B per token: a Gated DeltaNet layer keeps 2 (8 dim + 4 Hk Dk + 5 Hv Dv + 2 Hv)
+    + 2 x 3 H bytes, a gated full-attention layer Qwen3's count with 3 q more; the mean over
+    the 32 layers (24 GDN, 8 full)."""
+    args = qwen35_args()
+    dim, H, q, kv = 2560, 9216, 16 * 256, 4 * 256
+    gdn = 2 * (8 * dim + 4 * 16 * 128 + 5 * 32 * 128 + 2 * 32) + 6 * H
+    full = 2 * (8 * dim + 2 * q + 4 * kv + 3 * q) + 6 * H
+    assert rl.token_layer_bytes(args) == (24 * gdn + 8 * full) / 32 == 151648
+
+
+def saved_bytes_per_token(args, layer: int, lengths=((90, 60), (180, 120))) -> float:
+    """Bytes a block's forward leaves for its backward a token, on CPU in bf16 with the GPU
+    path's autograd Functions (custom backwards): every distinct storage the backward saves,
+    its growth from one packed batch to a longer one (the weights' casts cancel)."""
+    torch.manual_seed(0)
+    ops = bib.custom_backward_kernels(bib.reference_forwards())
+    model = rl.Qwen3(args, ops, torch.bfloat16)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.init_rope("cpu")
+    held = []
+    for n in lengths:
+        batch = rl.pack([[1] * (k // 2) for k in n], [[2] * (k - k // 2) for k in n])
+        T = len(batch.tokens)
+        x = torch.randn(T, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        storages = {}  # data pointer -> bytes of each storage the backward keeps
+
+        def pack(t, kept=storages):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with rl.weights_cast_once(model), torch.autograd.graph.saved_tensors_hooks(
+                pack, lambda t: t):
+            out = model.layers[layer](x, torch.randn_like(x), batch, model.rope)
+        held.append((T, sum(storages.values())))
+        del out
+    (t0, b0), (t1, b1) = held
+    return (b1 - b0) / (t1 - t0)
+
+
+def test_a_qwen35_block_saves_about_what_its_formula_counts_as_qwen3s_does():
+    """On CPU, in bf16, a Qwen3 block saves 84% of what token_layer_bytes counts for it (a count
+    calibrated on H200s, where the peak holds more than the saved tensors); a Gated DeltaNet
+    block and a gated attention block of the same width save less than theirs, and no less
+    than a tenth below Qwen3's share (77% and 81%)."""
+    from transformers import Qwen3Config
+
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=512, vocab_size=512)
+    qwen3 = rl.model_args_from_hf(Qwen3Config(num_hidden_layers=1, **shape))
+    share = saved_bytes_per_token(qwen3, 0) / rl.token_layer_bytes(qwen3)
+    assert 0.8 < share <= 1
+    args = qwen35_args(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512,
+                       k_heads=2, v_heads=4, k_dim=32, v_dim=32, vocab=512)
+    assert rl.linear_layers(args) == (0, 1, 2)
+    gdn = rl.token_layer_bytes(SimpleNamespace(**{**vars(args), "n_layers": 1}))
+    full = SimpleNamespace(**vars(args))
+    full.qwen35 = rl.dataclasses.replace(args.qwen35, layer_types=("full_attention",) * 4)
+    for layer, counted in ((0, gdn), (3, rl.token_layer_bytes(full))):
+        measured = saved_bytes_per_token(args, layer)
+        assert share - 0.1 < measured / counted <= 1, (layer, measured, counted)
+
+
+def peak_bytes(fn) -> int:
+    """The most bytes fn() had allocated at once on CPU beyond what it started with, from the
+    profiler's record of every allocation and release."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("Hk, Hv, Dk, Dv, lengths", [
+    (2, 4, 32, 32, [256]), (1, 3, 64, 32, [200, 64]), (2, 2, 32, 128, [130]),
+    (2, 4, 128, 128, [128, 64, 64]), (16, 32, 128, 128, [64]), (16, 32, 128, 128, [192, 64]),
+])
+def test_gdn_backward_peak_is_at_most_its_bound(Hk, Hv, Dk, Dv, lengths):
+    """GatedDeltaRuleFn's backward (the rule recomputed in fp32 through the chunked form, then
+    differentiated) at its peak on CPU: 80 to 100% of gdn_backward_bytes over the padded rows
+    (B samples x the longest, rounded up to 64-token chunks); the last two at Qwen3.5-4B's
+    heads (16 k heads, 32 v heads, 128 dims)."""
+    gen = torch.Generator().manual_seed(0)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16().requires_grad_()
+
+    inputs = [r(T, Hk, Dk), r(T, Hk, Dk), r(T, Hv, Dv), r(T, Hv), r(T, Hv),
+              torch.randn(Hv, generator=gen).requires_grad_(), r(Hv)]
+    prefill = torch.tensor([max(1, n // 2) for n in lengths])
+    o = bib.GatedDeltaRuleFn.apply(*inputs, cu, max(lengths), prefill,
+                                   bib.reference_forwards().gated_delta_rule)
+    go = torch.randn(o.shape, generator=gen).bfloat16()
+    peak = peak_bytes(lambda: torch.autograd.grad(o, inputs, go))
+    padded = len(lengths) * -(-max(lengths) // 64) * 64
+    shape = rl.Qwen35Args(layer_types=("linear_attention",), k_heads=Hk, v_heads=Hv, k_dim=Dk,
+                          v_dim=Dv, conv_kernel=4, rotary_dim=0)
+    bound = rl.gdn_backward_bytes(SimpleNamespace(qwen35=shape), padded)
+    assert 0.8 * bound < peak <= bound, (peak, bound)
+
+
+def test_padded_rows_bound_what_the_gdn_backward_pads():
+    """B samples padded to the longest, in whole 64-token chunks: with short prompts every
+    sample of a rank can share one micro-batch with the longest; long prompts leave fewer a
+    micro-batch; unknown prompts pad every sample to --max-model-len. Then the bound against
+    what `plan_micro_batches` makes of random rollouts."""
+    cfg = rl.Config(micro_batch_tokens=4096)  # 128 samples of up to 256 new tokens
+    assert rl.padded_rows(cfg, 1, (20, 60)) == 128 * 320  # 60 + 256 -> 5 chunks
+    assert rl.padded_rows(cfg, 1, (1000, 1000)) == 4 * 1024  # 4096 // 1000 samples
+    assert rl.padded_rows(cfg, 1, rl.ANY_PROMPT) == 128 * 1024
+    assert rl.padded_rows(cfg, 2, (20, 60)) == 64 * 320
+    rng = random.Random(0)
+    for _ in range(300):
+        c = rl.Config(num_prompts=rng.choice([2, 4, 8]), group_size=rng.choice([2, 4]),
+                      max_new_tokens=rng.choice([8, 32, 96]), max_model_len=256,
+                      micro_batch_tokens=rng.choice([256, 512, 1024, 4096]))
+        world = rng.choice([1, 2])
+        shortest = rng.randint(1, 100)
+        longest = rng.randint(shortest, 256 - c.max_new_tokens)
+        samples = rl.samples_per_rank(c, world)
+        prompts = [[3] * rng.randint(shortest, longest) for _ in range(samples)]
+        completions = [[1] * rng.randint(1, c.max_new_tokens) for _ in prompts]
+        packed = rl.pack(prompts, completions)
+        bound = rl.padded_rows(c, world, (shortest, longest))
+        for part in rl.plan_micro_batches(packed, c):
+            batch, _ = rl.sub_pack(packed, part)
+            assert len(part) * -(-batch.max_seqlen // 64) * 64 <= bound, (c, part)
+
+
+def test_qwen35_4b_at_the_defaults_picks_a_micro_batch_that_fits_an_h200():
+    """Qwen3.5-4B at the defaults (16 prompts x 8 samples, 1024 tokens), prompts of 20 to 60
+    tokens: 4096 tokens a micro-batch fit 140 GiB and 8192 do not. The activations are 32 layers
+    of token_layer_bytes a row plus the largest transient: one GDN layer's backward over
+    128 samples padded to 320 rows each (384 KiB a row), above the head's logits."""
+    args = qwen35_args()
+    h200, prompts = 140 * GIB, (20, 60)
+    cfg = rl.Config()
+    size = rl.auto_micro_batch(cfg, args, 1, h200, prompts)
+    assert size == 4096
+    est = rl.memory_estimate(rl.dataclasses.replace(cfg, micro_batch_tokens=size), args, 1,
+                             prompts)
+    assert est["peak"] <= h200
+    grown = rl.dataclasses.replace(cfg, micro_batch_tokens=8192)
+    assert rl.memory_estimate(grown, args, 1, prompts)["peak"] > h200
+    gdn = rl.gdn_backward_bytes(args, 128 * 320)
+    assert gdn == 4 * 128 * 320 * (32 * (8 * 128 + 6 * 128 + 9 * 64 + 2 * 128 * 128 // 64)
+                                   + 3 * 16 * 128)
+    rows, generated = rl.trained_rows(rl.dataclasses.replace(cfg, micro_batch_tokens=size), 1,
+                                      prompts)
+    head = generated * args.vocab_size * 4
+    assert gdn > head
+    assert est["activations"] == (rows * 32 * rl.token_layer_bytes(args) + gdn
+                                  + bib.LOGPROB_ROWS * args.vocab_size * 4)
