@@ -26,6 +26,24 @@ def ckpt(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def q35(tmp_path_factory):
+    """Tiny random Qwen3.5 checkpoints (make_qwen35_checkpoint's shape: 4 layers, 0-2 Gated
+    DeltaNet and 3 full attention; 2 k heads of 16 dims, 4 v heads of 8), built once per
+    session for the keyword arguments given."""
+    from helpers import make_qwen35_checkpoint
+
+    made = {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"), **kw)
+        return made[key]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def saved(ckpt, tmp_path_factory):
     """A 2-step CPU run with its checkpoint at step 2 (copy it before damaging it:

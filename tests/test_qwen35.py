@@ -13,27 +13,12 @@ import batch_invariant_backward as bib
 import simple_rl as rl
 from helpers import ExactEngine, assert_custom_backwards_match_autograd, cpu_argv, main_cpu
 from helpers import cpu_trainer as trainer
-from helpers import make_qwen35_checkpoint, metrics_rows
+from helpers import metrics_rows
 from helpers import random_ids as seqs
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = dict(dtype=torch.float64)
 MOE = dict(experts=8, top_k=2, moe_inter=32, shared_inter=48)  # Qwen3.5-MoE, tiny
-
-
-@pytest.fixture(scope="module")
-def q35(tmp_path_factory):
-    """Tiny random Qwen3.5 checkpoints (make_qwen35_checkpoint's shape: 4 layers, the last full
-    attention; 2 k heads of 16 dims, 4 v heads of 8), built once per module."""
-    made = {}
-
-    def get(**kw):
-        key = tuple(sorted(kw.items()))
-        if key not in made:
-            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"), **kw)
-        return made[key]
-
-    return get
 
 
 def load(path):

@@ -12,23 +12,9 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import cpu_argv, make_qwen35_checkpoint
+from helpers import cpu_argv
 
 F64 = dict(dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def q35(tmp_path_factory):
-    """The tiny Qwen3.5 of make_qwen35_checkpoint: layers 0-2 Gated DeltaNet, 3 attention."""
-    made = {}
-
-    def get(**kw):
-        key = tuple(sorted(kw.items()))
-        if key not in made:
-            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"), **kw)
-        return made[key]
-
-    return get
 
 
 def model_args(path):
