@@ -535,7 +535,10 @@ class AttentionFn(torch.autograd.Function):
 # Each program owns its output tile and loops in a fixed order (no atomics), so the gradients
 # are bitwise reproducible. P and dS are rounded to the input dtype before their matmuls, as
 # FlashAttention's own backward does; accumulation is fp32.
-ATTN_BLOCK = 64
+def attention_block(head_dim: int) -> int:
+    """Rows and keys of a tile: 64, or 32 past head_dim 128 (Qwen3.5's 256), where 64-row
+    tiles need 265 KiB of shared memory and an H200 has 227."""
+    return 64 if head_dim <= 128 else 32
 
 
 @triton.jit
@@ -633,8 +636,9 @@ def attention_backward_tiled(q, k, v, o, lse, go, cu_seqlens, max_seqlen: int, s
     delta = torch.empty(Hq, T, dtype=torch.float32, device=q.device)
     _attention_delta_kernel[(-(-T * Hq // 32),)](o, go, delta, T * Hq, Hq, T, D=D, BLOCK_R=32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    blocks = -(-max_seqlen // ATTN_BLOCK)
-    common = dict(GROUP=Hq // Hk, D=D, BM=ATTN_BLOCK, BN=ATTN_BLOCK)
+    block = attention_block(D)
+    blocks = -(-max_seqlen // block)
+    common = dict(GROUP=Hq // Hk, D=D, BM=block, BN=block)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), T)
     dkdv_kernel[(blocks, B, Hk)](q, k, v, go, lse, delta, dk, dv, cu_seqlens, scale, *strides,
                                  **common)

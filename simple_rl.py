@@ -80,10 +80,12 @@ import sys
 if __name__ == "__main__":
     sys.modules.setdefault("simple_rl", sys.modules[__name__])
 
-# PyTorch's C++ warnings (an experimental cuBLAS flag vLLM sets, a socket hostname lookup) are
-# not the user's to act on; the level is read when torch loads. --verbose keeps them.
+# PyTorch's C++ warnings (an experimental cuBLAS flag vLLM sets, a socket hostname lookup) and
+# progress bars (vLLM 0.34's graph capture) are not the user's to act on; both settings are read
+# when torch and tqdm load, so here. --verbose keeps them.
 if "--verbose" not in sys.argv:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TQDM_DISABLE", "1")
 # The trainer's allocator grows its segments in place rather than caching fixed blocks: at
 # Qwen3-14B under LoRA the update's peak varied 96-130 GiB step to step without this, 91-92
 # with it. vLLM's sleep-mode pool switches it off around its own allocations.
@@ -6144,7 +6146,6 @@ def quiet_console(verbose: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "warning")  # its autotuner's INFO lines
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split"
-    os.environ.setdefault("TQDM_DISABLE", "1")  # vLLM 0.34's "Capturing CUDA graphs" bar
     if sys.modules.get("datasets") is not None:  # imported before: it read the variable
         sys.modules["datasets"].disable_progress_bars()
     for module in ("torch", "vllm", "transformers", "torchtitan", "datasets", "triton"):

@@ -196,8 +196,10 @@ TRITON_CHECK = """
 import json, torch, batch_invariant_backward as bib
 torch.manual_seed(0)
 out = []
-for lens, hq, hk in [([70, 1, 5, 130], 4, 2), ([64, 128, 3], 4, 4), ([9, 65], 8, 2)]:
-    t, d, L = sum(lens), 16, max(lens)
+# head_dim 256 (Qwen3.5's gated attention) takes 32-row tiles
+for lens, hq, hk, d in [([70, 1, 5, 130], 4, 2, 16), ([64, 128, 3], 4, 4, 16), ([9, 65], 8, 2, 16),
+                        ([40, 33], 2, 1, 256)]:
+    t, L = sum(lens), max(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     q, go = torch.randn(t, hq, d), torch.randn(t, hq, d)
     k, v = torch.randn(t, hk, d), torch.randn(t, hk, d)
@@ -241,7 +243,7 @@ def test_triton_backwards_match_the_pytorch_ones():
     """The GPU backwards (Triton), run by Triton's CPU interpreter in fp32, against PyTorch's.
 
     Attention against the fp64 padded backward: a 1-token sequence, lengths on and off the
-    64-row tile, GQA groups of 1, 2 and 4. RMSNorm with and without the residual's gradient,
+    64-row tile, GQA groups of 1, 2 and 4, head_dim 16 and 256 (32-row tiles). RMSNorm with and without the residual's gradient,
     at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy,
     forward (with the row statistics) and backward.
     """
@@ -255,6 +257,7 @@ def test_triton_backwards_match_the_pytorch_ones():
             text=True,
         ).stdout.splitlines()[-1]
     )
+    assert len(out["attention"]) == 4
     for case in out["attention"]:
         assert max(case["err"]) < 1e-5, case  # fp32 tiles vs fp64
         assert case["same"]

@@ -4,9 +4,13 @@
 import logging
 import os
 import re
+import subprocess
 import sys
 
+import pytest
+
 import simple_rl as rl
+from conftest import ROOT
 from helpers import ExactEngine, TorchEngine, cpu_argv, main_cpu, metrics_rows
 
 
@@ -49,8 +53,7 @@ def test_step_line_shows_gpu_memory_when_measured():
 
 
 def test_libraries_are_quiet_unless_verbose(monkeypatch):
-    for name in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "FLASHINFER_LOGGING_LEVEL",
-                 "TQDM_DISABLE"):
+    for name in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "FLASHINFER_LOGGING_LEVEL"):
         monkeypatch.delenv(name, raising=False)
     rl.quiet_console(verbose=True)
     assert "VLLM_LOGGING_LEVEL" not in os.environ
@@ -58,8 +61,18 @@ def test_libraries_are_quiet_unless_verbose(monkeypatch):
     assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
     assert os.environ["FLASHINFER_LOGGING_LEVEL"] == "warning"
-    assert os.environ["TQDM_DISABLE"] == "1"  # vLLM 0.34 draws a bar while capturing graphs
     assert logging.getLogger("torch._opaque_base").level == logging.ERROR
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_progress_bars_are_off_unless_verbose(verbose):
+    """vLLM 0.34 draws a bar while it captures graphs; tqdm reads TQDM_DISABLE once, when it is
+    imported, so simple_rl must set it before anything imports tqdm."""
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    code = "import simple_rl, tqdm; print(tqdm.tqdm(range(2)).disable)"
+    out = subprocess.run([sys.executable, "-c", code, *(["--verbose"] if verbose else [])],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == [str(not verbose)], out.stderr[-2000:]
 
 
 def test_expected_vllm_warnings_are_dropped_and_others_kept():
