@@ -180,10 +180,15 @@ def parity(args) -> dict:
         t3 = time.perf_counter()
         eq, n_w = weights_equal(engine, model)
         lens = [len(c) for c in ro.completions]
+        # where they differ: a sample's first token comes from the prefill, the rest from decodes
+        differ = ro.logprobs.float().view(torch.int32) != logp.detach().float().cpu().view(
+            torch.int32)
+        first = torch.tensor([0] + lens[:-1]).cumsum(0)
         mine_rec = dict(
             rank=ranks.rank,
             tokens=par.n_tokens,
             mismatched=par.n_mismatch,
+            first_token_mismatched=int(differ[first].sum()),
             max_abs_diff=par.max_abs_diff,
             samples=len(lens),
             stopped_at_eos=sum(ro.stopped),
@@ -206,6 +211,7 @@ def parity(args) -> dict:
             loss=loss,
             tokens=sum(r["tokens"] for r in per_rank),
             mismatched=sum(r["mismatched"] for r in per_rank),
+            first_token_mismatched=sum(r["first_token_mismatched"] for r in per_rank),
             max_abs_diff=max(r["max_abs_diff"] for r in per_rank),
             samples=sum(r["samples"] for r in per_rank),
             stopped_at_eos=sum(r["stopped_at_eos"] for r in per_rank),
