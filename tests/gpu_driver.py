@@ -330,8 +330,7 @@ def main():
     result = parity(args) if args.mode == "parity" else rollouts(args)
     if rl.is_main():
         Path(args.out).write_text(json.dumps(result, indent=1))
-    if rl.dist.is_initialized():
-        rl.dist.destroy_process_group()
+    rl.end_process_groups()
 
 
 if __name__ == "__main__":
