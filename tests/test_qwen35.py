@@ -333,16 +333,3 @@ def test_lora_on_a_qwen35_is_refused_in_one_sentence(q35, tmp_path, capsys):
     assert capsys.readouterr().err == (
         "simple_rl: error: --lora-rank: LoRA on a Qwen3.5 is not supported yet (the trainer has "
         "no adapters on its linear-attention layers); train it in full.\n")
-
-
-def test_a_gpu_run_of_a_qwen35_is_refused_before_vllm_starts(q35, tmp_path, capsys):
-    """Until the trainer calls vLLM's Gated DeltaNet kernels, a run that would start vLLM (no
-    stand-in engine) stops after the input checks, in one sentence, before any GPU work."""
-    path = q35()
-    capsys.readouterr()
-    assert rl.main(cpu_argv(path, tmp_path / "logs", run_name="r"), device_type="cpu") == 2
-    assert capsys.readouterr().err == (
-        f"simple_rl: error: --model {path} is a Qwen3.5: vLLM does not run its Gated DeltaNet "
-        "layers batch-invariant, nor does the trainer call their kernels yet, so it trains on "
-        "CPU reference kernels only (the tests; --check).\n")
-    assert not (tmp_path / "logs" / "r").exists()  # nothing made
