@@ -243,9 +243,9 @@ def test_triton_backwards_match_the_pytorch_ones():
     """The GPU backwards (Triton), run by Triton's CPU interpreter in fp32, against PyTorch's.
 
     Attention against the fp64 padded backward: a 1-token sequence, lengths on and off the
-    64-row tile, GQA groups of 1, 2 and 4, head_dim 16 and 256 (32-row tiles). RMSNorm with and without the residual's gradient,
-    at a hidden size that is not a power of two; rotary; SiluAndMul; logprob + entropy,
-    forward (with the row statistics) and backward.
+    64-row tile, GQA groups of 1, 2 and 4, head_dim 16 and 256 (32-row tiles). RMSNorm with and
+    without the residual's gradient, at a hidden size that is not a power of two; rotary;
+    SiluAndMul; logprob + entropy, forward (with the row statistics) and backward.
     """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = json.loads(
