@@ -2071,14 +2071,16 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
     (the update, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    packed = pack(rollout.prompts, rollout.completions, rollout.generated)
+    # a sample an episode; a turn for Qwen3.5 ("Qwen3.5 on vLLM"); episode[s]: sample s's
+    packed, episode = pack_rollout(rollout, by_turn=bool(linear_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         update = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
+                            rollout.logprobs.to(device), adv[episode.to(device)], cfg, n_micro,
+                            n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.step = step
-        e.prompts = sorted({mine[s // G] for s in e.samples})
+        e.prompts = sorted({mine[int(episode[s]) // G] for s in e.samples})
         raise
     parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
     sparse = sparse_layers(trainer.model.args)
@@ -3677,7 +3679,9 @@ def route_vllm_linear_through_cublaslt() -> None:
 # the prompt chunked from a zero state, then the completion token by token from the prompt's
 # fp32 state), which is exactly what vLLM computed when each prompt was prefilled in one pass
 # and each generated token decoded once. These settings make it so; a preemption (a request
-# prefilled again, prompt and generated tokens together) is refused after each generate.
+# prefilled again, prompt and generated tokens together) is refused after each generate. In an
+# episode of several turns vLLM prefills each turn's whole request again, so the trainer takes
+# each turn as a sample of its own (pack_rollout).
 # Measured on an H200 (results/h200_qwen35_parity/): 0 of 131,072 generated tokens differ at
 # Qwen3.5-0.8B's layer shapes, eager and with CUDA graphs, across a push.
 QWEN35_ENGINE_ARGS = dict(
@@ -3693,6 +3697,28 @@ PACKED_DECODE = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"  # "1": a second decod
 # fla's gated RMSNorm (the linear attention's output norm) blocks 1 to 4 rows together as a
 # call grows; pinned to one row, every row count reduces alike (engine and trainer, one process)
 GDN_NORM_ROWS_PER_BLOCK = 1
+
+
+def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
+    """The update's samples, and each one's episode (B',) int64. An episode is one sample: its
+    first prompt, then its turns (the targets) and the tools' messages between them. By turn (a
+    Qwen3.5): vLLM prefilled each turn's whole request again (no prefix cache), its linear
+    attention from a zero state, so a turn's tokens are computed from hidden states that no
+    other turn's are; each turn is a sample of its own, prompted with its whole request. The
+    targets keep their order: episode by episode, turn by turn."""
+    if not by_turn:
+        return (pack(rollout.prompts, rollout.completions, rollout.generated),
+                torch.arange(len(rollout.prompts)))
+    requests, outs, episode = [], [], []
+    for i, e in enumerate(rollout.episodes):
+        ids = []
+        for turn in e.turns:  # turn k's request: the turns before it, then its context
+            ids = ids + turn.context
+            requests.append(ids)
+            outs.append(turn.out.ids)
+            episode.append(i)
+            ids = ids + turn.out.ids
+    return pack(requests, outs), torch.tensor(episode)
 
 
 def prepare_qwen35_engine(cfg: Config) -> Config:
@@ -3716,9 +3742,6 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     """What a Qwen3.5 on vLLM cannot do yet, refused before vLLM starts (nothing for others)."""
     if qwen35(args) is None:
         return
-    need(not cfg.env, "--env: episodes of several turns on a Qwen3.5 are not supported yet "
-         "(vLLM prefills each turn's whole context again, a schedule the trainer does not "
-         "replay yet); train it on single-turn tasks.")
     need(not (cfg.prefix_caching and "prefix_caching" in passed), "--prefix-caching: a "
          "Qwen3.5 runs without vLLM's prefix cache (a cached prefix resumes its linear "
          "attention from a saved state, a split the trainer does not replay); drop the flag.")
