@@ -5795,16 +5795,18 @@ def lora_params(cfg: Config, args) -> int:
     return total
 
 
-def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int, int]:
+def trained_rows(cfg: Config, world: int, prompts: tuple[int, int],
+                 turns: int = 1) -> tuple[int, int]:
     """(tokens, generated tokens) in one micro-batch at most, for first prompts of prompts[0]
-    to prompts[1] tokens. With g the model's tokens an episode may hold (every turn's):
+    to prompts[1] tokens, an episode trained as `turns` samples at most (a Qwen3.5's: one a
+    turn, `pack_rollout`). With g the model's tokens an episode may hold (every turn's):
         T <= min(micro-batch, samples per rank x longest sample),
         N <= min(T, samples per rank x g, T g / (P_min + g)),
     the last as each sample's generated share g_b / (P_b + g_b) is at most g / (P_min + g).
     Only the N rows go through the head (`Qwen3.forward`), whose logits are the largest tensor."""
     shortest = prompts[0]
     g, sample = episode_bounds(cfg, prompts)
-    samples = samples_per_rank(cfg, world)
+    samples = samples_per_rank(cfg, world) * turns
     rows = min(cfg.micro_batch_tokens, samples * sample)
     return rows, min(rows, samples * g, -(-rows * g // (shortest + g)))
 
@@ -5818,16 +5820,16 @@ def episode_bounds(cfg: Config, prompts: tuple[int, int]) -> tuple[int, int]:
     return g, cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)
 
 
-def padded_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> int:
+def padded_rows(cfg: Config, world: int, prompts: tuple[int, int], turns: int = 1) -> int:
     """Rows of one Gated DeltaNet layer's fp32 recomputation in the backward: bib's
     GatedDeltaRuleFn pads a micro-batch's B samples to the longest, L, then to whole chunks of
     C = bib.GDN_CHUNK tokens: B round_up(L, C) rows, with T the micro-batch's (`trained_rows`)
         B <= min(samples per rank, T // P_min),   L <= min(T, the longest sample),
     as every sample holds its prompt. Beside one long sample, many short ones pad to its length:
     up to the rank's samples x the longest, however small T."""
-    rows, _ = trained_rows(cfg, world, prompts)
+    rows, _ = trained_rows(cfg, world, prompts, turns)
     _, sample = episode_bounds(cfg, prompts)
-    n = min(samples_per_rank(cfg, world), rows // prompts[0])
+    n = min(samples_per_rank(cfg, world) * turns, rows // prompts[0])
     return n * -(-min(rows, sample) // bib.GDN_CHUNK) * bib.GDN_CHUNK
 
 
@@ -5930,7 +5932,8 @@ def memory_estimate(cfg: Config, args, world: int,
     per_token_layer = token_layer_bytes(args)
     n_sparse = len(sparse_layers(args))
     moe_transient = 0
-    rows, generated = trained_rows(cfg, world, prompts)
+    turns = cfg.max_turns if cfg.env and linear_layers(args) else 1  # samples an episode
+    rows, generated = trained_rows(cfg, world, prompts, turns)
     if n_sparse:  # the experts' inner activations are recomputed by the backward
         m = args.moe_args
         # one layer's grouped backward at its peak: h, a, W2^T g (fp32), dh and dx per slot,
@@ -5946,7 +5949,7 @@ def memory_estimate(cfg: Config, args, world: int,
         # the head's logits and their gradient are freed before a sparse layer's backward
         "activations": rows * args.n_layers * per_token_layer
         + max(generated * args.vocab_size * 4, moe_transient,
-              gdn_backward_bytes(args, padded_rows(cfg, world, prompts)))
+              gdn_backward_bytes(args, padded_rows(cfg, world, prompts, turns)))
         + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
