@@ -2080,7 +2080,8 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
                             n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.step = step
-        e.prompts = sorted({mine[int(episode[s]) // G] for s in e.samples})
+        e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
+        e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
     parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
     sparse = sparse_layers(trainer.model.args)
@@ -3745,6 +3746,9 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     need(not (cfg.prefix_caching and "prefix_caching" in passed), "--prefix-caching: a "
          "Qwen3.5 runs without vLLM's prefix cache (a cached prefix resumes its linear "
          "attention from a saved state, a split the trainer does not replay); drop the flag.")
+    need(not cfg.debug_parity, "--debug-parity: the op-by-op debugger does not follow a "
+         "Qwen3.5's schedule (prompts chunked, generated tokens decoded) yet; drop the flag "
+         "(every step's parity check still compares every token).")
 
 
 def preemption_counter(llm) -> Callable[[], int]:

@@ -148,10 +148,15 @@ def test_a_preemption_stops_the_generate_in_one_sentence(q35, monkeypatch):
 # --- refusals ------------------------------------------------------------------------------
 
 
-def test_an_explicit_prefix_cache_is_refused_for_a_qwen35(q35, tmp_path, capsys):
+def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35, tmp_path, capsys):
     path = q35()
     args = model_args(path)
     rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)  # episodes: each turn replayed
+    with pytest.raises(rl.ConfigError, match=r"^--debug-parity: the op-by-op debugger does not "
+                       r"follow a Qwen3\.5's schedule \(prompts chunked, generated tokens "
+                       r"decoded\) yet; drop the flag \(every step's parity check still compares "
+                       r"every token\)\.$"):
+        rl.check_qwen35_engine(rl.Config(debug_parity=True), set(), args)
     rl.check_qwen35_engine(rl.Config(), set(), args)  # prefix caching on by default: turned off
     rl.check_qwen35_engine(rl.Config(prefix_caching=False), {"prefix_caching"}, args)
     rl.check_qwen35_engine(rl.Config(env="calc"), {"prefix_caching"}, None)  # Qwen3: nothing
