@@ -2071,13 +2071,16 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
     (the update, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    packed = pack(rollout.prompts, rollout.completions, rollout.generated)
+    # a sample an episode; a turn for Qwen3.5 ("Qwen3.5 on vLLM"); episode[s]: sample s's
+    packed, episode = pack_rollout(rollout, by_turn=bool(linear_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         update = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                            rollout.logprobs.to(device), adv, cfg, n_micro, n_tokens)
+                            rollout.logprobs.to(device), adv[episode.to(device)], cfg, n_micro,
+                            n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.step = step
+        e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
     parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
@@ -3677,7 +3680,9 @@ def route_vllm_linear_through_cublaslt() -> None:
 # the prompt chunked from a zero state, then the completion token by token from the prompt's
 # fp32 state), which is exactly what vLLM computed when each prompt was prefilled in one pass
 # and each generated token decoded once. These settings make it so; a preemption (a request
-# prefilled again, prompt and generated tokens together) is refused after each generate.
+# prefilled again, prompt and generated tokens together) is refused after each generate. In an
+# episode of several turns vLLM prefills each turn's whole request again, so the trainer takes
+# each turn as a sample of its own (pack_rollout).
 # Measured on an H200 (results/h200_qwen35_parity/): 0 of 131,072 generated tokens differ at
 # Qwen3.5-0.8B's layer shapes, eager and with CUDA graphs, across a push.
 QWEN35_ENGINE_ARGS = dict(
@@ -3693,6 +3698,28 @@ PACKED_DECODE = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"  # "1": a second decod
 # fla's gated RMSNorm (the linear attention's output norm) blocks 1 to 4 rows together as a
 # call grows; pinned to one row, every row count reduces alike (engine and trainer, one process)
 GDN_NORM_ROWS_PER_BLOCK = 1
+
+
+def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
+    """The update's samples, and each one's episode (B',) int64. An episode is one sample: its
+    first prompt, then its turns (the targets) and the tools' messages between them. By turn (a
+    Qwen3.5): vLLM prefilled each turn's whole request again (no prefix cache), its linear
+    attention from a zero state, so a turn's tokens are computed from hidden states that no
+    other turn's are; each turn is a sample of its own, prompted with its whole request. The
+    targets keep their order: episode by episode, turn by turn."""
+    if not by_turn:
+        return (pack(rollout.prompts, rollout.completions, rollout.generated),
+                torch.arange(len(rollout.prompts)))
+    requests, outs, episode = [], [], []
+    for i, e in enumerate(rollout.episodes):
+        ids = []
+        for turn in e.turns:  # turn k's request: the turns before it, then its context
+            ids = ids + turn.context
+            requests.append(ids)
+            outs.append(turn.out.ids)
+            episode.append(i)
+            ids = ids + turn.out.ids
+    return pack(requests, outs), torch.tensor(episode)
 
 
 def prepare_qwen35_engine(cfg: Config) -> Config:
@@ -3716,12 +3743,12 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     """What a Qwen3.5 on vLLM cannot do yet, refused before vLLM starts (nothing for others)."""
     if qwen35(args) is None:
         return
-    need(not cfg.env, "--env: episodes of several turns on a Qwen3.5 are not supported yet "
-         "(vLLM prefills each turn's whole context again, a schedule the trainer does not "
-         "replay yet); train it on single-turn tasks.")
     need(not (cfg.prefix_caching and "prefix_caching" in passed), "--prefix-caching: a "
          "Qwen3.5 runs without vLLM's prefix cache (a cached prefix resumes its linear "
          "attention from a saved state, a split the trainer does not replay); drop the flag.")
+    need(not cfg.debug_parity, "--debug-parity: the op-by-op debugger does not follow a "
+         "Qwen3.5's schedule (prompts chunked, generated tokens decoded) yet; drop the flag "
+         "(every step's parity check still compares every token).")
 
 
 def preemption_counter(llm) -> Callable[[], int]:
@@ -5772,16 +5799,18 @@ def lora_params(cfg: Config, args) -> int:
     return total
 
 
-def trained_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> tuple[int, int]:
+def trained_rows(cfg: Config, world: int, prompts: tuple[int, int],
+                 turns: int = 1) -> tuple[int, int]:
     """(tokens, generated tokens) in one micro-batch at most, for first prompts of prompts[0]
-    to prompts[1] tokens. With g the model's tokens an episode may hold (every turn's):
+    to prompts[1] tokens, an episode trained as `turns` samples at most (a Qwen3.5's: one a
+    turn, `pack_rollout`). With g the model's tokens an episode may hold (every turn's):
         T <= min(micro-batch, samples per rank x longest sample),
         N <= min(T, samples per rank x g, T g / (P_min + g)),
     the last as each sample's generated share g_b / (P_b + g_b) is at most g / (P_min + g).
     Only the N rows go through the head (`Qwen3.forward`), whose logits are the largest tensor."""
     shortest = prompts[0]
     g, sample = episode_bounds(cfg, prompts)
-    samples = samples_per_rank(cfg, world)
+    samples = samples_per_rank(cfg, world) * turns
     rows = min(cfg.micro_batch_tokens, samples * sample)
     return rows, min(rows, samples * g, -(-rows * g // (shortest + g)))
 
@@ -5795,16 +5824,16 @@ def episode_bounds(cfg: Config, prompts: tuple[int, int]) -> tuple[int, int]:
     return g, cfg.max_model_len if cfg.env else min(cfg.max_model_len, longest + g)
 
 
-def padded_rows(cfg: Config, world: int, prompts: tuple[int, int]) -> int:
+def padded_rows(cfg: Config, world: int, prompts: tuple[int, int], turns: int = 1) -> int:
     """Rows of one Gated DeltaNet layer's fp32 recomputation in the backward: bib's
     GatedDeltaRuleFn pads a micro-batch's B samples to the longest, L, then to whole chunks of
     C = bib.GDN_CHUNK tokens: B round_up(L, C) rows, with T the micro-batch's (`trained_rows`)
         B <= min(samples per rank, T // P_min),   L <= min(T, the longest sample),
     as every sample holds its prompt. Beside one long sample, many short ones pad to its length:
     up to the rank's samples x the longest, however small T."""
-    rows, _ = trained_rows(cfg, world, prompts)
+    rows, _ = trained_rows(cfg, world, prompts, turns)
     _, sample = episode_bounds(cfg, prompts)
-    n = min(samples_per_rank(cfg, world), rows // prompts[0])
+    n = min(samples_per_rank(cfg, world) * turns, rows // prompts[0])
     return n * -(-min(rows, sample) // bib.GDN_CHUNK) * bib.GDN_CHUNK
 
 
@@ -5907,7 +5936,8 @@ def memory_estimate(cfg: Config, args, world: int,
     per_token_layer = token_layer_bytes(args)
     n_sparse = len(sparse_layers(args))
     moe_transient = 0
-    rows, generated = trained_rows(cfg, world, prompts)
+    turns = cfg.max_turns if cfg.env and linear_layers(args) else 1  # samples an episode
+    rows, generated = trained_rows(cfg, world, prompts, turns)
     if n_sparse:  # the experts' inner activations are recomputed by the backward
         m = args.moe_args
         # one layer's grouped backward at its peak: h, a, W2^T g (fp32), dh and dx per slot,
@@ -5923,7 +5953,7 @@ def memory_estimate(cfg: Config, args, world: int,
         # the head's logits and their gradient are freed before a sparse layer's backward
         "activations": rows * args.n_layers * per_token_layer
         + max(generated * args.vocab_size * 4, moe_transient,
-              gdn_backward_bytes(args, padded_rows(cfg, world, prompts)))
+              gdn_backward_bytes(args, padded_rows(cfg, world, prompts, turns)))
         + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }

@@ -335,11 +335,12 @@ class ExactEngine(TorchEngine):
     the whole batch rounded some tokens unlike the trainer's micro-batches, at some thread
     counts (the routing tests failed at 2, 4 and 8 threads, and passed at 1 by luck).
 
-    The trainer packs whole episodes, so a turn's logprobs depend on the turns after it (they
-    set the micro-batches): the engine follows the step's episodes through its generate calls
-    (a later turn's request is an episode's ids and the tool's) and, after each call, writes
-    every turn's logprobs again, from the episodes as they stand; after the last call they are
-    the trainer's. A request that continues none of them (an eval) stops the following.
+    The trainer packs whole episodes (a Qwen3.5's turn by turn: rl.pack_rollout), so a turn's
+    logprobs depend on the turns after it (they set the micro-batches): the engine follows the
+    step's episodes through its generate calls (a later turn's request is an episode's ids and
+    the tool's) and, after each call, writes every turn's logprobs again, from the episodes as
+    they stand; after the last call they are the trainer's. A request that continues none of
+    them (an eval) stops the following.
 
     `routed` (MoE): per sample, every layer's experts (a dense layer's rows 0) for each token
     that went through the model, the last generated one excepted, as vLLM returns them; for
@@ -380,10 +381,10 @@ class ExactEngine(TorchEngine):
     def rescore(self) -> None:
         """Every turn's logprobs (and a one-turn episode's experts) from the trainer's forward
         of the episodes as they stand."""
-        completions = [[t for ctx, c in turns for t in ctx + c.ids] for _, turns in self.episodes]
-        generated = [[m for ctx, c in turns for m in [False] * len(ctx) + [True] * len(c.ids)]
-                     for _, turns in self.episodes]
-        packed = rl.pack([p for p, _ in self.episodes], completions, generated)
+        episodes = [rl.Episode(None, [rl.Turn(ctx if k else p, c) for k, (ctx, c) in
+                                      enumerate(turns)]) for p, turns in self.episodes]
+        by_turn = bool(rl.linear_layers(self.model.args))  # packed as the trainer packs them
+        packed, episode = rl.pack_rollout(rl.episodes_rollout(episodes, False), by_turn)
         logprobs = torch.empty(len(packed.targets))  # (N,)
         routed = []
         with torch.no_grad():
@@ -395,7 +396,8 @@ class ExactEngine(TorchEngine):
         for c, lp in zip(turns, logprobs.split([len(c.ids) for c in turns])):
             c.logprobs = lp.tolist()  # fp32 values: Python floats hold them exactly
         if rl.sparse_layers(self.model.args):
-            for (p, ts), rows in zip(self.episodes, routed):
+            for s, rows in enumerate(routed):  # s: a sample of the packed batch
+                p, ts = self.episodes[int(episode[s])]
                 if len(ts) == 1:
                     ts[0][1].routed = rl.generated_routing(rows, len(p), len(ts[0][1].ids))
 

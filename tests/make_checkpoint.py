@@ -71,10 +71,12 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, help="the preset's layers cut to this many")
     p.add_argument("--vision", action="store_true", help="Qwen3.5: the hub's vision-language "
                    "layout")
+    p.add_argument("--chat", action="store_true", help="a tokenizer with a chat template")
     a = p.parse_args()
     qwen35 = a.preset in QWEN35_PRESETS
     shape = {**(QWEN35_PRESETS if qwen35 else PRESETS)[a.preset],
-             **({"layers": a.layers} if a.layers else {}), **({"vision": True} if a.vision else {})}
+             **({"layers": a.layers} if a.layers else {}), **({"vision": True} if a.vision else {}),
+             **({"chat": True} if a.chat else {})}
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # its bars, off a terminal, are lines of carriage returns

@@ -12,7 +12,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import cpu_argv
+from helpers import ExactEngine, cpu_argv, main_cpu, metrics_rows
 
 F64 = dict(dtype=torch.float64)
 
@@ -148,14 +148,15 @@ def test_a_preemption_stops_the_generate_in_one_sentence(q35, monkeypatch):
 # --- refusals ------------------------------------------------------------------------------
 
 
-def test_episodes_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35, tmp_path, capsys):
+def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35, tmp_path, capsys):
     path = q35()
     args = model_args(path)
-    with pytest.raises(rl.ConfigError, match=r"^--env: episodes of several turns on a Qwen3\.5 "
-                       r"are not supported yet \(vLLM prefills each turn's whole context again, "
-                       r"a schedule the trainer does not replay yet\); train it on single-turn "
-                       r"tasks\.$"):
-        rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)
+    rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)  # episodes: each turn replayed
+    with pytest.raises(rl.ConfigError, match=r"^--debug-parity: the op-by-op debugger does not "
+                       r"follow a Qwen3\.5's schedule \(prompts chunked, generated tokens "
+                       r"decoded\) yet; drop the flag \(every step's parity check still compares "
+                       r"every token\)\.$"):
+        rl.check_qwen35_engine(rl.Config(debug_parity=True), set(), args)
     rl.check_qwen35_engine(rl.Config(), set(), args)  # prefix caching on by default: turned off
     rl.check_qwen35_engine(rl.Config(prefix_caching=False), {"prefix_caching"}, args)
     rl.check_qwen35_engine(rl.Config(env="calc"), {"prefix_caching"}, None)  # Qwen3: nothing
@@ -263,6 +264,63 @@ def test_packed_holds_each_samples_prefill_length():
     rows, cu, spans = bib.prefill_schedule(p.cu_seqlens, p.prefill)
     assert rows.tolist() == [0, 1, 2, 5] and cu.tolist() == [0, 3, 4]
     assert spans == [(3, 5), (6, 9)]  # the rows vLLM decoded, one a step
+
+
+def test_a_qwen35s_episodes_are_packed_a_turn_a_sample_with_its_whole_request():
+    """Worked example: episode 0 of one turn (prompt [1, 2], out [3]); episode 1 of three (prompt
+    [4], out [5, 6]; tool [7], out [8]; tool [9, 10], out [11, 12]). By turn, each turn is a
+    sample prompted with its request as vLLM got it (every earlier turn and tool message), all
+    of it prefilled; the targets are the outs in the order of the engine's logprobs. Not by
+    turn (Qwen3): an episode a sample, the tools' ids context, not targets."""
+    def turn(ctx, ids):
+        return rl.Turn(ctx, rl.Completion(ids, [0.0] * len(ids), True))
+
+    episodes = [rl.Episode(None, [turn([1, 2], [3])]),
+                rl.Episode(None, [turn([4], [5, 6]), turn([7], [8]), turn([9, 10], [11, 12])])]
+    rollout = rl.episodes_rollout(episodes, False)
+    p, episode = rl.pack_rollout(rollout, by_turn=True)
+    assert episode.tolist() == [0, 1, 1, 1]
+    assert p.cu_seqlens.tolist() == [0, 3, 6, 11, 20]
+    assert p.tokens.tolist() == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8,
+                                 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert p.prefill.tolist() == [2, 1, 4, 7]
+    assert p.targets.tolist() == [3, 5, 6, 8, 11, 12] and p.sample.tolist() == [0, 1, 1, 2, 3, 3]
+    assert p.tokens[p.gen_index + 1].tolist() == p.targets.tolist()  # each predicts the next
+    whole, episode = rl.pack_rollout(rollout, by_turn=False)
+    assert episode.tolist() == [0, 1] and whole.cu_seqlens.tolist() == [0, 3, 12]
+    assert whole.targets.tolist() == [3, 5, 6, 8, 11, 12] and whole.prefill.tolist() == [2, 1]
+
+
+def test_a_qwen35_plays_episodes_of_several_turns_every_token_equal(q35, tmp_path):
+    """Two steps on the stand-in engine, episodes of 1-3 turns (tool messages between them):
+    every generated token equal, turns past the first in the batch; the update saw a sample a
+    turn (its requests), each with its episode's advantage."""
+    from test_episodes import SCRIPTED
+
+    (tmp_path / "envs.py").write_text(SCRIPTED)
+    seen = []
+    plain = rl.pack_rollout
+
+    def keep(rollout, by_turn):  # the update's packing (the stand-in engine packs alike)
+        packed = plain(rollout, by_turn)
+        if sys._getframe(1).f_code.co_name == "update_with_parity":
+            seen.append((by_turn, len(rollout.episodes), *packed))
+        return packed
+
+    argv = cpu_argv(q35(chat=True), tmp_path / "runs", steps=2, eval_size=0, save_every=0,
+                    env=f"{tmp_path / 'envs.py'}:Counted", max_turns=3, max_model_len=256,
+                    micro_batch_tokens=256, run_name="r")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(rl, "pack_rollout", keep)
+        assert main_cpu(argv, ExactEngine) == 0
+    rows = [r for r in metrics_rows(tmp_path / "runs" / "r") if "loss" in r]
+    assert len(rows) == 2 and any(r["episode/turns_mean"] > 1 for r in rows)
+    for r in rows:
+        assert r["determinism/tokens"] > 0 and r["determinism/mismatched_tokens"] == 0, r
+    assert len(seen) == 2
+    for by_turn, n_episodes, packed, episode in seen:
+        assert by_turn and len(packed.prefill) > n_episodes == 6
+        assert episode.tolist() == sorted(episode.tolist())
 
 
 # --- vLLM's schedule, on the reference forms ----------------------------------------------

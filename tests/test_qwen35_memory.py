@@ -291,6 +291,45 @@ def test_padded_rows_bound_what_the_gdn_backward_pads():
             assert len(part) * -(-batch.max_seqlen // 64) * 64 <= bound, (c, part)
 
 
+def test_a_qwen35s_episodes_packed_by_turn_stay_within_the_bounds():
+    """A Qwen3.5 trains an episode of k turns as k samples (rl.pack_rollout), each its whole
+    request: random episodes of 1-4 turns with tool messages, packed so, keep every micro-batch
+    within trained_rows and padded_rows taken with turns = --max-turns."""
+    rng = random.Random(1)
+
+    def turn(ctx, n):
+        return rl.Turn(ctx, rl.Completion([1] * n, [0.0] * n, True))
+
+    for _ in range(300):
+        turns = rng.choice([1, 2, 4])
+        c = rl.Config(num_prompts=rng.choice([2, 4, 8]), group_size=rng.choice([2, 4]),
+                      max_new_tokens=rng.choice([8, 32, 96]), max_model_len=256,
+                      env="calc" if turns > 1 else "", max_turns=turns,
+                      micro_batch_tokens=rng.choice([256, 512, 1024, 4096]))
+        world = rng.choice([1, 2])
+        shortest = rng.randint(1, 100)
+        longest = rng.randint(shortest, 256 - c.max_new_tokens)
+        episodes = []
+        for _ in range(rl.samples_per_rank(c, world)):
+            ctx, used, played = [3] * rng.randint(shortest, longest), 0, []
+            for k in range(rng.randint(1, turns)):
+                used += len(ctx)
+                n = min(rng.randint(1, c.max_new_tokens), c.max_model_len - used)
+                played.append(turn(ctx, n))
+                used += n
+                ctx = [2] * min(rng.randint(0, 60), c.max_model_len - used - 1)
+                if not ctx or c.max_model_len - used - len(ctx) < 1:
+                    break
+            episodes.append(rl.Episode(None, played))
+        packed, _ = rl.pack_rollout(rl.episodes_rollout(episodes, False), by_turn=True)
+        rows, generated = rl.trained_rows(c, world, (shortest, longest), turns)
+        padded = rl.padded_rows(c, world, (shortest, longest), turns)
+        for part in rl.plan_micro_batches(packed, c):
+            batch, _ = rl.sub_pack(packed, part)
+            assert len(batch.tokens) <= rows and len(batch.targets) <= generated, (c, part)
+            assert len(part) * -(-batch.max_seqlen // 64) * 64 <= padded, (c, part)
+
+
 def test_qwen35_4b_at_the_defaults_picks_a_micro_batch_that_fits_an_h200():
     """Qwen3.5-4B at the defaults (16 prompts x 8 samples, 1024 tokens), prompts of 20 to 60
     tokens: 4096 tokens a micro-batch fit 140 GiB and 8192 do not. The activations are 32 layers

@@ -5,7 +5,7 @@ logprob must be vLLM's bit for bit, before and after a weight push; three prompt
 alone must draw what they drew inside the batch.
 
 Then simple_rl.py itself on that model at T = 0.7: two runs and a resumed one end at one sha256,
-0 mismatched tokens at every step.
+0 mismatched tokens at every step; and episodes of 1-4 turns with tool messages between them.
 
 The model: Qwen3.5-0.8B's shapes (head_dim 256, 16 linear heads of 128, partial rotary), cut
 to 4 layers (three Gated DeltaNet, one gated attention), random bf16 weights. It runs through
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gpu import ROOT, _need_gpu_stack, driver, simple_rl
+from test_gpu import ROOT, SCRIPTED_ENV, _need_gpu_stack, driver, episode_run, simple_rl
 
 pytestmark = pytest.mark.gpu
 
@@ -31,10 +31,10 @@ RUN = ("--prompts", "16", "--group", "8", "--steps", "2", "--max-new-tokens", "2
 RUNS = {"cuda-graphs": (), "eager": ("--no-cuda-graphs",)}
 
 
-def make_qwen35(out: Path) -> Path:
+def make_qwen35(out: Path, *flags) -> Path:
     if not (out / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(out),
-                        *SHAPE, "--device", "cuda"], check=True, timeout=900)
+                        *SHAPE, "--device", "cuda", *flags], check=True, timeout=900)
     return out
 
 
@@ -82,3 +82,19 @@ def test_simple_rl_on_a_qwen35_is_exact_deterministic_and_resumable(tmp_path):
     assert part[1] != a[1] and resumed[1] == a[1]
     assert all("identical=yes" in line for line in resumed[0] if line.startswith("parity:"))
     print({"sha256": a[1], "lines": a[0]})
+
+
+def test_every_token_of_every_turn_of_a_qwen35_bitwise_equal(tmp_path):
+    """simple_rl.py on the Qwen3.5 above (with a chat template), 3 steps of 16 prompts x 8
+    episodes of 1-4 turns, a tool message before each later turn: vLLM prefills each turn's
+    whole request (no prefix cache) and the trainer replays every turn as a sample of its own;
+    0 mismatched tokens at every step, every turn's tokens counted."""
+    _need_gpu_stack()
+    make_qwen35(tmp_path / "ckpt", "--chat")
+    (tmp_path / "env.py").write_text(SCRIPTED_ENV)
+    rows, _ = episode_run(tmp_path, "turns")
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["determinism/mismatched_tokens"] == 0 and r["determinism/max_abs_diff"] == 0, r
+        assert r["episode/turns_mean"] > 1 and r["episode/tool_tokens_mean"] > 0, r
