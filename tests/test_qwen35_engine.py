@@ -293,8 +293,9 @@ def test_a_qwen35s_episodes_are_packed_a_turn_a_sample_with_its_whole_request():
 
 def test_a_qwen35_plays_episodes_of_several_turns_every_token_equal(q35, tmp_path):
     """Two steps on the stand-in engine, episodes of 1-3 turns (tool messages between them):
-    every generated token equal, turns past the first in the batch; the update saw a sample a
-    turn (its requests), each with its episode's advantage."""
+    the run's plumbing with a sample a turn (its requests, each with its episode's advantage),
+    every token equal. The stand-in packs as the trainer does, so the bits against vLLM's
+    schedule are tests/test_qwen35_parity_gpu.py's."""
     from test_episodes import SCRIPTED
 
     (tmp_path / "envs.py").write_text(SCRIPTED)
