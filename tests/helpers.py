@@ -580,3 +580,16 @@ def assert_custom_backwards_match_autograd(path, lengths) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, atol=2e-5, rtol=1e-4, msg=name)
         assert pa.grad.abs().sum() > 0, name
+
+
+def random_step(rng, turns=(1,)) -> tuple:
+    """A small random step for the memory bounds' checks: (config, ranks, shortest and longest
+    first prompt), its episodes of up to a choice of `turns` turns (--env when more than one)."""
+    n = rng.choice(turns)
+    c = rl.Config(num_prompts=rng.choice([2, 4, 8]), group_size=rng.choice([2, 4]),
+                  max_new_tokens=rng.choice([8, 32, 96]), max_model_len=256,
+                  env="calc" if n > 1 else "", max_turns=n,
+                  micro_batch_tokens=rng.choice([256, 512, 1024, 4096]))
+    world = rng.choice([1, 2])
+    shortest = rng.randint(1, 100)
+    return c, world, shortest, rng.randint(shortest, 256 - c.max_new_tokens)

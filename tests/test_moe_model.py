@@ -15,7 +15,7 @@ import torch
 import batch_invariant_backward as bib
 import simple_rl as rl
 from helpers import (ExactEngine, cast_once_changes_no_bit, cpu_argv, main_cpu,
-                     make_moe_checkpoint, metrics_rows)
+                     make_moe_checkpoint, metrics_rows, random_step)
 
 TINY_MOE = dict(vocab=384, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, inter=96,
                 moe_inter=32, experts=8, top_k=2, mlp_only=(1,), norm_topk=True, tied=False)
@@ -183,14 +183,8 @@ def test_trained_rows_bound_what_a_micro_batch_holds():
     assert rl.trained_rows(episodes, 1, (20, 30)) == (32768, -(-32768 * 492 // 512))
     rng = random.Random(0)
     for _ in range(300):
-        turns = rng.choice([1, 1, 2, 4])
-        c = rl.Config(num_prompts=rng.choice([2, 4, 8]), group_size=rng.choice([2, 4]),
-                      max_new_tokens=rng.choice([8, 32, 96]), max_model_len=256,
-                      env="calc" if turns > 1 else "", max_turns=turns,
-                      micro_batch_tokens=rng.choice([256, 512, 1024, 4096]))
-        world = rng.choice([1, 2])
-        shortest = rng.randint(1, 100)
-        longest = rng.randint(shortest, 256 - c.max_new_tokens)
+        c, world, shortest, longest = random_step(rng, turns=(1, 1, 2, 4))
+        turns = c.max_turns
         prompts, completions, model = [], [], []
         for _ in range(rl.samples_per_rank(c, world)):
             p = rng.randint(shortest, longest)

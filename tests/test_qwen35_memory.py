@@ -14,6 +14,7 @@ from transformers import Qwen3_5TextConfig
 
 import batch_invariant_backward as bib
 import simple_rl as rl
+from helpers import random_step
 
 GIB = 2**30
 
@@ -301,14 +302,8 @@ def test_a_qwen35s_episodes_packed_by_turn_stay_within_the_bounds():
         return rl.Turn(ctx, rl.Completion([1] * n, [0.0] * n, True))
 
     for _ in range(300):
-        turns = rng.choice([1, 2, 4])
-        c = rl.Config(num_prompts=rng.choice([2, 4, 8]), group_size=rng.choice([2, 4]),
-                      max_new_tokens=rng.choice([8, 32, 96]), max_model_len=256,
-                      env="calc" if turns > 1 else "", max_turns=turns,
-                      micro_batch_tokens=rng.choice([256, 512, 1024, 4096]))
-        world = rng.choice([1, 2])
-        shortest = rng.randint(1, 100)
-        longest = rng.randint(shortest, 256 - c.max_new_tokens)
+        c, world, shortest, longest = random_step(rng, turns=(1, 2, 4))
+        turns = c.max_turns
         episodes = []
         for _ in range(rl.samples_per_rank(c, world)):
             ctx, used, played = [3] * rng.randint(shortest, longest), 0, []
