@@ -283,16 +283,19 @@ LEARNING_RUN = ["--num-prompts", "64", "--group-size", "8", "--max-new-tokens", 
                 "--eval-size", "512", "--no-engine-sleep"]
 
 
-def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
-    """examples/warm_start.py's model (or the one SIMPLE_RL_WARM_START names), then simple_rl.py
-    from it on one GPU: greedy accuracy on held-out problems rises by at least 10 points in 60
-    steps, and no generated token's logprob differs at any step."""
+@pytest.mark.parametrize("arch, gain", [("qwen3", 0.10), ("qwen3.5", 0.20)])
+def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory, arch, gain):
+    """examples/warm_start.py's model of the architecture (or, for Qwen3, the one
+    SIMPLE_RL_WARM_START names), then simple_rl.py from it on one GPU: greedy accuracy on
+    held-out problems rises by at least `gain` in 60 steps (Qwen3.5: 20 points, as its issue
+    asks), and no generated token's logprob differs at any step."""
     _need_gpu_stack()
     tmp = tmp_path_factory.mktemp("learn")
-    warm = os.environ.get("SIMPLE_RL_WARM_START") or str(tmp / "warm")
-    if not os.environ.get("SIMPLE_RL_WARM_START"):
-        subprocess.run([sys.executable, str(ROOT / "examples" / "warm_start.py"), "--out", warm],
-                       check=True, timeout=900)
+    given = os.environ.get("SIMPLE_RL_WARM_START") if arch == "qwen3" else None
+    warm = given or str(tmp / "warm")
+    if not given:
+        subprocess.run([sys.executable, str(ROOT / "examples" / "warm_start.py"), "--arch", arch,
+                        "--out", warm], check=True, timeout=900)
     cmd = [sys.executable, str(ROOT / "simple_rl.py"), "--model", warm, *LEARNING_RUN,
            "--steps", "60", "--eval-every", "20", "--save-every", "0",
            "--log-dir", str(tmp / "runs"), "--run-name", "learn"]
@@ -305,7 +308,7 @@ def test_grpo_raises_the_held_out_accuracy_of_a_warm_start(tmp_path_factory):
     print(json.dumps({"held_out_accuracy": acc,
                       "reward_mean": [round(r["reward_mean"], 3) for r in steps]}))
     assert sorted(acc) == [0, 20, 40, 60]
-    assert acc[60] >= acc[0] + 0.10, acc
+    assert acc[60] >= acc[0] + gain, acc
     assert len(steps) == 60
     assert all(r["determinism/mismatched_tokens"] == 0 and r["determinism/tokens"] > 5000
                for r in steps)
