@@ -29,6 +29,8 @@ Qwen3.5-0.8B and 9B.
       grow with the token count).
   P7  FlashInfer gemma_rmsnorm and gemma_fused_add_rmsnorm: rows alone, and in batches of 1 to
       4097 rows, equal the same rows in one call of 8192.
+  P12 the trainer's replay (bib.vllm_gated_delta_rule) over a packed batch equals the engine's
+      schedule: prompts prefilled in one call, then one decode launch a step.
   P11 fused_qk_rmsnorm_rope_gate: M-RoPE positions of three equal rows equal 1-D positions;
       rows alone or in small calls equal the rows of one call.
   prefill vs decode: the prefill's output for the last prompt token is NOT the recurrent
@@ -263,6 +265,42 @@ def _ref_recurrent(gdn, mixed_qkv, b, a, h=None):
         h = h + delta[:, :, None] * k[t, :, None, :]
         out.append((h @ q[t, :, :, None])[..., 0])
     return torch.stack(out)
+
+
+# ------------------------------------------------------------- the trainer's replay (P12)
+
+REPLAY = [(300, 40), (64, 17), (1, 1), (129, 64), (70, 0)]  # (prompt, generated) per sample
+
+
+def test_p12_the_trainers_replay_gives_the_engines_bits(gdn):
+    """bib.vllm_gated_delta_rule, the trainer's replay, over a packed batch of 5 samples against
+    the engine's schedule: the prompts prefilled in one call from zero states, then a decode
+    step per generated token (one launch a step, one token of each sample still going), the
+    states in their slots between steps. The conv's output is the input here (P2 covers the
+    conv); every output row bit-equal."""
+    import batch_invariant_backward as bib
+
+    lens = [p + g for p, g in REPLAY]
+    cu = list(itertools.accumulate(lens, initial=0))
+    mixed, _, b, a = _views(gdn, torch.arange(sum(lens), device="cuda"))
+    slots = list(range(1, len(REPLAY) + 1))
+    _, ssm = _cache(gdn)
+    want = torch.empty(sum(lens), gdn.hv, V, dtype=torch.bfloat16, device="cuda")
+    prompt = torch.cat([torch.arange(c, c + p, device="cuda") for c, (p, _) in zip(cu, REPLAY)])
+    want[prompt] = _prefill(gdn, mixed[prompt].contiguous(), b[prompt], a[prompt], ssm,
+                            [p for p, _ in REPLAY], slots, [False] * len(REPLAY))
+    for j in range(max(g for _, g in REPLAY)):
+        live = [n for n, (_, g) in enumerate(REPLAY) if j < g]
+        at = torch.tensor([cu[n] + REPLAY[n][0] + j for n in live], device="cuda")
+        want[at] = _recurrent(gdn, mixed[at], b[at], a[at], ssm, [1] * len(live),
+                              _i32(slots[n] for n in live))
+    q, k, v = mixed.split([gdn.h * K, gdn.h * K, gdn.hv * V], dim=-1)
+    T = sum(lens)
+    got = bib.vllm_gated_delta_rule(q.view(T, gdn.h, K), k.view(T, gdn.h, K),
+                                    v.view(T, gdn.hv, V), a, b, gdn.A_log, gdn.dt_bias,
+                                    _i32(cu), max(lens), torch.tensor([p for p, _ in REPLAY]))
+    assert not _report(f"P12 {gdn.name} the trainer's replay vs the engine's schedule",
+                       [_diff("outputs", got, want)])
 
 
 # ----------------------------------------------------------------------------- conv (P2)
