@@ -154,8 +154,9 @@ class Config:
                          "128, 256, 320, 512. LoRA wants about 10x full fine-tuning's --lr")
     lora_alpha: float = opt("lora", 32.0, "LoRA alpha: a layer adds (alpha / r) B A x")
     lora_targets: str = opt("lora", "all", "comma-separated layers that get adapters: q_proj, "
-                            "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (all: every "
-                            "one; Qwen3-MoE: attention only)")
+                            "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; Qwen3.5 "
+                            "also in_proj_qkv, in_proj_z, out_proj, in_proj_b, in_proj_a (all: "
+                            "every one but in_proj_b, in_proj_a; an MoE: no MLP)")
     export: str = opt("lora", "adapter", "the final export of a LoRA run: adapter (PEFT: "
                       "adapter_config.json + adapter_model.safetensors) or merged (a Hugging "
                       "Face checkpoint with B A added)", ("adapter", "merged"))
@@ -301,7 +302,11 @@ class LoRA(nn.Module):
                  scale: float, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
         self.names = names  # PEFT's name of each slice, None where --lora-targets leaves it out
-        self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in)) for _ in sizes)
+        # groups[s]: slice s's A, shared by a PEFT module's slices (see LORA_LAYERS)
+        keys = [n or s for s, n in enumerate(names)]  # an untargeted slice: its own (zero) A
+        self.groups = tuple(list(dict.fromkeys(keys)).index(k) for k in keys)
+        self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in))
+                                  for _ in range(max(self.groups) + 1))
         self.b = nn.ParameterList(nn.Parameter(torch.empty(n, rank)) for n in sizes)
         self.scale = scale
         self.ops = ops
@@ -309,14 +314,17 @@ class LoRA(nn.Module):
         self.casts: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
         self.enabled = True  # off: the base policy (the KL reference)
 
+    def slice_a(self) -> list[nn.Parameter]:  # each slice's A (a shared one repeated)
+        return [self.a[g] for g in self.groups]
+
     def refresh(self) -> None:
         """casts <- (A, B') rounded to the compute dtype (every rank: FSDP gathers)."""
         with torch.no_grad():
             if self.casts is None:
                 self.casts = tuple(tuple(torch.empty(1, 1, *p.shape, dtype=self.dtype,
                                                      device=p.device) for p in ps)
-                                   for ps in (self.a, self.b))
-            for cast, a in zip(self.casts[0], self.a):
+                                   for ps in (self.slice_a(), self.b))
+            for cast, a in zip(self.casts[0], self.slice_a()):
                 cast.view(a.shape).copy_(full_tensor(a))
             for cast, b in zip(self.casts[1], self.b):
                 cast.view(b.shape).copy_(self.scale * full_tensor(b))
@@ -324,7 +332,7 @@ class LoRA(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return y
-        return self.ops.lora(x, y, self.casts, self.scale, *self.a, *self.b)  # (T, sum n_s)
+        return self.ops.lora(x, y, self.casts, self.scale, *self.slice_a(), *self.b)
 
 
 class RMSNorm(nn.Module):
@@ -669,12 +677,18 @@ def weights_cast_once(model: Qwen3):
 
 
 # LoRA: the trainer's fused layers that take adapters, with vLLM's (packed) LoRA layer and
-# PEFT's module name of each slice, in FUSED order.
+# PEFT's module name of each slice, in FUSED order (vLLM's q, k, v slices of Qwen3.5's
+# in_proj_qkvz are PEFT's in_proj_qkv: one A, copied into each).
 LORA_LAYERS = {"attention.wqkv": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
                "attention.wo": ("self_attn.o_proj", ("o_proj",)),
+               "attention.in_proj_qkvz": ("linear_attn.in_proj_qkvz", ("in_proj_qkv",) * 3
+                                          + ("in_proj_z",)),
+               "attention.in_proj_ba": ("linear_attn.in_proj_ba", ("in_proj_b", "in_proj_a")),
+               "attention.out_proj": ("linear_attn.out_proj", ("out_proj",)),
                "feed_forward.w13": ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
                "feed_forward.w2": ("mlp.down_proj", ("down_proj",))}
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "out_proj", "in_proj_b", "in_proj_a")
 
 
 @dataclass(frozen=True)
@@ -687,20 +701,15 @@ class LoRASpec:
 def add_lora(model: Qwen3, lora: LoRASpec) -> None:
     """An adapter on every fused layer that holds a target; its untargeted slices (k_proj of
     q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0 and so stay 0."""
-    sizes = {"attention.wqkv": fused_sizes(model.args)["attention.wqkv.weight"],
-             "attention.wo": [model.args.dim], "feed_forward.w2": [model.args.dim],
-             "feed_forward.w13": [model.args.hidden_dim] * 2}
+    sizes = lora_slice_sizes(model.args)
     for block in model.layers:
+        layers = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
         for path, (_, names) in LORA_LAYERS.items():
-            if set(names) & set(lora.targets) and not (block.sparse and "feed" in path):
-                layer = block.get_submodule(path)
+            if set(names) & set(lora.targets) and path in layers:
+                layer = layers[path]
                 kept = tuple(n if n in lora.targets else None for n in names)
                 layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, lora.rank,
                                   lora.alpha / lora.rank, model.ops, model.dtype)
-
-
-def lora_modules(model: nn.Module) -> list[LoRA]:
-    return [m for m in model.modules() if isinstance(m, LoRA)]
 
 
 class BasePolicy:
@@ -2659,6 +2668,9 @@ def load_model_files(cfg: Config, path: Path | None = None) -> ModelFiles:
          f"the model's max_position_embeddings ({args.max_seq_len}).")
     check_weight_headers(path, args)
     check_lora(cfg, args)
+    need(not (cfg.lora_rank and vision_note(path)), f"--lora-rank: {path} is a vision-language "
+         "checkpoint, whose adapter names simple_rl does not write yet; train its text model in "
+         "full, or save the text model (Qwen3_5ForCausalLM) and adapt that.")
     tokenizer = load_tokenizer(path, args)
     eos_ids = stop_token_ids(path, tokenizer, hf_cfg)
     need(bool(eos_ids) and max(eos_ids) < args.vocab_size, f"the tokenizer's eos ids {eos_ids} "
@@ -2672,16 +2684,24 @@ def check_lora(cfg: Config, args) -> None:
     lora = lora_spec(cfg, args)
     if lora is None:
         return
-    need(qwen35(args) is None, "--lora-rank: LoRA on a Qwen3.5 is not supported yet (the "
-         "trainer has no adapters on its linear-attention layers); train it in full.")
+    c = qwen35(args)
+    linear = [t for t in lora.targets if t in LORA_TARGETS[7:]]
+    need(c or not linear, f"--lora-targets {','.join(linear)}: these are Qwen3.5's linear "
+         f"attention's layers, which a Qwen3 has not; target {', '.join(LORA_TARGETS[:7])}.")
     mlp = set(lora.targets) & {"gate_proj", "up_proj", "down_proj"}
     need(not (sparse_layers(args) and mlp), f"--lora-targets {','.join(sorted(mlp))}: a "
          "Qwen3-MoE's MLPs are its experts, which take no adapter here (vLLM's fused-MoE LoRA "
          "kernels are not the trainer's); target q_proj, k_proj, v_proj, o_proj.")
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    widths = dict(q_proj=(args.dim, q), k_proj=(args.dim, kv), v_proj=(args.dim, kv),
+    widths = dict(q_proj=(args.dim, fused_sizes(args)["attention.wqkv.weight"][0]),
+                  k_proj=(args.dim, kv), v_proj=(args.dim, kv),
                   o_proj=(q, args.dim), gate_proj=(args.dim, args.hidden_dim),
                   up_proj=(args.dim, args.hidden_dim), down_proj=(args.hidden_dim, args.dim))
+    if c:  # a slice's rows (in_proj_qkv: q, k, v)
+        k, v = c.k_heads * c.k_dim, c.v_heads * c.v_dim
+        widths |= dict(in_proj_qkv=(args.dim, min(k, v)), in_proj_z=(args.dim, v),
+                       in_proj_b=(args.dim, c.v_heads), in_proj_a=(args.dim, c.v_heads),
+                       out_proj=(v, args.dim))
     narrow = {t: min(widths[t]) for t in lora.targets if min(widths[t]) < lora.rank}
     need(not narrow, f"--lora-rank {lora.rank} exceeds the width of "
          f"{', '.join(f'{t} ({w})' for t, w in narrow.items())}: a rank above a layer's width "
@@ -3807,8 +3827,10 @@ def start_adapter(engine: VLLMEngine, files: ModelFiles):
     with torch.device("meta"):
         shapes = Qwen3(files.args, bib.reference_kernels(), dtype)
         add_lora(shapes, engine.lora)
-    zeros = {f"{name}.lora_{ab}.weight": torch.zeros(p[s].shape, dtype=dtype)
-             for name, m, s in adapter_slices(shapes) for ab, p in (("A", m.a), ("B", m.b))}
+    zeros = {f"{name}.lora_{ab}.weight": torch.zeros(shape, dtype=dtype)
+             for name, m, slices in adapter_slices(shapes) for ab, shape in (
+                 ("A", m.slice_a()[slices[0]].shape),
+                 ("B", (sum(m.b[s].shape[0] for s in slices), m.b[slices[0]].shape[1])))}
     save_peft_adapter(Path(engine.adapter_dir.name), zeros, engine.lora, files.path)
     request = LoRARequest("simple_rl", 1, engine.adapter_dir.name)
     engine.llm.generate([TokensPrompt(prompt_token_ids=[0])],
@@ -3841,25 +3863,44 @@ def adapter_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
     as `...q_proj.lora_A.weight`, B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
     for m in lora_modules(model):
         m.refresh()
-    for name, m, s in adapter_slices(model):
-        yield f"{name}.lora_A.weight", m.casts[0][s]
-        yield f"{name}.lora_B.weight", m.casts[1][s]
+    for name, m, slices in adapter_slices(model):
+        yield f"{name}.lora_A.weight", m.casts[0][slices[0]]  # a shared A: each slice a copy
+        b = [m.casts[1][s] for s in slices]
+        yield f"{name}.lora_B.weight", b[0] if len(b) == 1 else torch.cat(b, dim=-2)
+
+
+def lora_slice_sizes(args) -> dict[str, list[int]]:
+    """Rows of each output slice of vLLM's LoRA layer, by the trainer's layer (LORA_LAYERS)."""
+    fused = fused_sizes(args)
+    sizes = {"attention.wqkv": fused["attention.wqkv.weight"], "attention.wo": [args.dim],
+             "feed_forward.w13": fused["feed_forward.w13.weight"], "feed_forward.w2": [args.dim]}
+    c = qwen35(args)
+    if c:
+        k, v = c.k_heads * c.k_dim, c.v_heads * c.v_dim
+        sizes |= {"attention.in_proj_qkvz": [k, k, v, v], "attention.in_proj_ba": [c.v_heads] * 2,
+                  "attention.out_proj": [args.dim]}
+    return sizes
 
 
 def lora_spec(cfg: Config, args) -> LoRASpec | None:
-    """--lora-*: None for full fine-tuning. `all` is every target, attention only for MoE."""
+    """--lora-*: None for full fine-tuning. `all`: attention's, the MLP's but in an MoE (its
+    experts take none), and Qwen3.5's linear attention's but in_proj_b and in_proj_a (one gate
+    a head: narrower than most ranks; name them to adapt them)."""
     if not cfg.lora_rank:
         return None
-    every = LORA_TARGETS[:4] if sparse_layers(args) else LORA_TARGETS
+    every = (LORA_TARGETS[:4] + (() if sparse_layers(args) else LORA_TARGETS[4:7])
+             + (LORA_TARGETS[7:10] if qwen35(args) else ()))
     targets = every if cfg.lora_targets.strip() == "all" else named_targets(cfg.lora_targets)
     return LoRASpec(cfg.lora_rank, cfg.lora_alpha, targets)
 
 
 def named_targets(text: str) -> tuple[str, ...]:
     """--lora-targets as the set it names, in LORA_TARGETS' order ('v_proj, q_proj,q_proj' is
-    q_proj,v_proj; all is the seven)."""
+    q_proj,v_proj; all is Qwen3's seven: a resume compares with it, and lora_spec adds a
+    Qwen3.5's three of linear attention)."""
     names = {t.strip() for t in text.split(",")}
-    return tuple(t for t in LORA_TARGETS if t in names or "all" in names)
+    return tuple(t for t in LORA_TARGETS if t in names or "all" in names and t in
+                 LORA_TARGETS[:7])
 
 
 def engine_lora_args(lora: LoRASpec) -> dict:
@@ -3884,7 +3925,7 @@ def bind_lora(model: Qwen3, slots: dict[str, tuple]) -> None:
     for name, m in model.named_modules():
         if isinstance(m, LoRA):
             a, b = slots[vllm_lora_layer(name)]
-            want = [(1, 1, *p.shape) for p in (*m.a, *m.b)]
+            want = [(1, 1, *p.shape) for p in (*m.slice_a(), *m.b)]
             assert [tuple(t.shape) for t in (*a, *b)] == want, f"{name}: vLLM's LoRA slot"
             m.casts = (tuple(a), tuple(b))
 
@@ -3897,23 +3938,26 @@ def lora_init(model: Qwen3, seed: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, LoRA):
-            for s, (a, b) in enumerate(zip(m.a, m.b)):
-                k = a.shape[1]
-                u = (torch.rand(a.shape, generator=g) * 2 - 1) / math.sqrt(k)
-                out[f"{name}.a.{s}"] = u if m.names[s] else torch.zeros(a.shape)
-                out[f"{name}.b.{s}"] = torch.zeros(b.shape)
+            for i, a in enumerate(m.a):  # a group's A: its first slice's name says if targeted
+                u = (torch.rand(a.shape, generator=g) * 2 - 1) / math.sqrt(a.shape[1])
+                out[f"{name}.a.{i}"] = u if m.names[m.groups.index(i)] else torch.zeros(a.shape)
+            out |= {f"{name}.b.{s}": torch.zeros(b.shape) for s, b in enumerate(m.b)}
     return out
 
 
-def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, int]]:
-    """(PEFT module name, its LoRA, slice) of every targeted slice:
-    `model.layers.3.self_attn.q_proj`, the wqkv adapter, 0."""
+def lora_modules(model: nn.Module) -> list[LoRA]:
+    return [m for m in model.modules() if isinstance(m, LoRA)]
+
+
+def adapter_slices(model: Qwen3) -> Iterator[tuple[str, LoRA, list[int]]]:
+    """(PEFT module name, its LoRA, its slices) of every targeted module:
+    `model.layers.3.self_attn.q_proj`, the wqkv adapter, [0]; Qwen3.5's
+    `model.layers.0.linear_attn.in_proj_qkv`, the in_proj_qkvz adapter, [0, 1, 2]."""
     for name, m in model.named_modules():
         if isinstance(m, LoRA):
             prefix = vllm_lora_layer(name).rsplit(".", 1)[0]  # model.layers.3.self_attn
-            for s, peft in enumerate(m.names):
-                if peft:
-                    yield f"{prefix}.{peft}", m, s
+            for peft in dict.fromkeys(n for n in m.names if n):
+                yield f"{prefix}.{peft}", m, [s for s, n in enumerate(m.names) if n == peft]
 
 
 # ==========================================================================
@@ -5300,7 +5344,7 @@ def merged_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
         m = adapters.get(name.removesuffix(".weight"))
         if m is not None:
             delta = torch.cat([m.scale * full_tensor(b.detach()) @ full_tensor(a.detach())
-                               for a, b in zip(m.a, m.b)])  # (sum n_s, K) fp32
+                               for a, b in zip(m.slice_a(), m.b)])  # (sum n_s, K) fp32
             w = (w.float() + delta).to(model.dtype)
         items = to_hf_items(name, w, model.args, adapter, False)
         yield from items if is_main() else ()
@@ -5781,21 +5825,24 @@ def count_params(args) -> int:
 
 
 def lora_params(cfg: Config, args) -> int:
-    """The adapters' parameters (0 without LoRA): r (K + sum n_s) per adapted layer, every
-    slice of a fused layer counted (vLLM's packed layer holds them all)."""
+    """The adapters' parameters (0 without LoRA): r (S K + sum n_s) per adapted layer of S
+    slices, every slice counted (vLLM's packed layer holds them all, a shared A in each)."""
     lora = lora_spec(cfg, args)
     if lora is None:
         return 0
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    shapes = {"attention.wqkv": (3 * args.dim, q + 2 * kv), "attention.wo": (q, args.dim),
-              "feed_forward.w13": (2 * args.dim, 2 * args.hidden_dim),
-              "feed_forward.w2": (args.hidden_dim, args.dim)}  # (S K, sum n_s)
-    dense = args.n_layers - len(sparse_layers(args))
+    c, linear = qwen35(args), linear_layers(args)
+    inputs = {"attention.wo": args.n_heads * args.head_dim, "feed_forward.w2": args.hidden_dim,
+              "attention.out_proj": c.v_heads * c.v_dim if c else 0}  # K; else args.dim
+    count = {"attention": args.n_layers - len(linear), "linear": len(linear),
+             "feed": args.n_layers - len(sparse_layers(args))}
     total = 0
-    for path, (_, names) in LORA_LAYERS.items():
-        if set(names) & set(lora.targets):
-            layers = dense if path.startswith("feed") else args.n_layers
-            total += layers * lora.rank * sum(shapes[path])
+    for path, sizes in lora_slice_sizes(args).items():
+        if set(LORA_LAYERS[path][1]) & set(lora.targets):
+            vllm_layer = LORA_LAYERS[path][0]
+            kind = ("linear" if vllm_layer.startswith("linear_attn") else
+                    "feed" if path.startswith("feed") else "attention")
+            k = inputs.get(path, args.dim)
+            total += count[kind] * lora.rank * (len(sizes) * k + sum(sizes))
     return total
 
 

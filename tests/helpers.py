@@ -306,9 +306,12 @@ class TorchEngine(rl.Engine):
                                         "cpu", lora=spec)
             self.model.requires_grad_(False)
         with torch.no_grad():
-            for name, m, s in rl.adapter_slices(self.model):
-                m.a[s].copy_(adapter[f"{name}.lora_A.weight"].view(m.a[s].shape))
-                m.b[s].copy_(adapter[f"{name}.lora_B.weight"].view(m.b[s].shape))
+            for name, m, slices in rl.adapter_slices(self.model):
+                a = m.slice_a()[slices[0]]
+                a.copy_(adapter[f"{name}.lora_A.weight"].view(a.shape))
+                b = adapter[f"{name}.lora_B.weight"].reshape(-1, a.shape[0])
+                for s, part in zip(slices, b.split([m.b[s].shape[0] for s in slices])):
+                    m.b[s].copy_(part)
 
 
 def first_turns(engine, prompts, indices, step) -> rl.Rollout:

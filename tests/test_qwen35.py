@@ -13,7 +13,7 @@ import batch_invariant_backward as bib
 import simple_rl as rl
 from helpers import ExactEngine, assert_custom_backwards_match_autograd, cpu_argv, main_cpu
 from helpers import cpu_trainer as trainer
-from helpers import metrics_rows
+from helpers import metrics_rows, run_cpu
 from helpers import random_ids as seqs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,10 +326,60 @@ def test_an_unknown_layer_type_is_refused_in_one_sentence(q35, tmp_path, capsys,
         "simple_rl runs Qwen3.5's 'linear_attention' and 'full_attention' layers only.\n")
 
 
-def test_lora_on_a_qwen35_is_refused_in_one_sentence(q35, tmp_path, capsys):
-    argv = cpu_argv(q35(), tmp_path / "logs", lora_rank=8, kernels="vllm") + ["--check"]
-    capsys.readouterr()  # what came before (the checkpoint made for the test) is not the run's
-    assert main_cpu(argv) == 2
-    assert capsys.readouterr().err == (
-        "simple_rl: error: --lora-rank: LoRA on a Qwen3.5 is not supported yet (the trainer has "
-        "no adapters on its linear-attention layers); train it in full.\n")
+def test_lora_on_a_qwen35_trains_and_exports_what_peft_computes(q35, tmp_path):
+    """LoRA r8 on a Qwen3.5's every default target (its attention, MLP and linear attention's
+    in_proj_qkv, in_proj_z and out_proj), 3 steps on the exact stand-in engine: every token
+    equal, the base frozen; in_proj_qkv is vLLM's q, k and v slices of in_proj_qkvz with one A
+    (two A's in that layer's adapter, one for z), so the exported PEFT adapter, loaded by peft
+    on transformers' Qwen3.5, gives the merged export's logits; a resume ends where the run
+    does."""
+    peft = pytest.importorskip("peft")
+    from transformers import Qwen3_5ForCausalLM
+
+    path, lora = q35(), dict(lora_rank=8, lr=1e-2, eval_size=0)
+    digest = run_cpu(cpu_argv(path, tmp_path, steps=3, run_name="a", **lora), ExactEngine)
+    run_cpu(cpu_argv(path, tmp_path, steps=3, run_name="m", export="merged", **lora),
+            ExactEngine)
+    run_cpu(cpu_argv(path, tmp_path, steps=2, run_name="part", **lora), ExactEngine)
+    saved = tmp_path / "part" / "checkpoints" / "step_000002"
+    assert run_cpu(cpu_argv(path, tmp_path, steps=3, run_name="part", resume=str(saved)),
+                   ExactEngine) == digest
+    rows = [r for r in metrics_rows(tmp_path / "a", timings=False) if "loss" in r]
+    assert len(rows) == 3 and all(r["determinism/mismatched_tokens"] == 0 for r in rows)
+    config = json.loads((tmp_path / "a" / "final" / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj",
+                                               "in_proj_qkv", "in_proj_z", "out_proj"])
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+    with torch.no_grad():
+        base = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        plain = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "a" / "final").eval()(ids)
+        merged = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "m" / "final",
+                                                    dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(merged, adapted.logits, rtol=1e-4, atol=1e-4)
+    assert (adapted.logits - plain).abs().max() > 1e-3  # the adapter does something
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "a" / "final" / "adapter_model.safetensors")
+    for name in ("in_proj_qkv", "in_proj_z", "out_proj"):  # trained, each from B = 0
+        b = saved[f"base_model.model.model.layers.0.linear_attn.{name}.lora_B.weight"]
+        assert b.abs().max() > 0, name
+    files = rl.load_model_files(rl.Config(model=str(path), dtype="float32"))
+    with torch.device("meta"):
+        model = rl.Qwen3(files.args, bib.reference_kernels(), torch.float32)
+        rl.add_lora(model, rl.lora_spec(rl.Config(lora_rank=8), files.args))
+    qkvz = model.layers[0].attention.in_proj_qkvz.lora
+    assert qkvz.groups == (0, 0, 0, 1) and len(qkvz.a) == 2 and len(qkvz.b) == 4
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(lora_rank=8, lora_targets="in_proj_b"), "--lora-rank 8 exceeds the width of "
+     "in_proj_b (4)"),
+    (dict(lora_rank=8, vision=True), "is a vision-language checkpoint"),
+])
+def test_lora_flags_a_qwen35_cannot_take_get_one_sentence(q35, tmp_path, capsys, flags, words):
+    path = q35(vision=flags.pop("vision", False))
+    capsys.readouterr()
+    assert main_cpu(cpu_argv(path, tmp_path / "logs", **flags) + ["--check"]) == 2
+    assert words in capsys.readouterr().err

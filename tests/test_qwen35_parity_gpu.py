@@ -98,3 +98,17 @@ def test_every_token_of_every_turn_of_a_qwen35_bitwise_equal(tmp_path):
     for r in steps:
         assert r["determinism/mismatched_tokens"] == 0 and r["determinism/max_abs_diff"] == 0, r
         assert r["episode/turns_mean"] > 1 and r["episode/tool_tokens_mean"] > 0, r
+
+
+def test_lora_on_a_qwen35_every_token_bitwise_equal_and_deterministic(tmp_path):
+    """simple_rl.py on the Qwen3.5 above with LoRA r16 on every default target (attention, MLP,
+    and the linear attention's in_proj_qkv, in_proj_z and out_proj, vLLM's LoRA kernels on its
+    4-slice in_proj_qkvz), 3 steps: every step's parity line identical, two runs one sha256."""
+    _need_gpu_stack()
+    make_qwen35(tmp_path / "ckpt")
+    lora = ("--lora-rank", "16", "--lr", "1e-3")
+    a, b = (simple_rl(tmp_path, name, 0, 3, *lora) for name in ("a", "b"))
+    parity = [line for line in a[0] if line.startswith("parity:")]
+    assert len(parity) == 3 and all("identical=yes" in line for line in parity), a[0]
+    assert a[0] == b[0] and a[1] == b[1]
+    print({"sha256": a[1], "lines": a[0]})
