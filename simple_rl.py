@@ -6271,7 +6271,8 @@ def prepare_environment(cfg: Config) -> None:
     """Before vLLM is imported: CUDA present, the environment parity needs, vLLM importable."""
     need(torch.cuda.is_available(), "no CUDA GPU found; the training job needs one (the tests "
          "run anywhere: see README.md).")
-    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_LORA_ENABLE_DUAL_STREAM": "0"}  # "1": LoRA's delta added after, apart
     # vLLM 0.34 has one model runner (V2) and raises on this variable unless it says "1"
     runner = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     if runner not in (None, "1"):
