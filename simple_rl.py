@@ -5846,6 +5846,11 @@ def lora_params(cfg: Config, args) -> int:
     return total
 
 
+def samples_an_episode(cfg: Config, args) -> int:
+    """The update's samples an episode at most: 1, or a Qwen3.5's --max-turns (pack_rollout)."""
+    return cfg.max_turns if cfg.env and linear_layers(args) else 1
+
+
 def trained_rows(cfg: Config, world: int, prompts: tuple[int, int],
                  turns: int = 1) -> tuple[int, int]:
     """(tokens, generated tokens) in one micro-batch at most, for first prompts of prompts[0]
@@ -5983,7 +5988,7 @@ def memory_estimate(cfg: Config, args, world: int,
     per_token_layer = token_layer_bytes(args)
     n_sparse = len(sparse_layers(args))
     moe_transient = 0
-    turns = cfg.max_turns if cfg.env and linear_layers(args) else 1  # samples an episode
+    turns = samples_an_episode(cfg, args)
     rows, generated = trained_rows(cfg, world, prompts, turns)
     if n_sparse:  # the experts' inner activations are recomputed by the backward
         m = args.moe_args
@@ -6034,7 +6039,7 @@ def auto_micro_batch(cfg: Config, args, world: int, total: float,
     """
     # 1024 and 2048 only where no larger size fits (long sequences of a large model)
     sizes = sorted({max(cfg.max_model_len, m) for m in (1024, 2048, *range(4096, 32769, 4096))})
-    need_at_most = samples_per_rank(cfg, world) * cfg.max_model_len
+    need_at_most = samples_per_rank(cfg, world) * samples_an_episode(cfg, args) * cfg.max_model_len
     sizes = [m for m in sizes if m < need_at_most + 4096] or sizes[:1]
     fits = [m for m in sizes if memory_estimate(dataclasses.replace(cfg, micro_batch_tokens=m),
                                                 args, world, prompts)["peak"] <= total]
@@ -6271,7 +6276,8 @@ def prepare_environment(cfg: Config) -> None:
     """Before vLLM is imported: CUDA present, the environment parity needs, vLLM importable."""
     need(torch.cuda.is_available(), "no CUDA GPU found; the training job needs one (the tests "
          "run anywhere: see README.md).")
-    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    required = {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_LORA_ENABLE_DUAL_STREAM": "0"}  # "1": LoRA's delta added after, apart
     # vLLM 0.34 has one model runner (V2) and raises on this variable unless it says "1"
     runner = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     if runner not in (None, "1"):

@@ -116,10 +116,14 @@ def test_missing_cuda_says_what_is_needed(ckpt, tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # nothing left behind
 
 
-def test_contradicting_env_is_refused(monkeypatch):
+@pytest.mark.parametrize("name, value", [("VLLM_BATCH_INVARIANT", "0"),
+                                         ("VLLM_LORA_ENABLE_DUAL_STREAM", "1")])
+def test_contradicting_env_is_refused(monkeypatch, name, value):
+    """VLLM_LORA_ENABLE_DUAL_STREAM=1: vLLM would add a LoRA's delta computed on a side stream
+    after the base GEMM, not in the expand kernel the trainer calls."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
-    with pytest.raises(rl.ConfigError, match="VLLM_BATCH_INVARIANT=0 breaks bitwise parity"):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(rl.ConfigError, match=f"{name}={value} breaks bitwise parity"):
         rl.prepare_environment(rl.Config())
 
 
