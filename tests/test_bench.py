@@ -647,3 +647,19 @@ def test_bench_rl_without_a_gpu_says_so_in_one_sentence(ckpt, tmp_path):
     assert out.stderr == ("bench_rl: no CUDA GPU found; it measures simple_rl on GPUs (its "
                           "designs' CPU test: python -m pytest tests/test_bench.py).\n")
     assert not (tmp_path / "b.json").exists()
+
+
+def test_gdn_bench_times_simple_rls_rule_forward_and_backward(tmp_path):
+    """benchmarks/bench_gdn.py on CPU at a tiny shape (simple_rl's side only: the reference
+    forms under GatedDeltaRuleFn): a row per batch size, timed, its gradients taken, saved."""
+    import bench_gdn
+
+    out = tmp_path / "gdn.json"
+    rows = bench_gdn.main(["--device", "cpu", "--samples", "1", "3", "--prompt", "5",
+                           "--completion", "4", "--k-heads", "2", "--v-heads", "4", "--dim", "8",
+                           "--repeats", "2", "--out", str(out)])
+    assert [(r["samples"], r["tokens"], r["design"]) for r in rows] == [
+        (1, 9, "simple_rl"), (3, 27, "simple_rl")]
+    assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["grad_rel"] is None
+               for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
