@@ -792,7 +792,12 @@ def shard_model(model: Qwen3, dtype) -> None:
     # the adapters' forward computes with casts of its own (LoRA.refresh): gather them in fp32
     mp = MixedPrecisionPolicy(param_dtype=None if frozen else dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
+    # Gated DeltaNet's A_log is used in fp32, as vLLM keeps it: that layer gathers its masters
+    # in fp32, and its linear layers, conv and norms cast their own, to the same bits
+    fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.layers:
+        if isinstance(block.attention, GatedDeltaNet):
+            fully_shard(block.attention, mp_policy=fp32, ignored_params=frozen)
         fully_shard(block, mp_policy=mp, ignored_params=frozen)
     fully_shard(model, mp_policy=mp, ignored_params=frozen)
 

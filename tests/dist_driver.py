@@ -25,15 +25,20 @@ import simple_rl as rl  # noqa: E402
 from helpers import TorchEngine, cpu_argv, first_turns  # noqa: E402
 
 
-def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0) -> None:
+def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0,
+                  dtype: str = "float32") -> None:
     """One step's rollout of every rank and the first update's gradient (under LoRA the
-    adapters'), in global order."""
+    adapters'), in global order; the dtype each Qwen3.5 A_log had in the forward."""
     # no clipping: a gradient clipped to --grad-clip on both sides would hide a uniform scale
     # error (each rank's loss not scaled by the world size, which FSDP's average halves at 2)
     cfg, given = rl.parse_config(cpu_argv(model, log_dir, num_prompts=3, micro_batch_tokens=128,
                                           run_name="grads", kl_coef=0.0, grad_clip=0.0,
-                                          lora_rank=lora_rank))
+                                          lora_rank=lora_rank, dtype=dtype))
     trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
+    a_log_dtypes = []
+    for m in trainer.model.modules():
+        if isinstance(m, rl.GatedDeltaNet):
+            m.register_forward_pre_hook(lambda m, _: a_log_dtypes.append(str(m.A_log.dtype)))
     ranks, G = trainer.ranks, cfg.group_size
     mine = rl.my_prompts(cfg.num_prompts, ranks)
     chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
@@ -54,7 +59,7 @@ def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0) -> Non
              if p.requires_grad}
     if ranks.main:
         torch.save(dict(world=ranks.world, samples=json.dumps(samples), grads=grads,
-                        micro_batches=n_micro), out)
+                        micro_batches=n_micro, a_log_dtypes=a_log_dtypes), out)
 
 
 if __name__ == "__main__":
@@ -73,7 +78,8 @@ if __name__ == "__main__":
     p.add_argument("--log-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
     a = p.parse_args()
-    rollout_grads(a.model, a.log_dir, a.out, a.lora_rank)
+    rollout_grads(a.model, a.log_dir, a.out, a.lora_rank, a.dtype)
     if rl.dist.is_initialized():
         rl.dist.destroy_process_group()

@@ -69,6 +69,23 @@ def test_two_ranks_sample_what_one_does_and_compute_its_gradient(ckpt, tmp_path,
     assert len(one["grads"]) == (2 * 14 if lora_rank else 2 * 8 + 2)  # every trained one
 
 
+def test_fsdp_keeps_a_qwen35s_a_log_in_fp32(q35, tmp_path):
+    """FSDP2 gathers a bf16 run's masters as bf16 casts; Gated DeltaNet's A_log is used in fp32
+    (as vLLM keeps it), so its layer is gathered in fp32: every forward on 2 ranks sees it so,
+    and the gradients are one process's."""
+    results = {}
+    for n in (1, 2):
+        out = tmp_path / f"n{n}.pt"
+        launch(n, "rollout-grads", "--model", q35(dtype=torch.bfloat16), "--log-dir",
+               tmp_path / f"runs{n}", "--out", out, "--dtype", "bfloat16")
+        results[n] = torch.load(out, weights_only=True)
+    seen = results[2]["a_log_dtypes"]
+    assert seen and set(seen) == {"torch.float32"} == set(results[1]["a_log_dtypes"])
+    for name, a in results[1]["grads"].items():
+        torch.testing.assert_close(results[2]["grads"][name], a, atol=1e-2, rtol=5e-2,
+                                   msg=name)  # bf16 activations: sums in another order
+
+
 TWO_RANKS = dict(num_prompts=3, micro_batch_tokens=128)
 
 
