@@ -780,28 +780,6 @@ def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtyp
     return model
 
 
-def shard_model(model: Qwen3, dtype) -> None:
-    """FSDP2: every block, then the root (embeddings, final norm, head), sharded over the ranks.
-
-    The forward sees the bf16 cast of the fp32 master (param_dtype); gradients are reduced in
-    fp32, averaged over the ranks (train_step scales the loss by the world size to undo that).
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    frozen = {p for p in model.parameters() if not p.requires_grad}  # a LoRA run's base
-    # the adapters' forward computes with casts of its own (LoRA.refresh): gather them in fp32
-    mp = MixedPrecisionPolicy(param_dtype=None if frozen else dtype, reduce_dtype=torch.float32,
-                              cast_forward_inputs=False)
-    # Gated DeltaNet's A_log is used in fp32, as vLLM keeps it: that layer gathers its masters
-    # in fp32, and its linear layers, conv and norms cast their own, to the same bits
-    fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for block in model.layers:
-        if isinstance(block.attention, GatedDeltaNet):
-            fully_shard(block.attention, mp_policy=fp32, ignored_params=frozen)
-        fully_shard(block, mp_policy=mp, ignored_params=frozen)
-    fully_shard(model, mp_policy=mp, ignored_params=frozen)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (an all-gather for FSDP's DTensor shards)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -3552,6 +3530,28 @@ def on_rank0(fn: Callable):
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+def shard_model(model: Qwen3, dtype) -> None:
+    """FSDP2: every block, then the root (embeddings, final norm, head), sharded over the ranks.
+
+    The forward sees the bf16 cast of the fp32 master (param_dtype); gradients are reduced in
+    fp32, averaged over the ranks (train_step scales the loss by the world size to undo that).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    frozen = {p for p in model.parameters() if not p.requires_grad}  # a LoRA run's base
+    # the adapters' forward computes with casts of its own (LoRA.refresh): gather them in fp32
+    mp = MixedPrecisionPolicy(param_dtype=None if frozen else dtype, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    # Gated DeltaNet's A_log is used in fp32, as vLLM keeps it: that layer gathers its masters
+    # in fp32, and its linear layers, conv and norms cast their own, to the same bits
+    fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.layers:
+        if isinstance(block.attention, GatedDeltaNet):
+            fully_shard(block.attention, mp_policy=fp32, ignored_params=frozen)
+        fully_shard(block, mp_policy=mp, ignored_params=frozen)
+    fully_shard(model, mp_policy=mp, ignored_params=frozen)
 
 
 # ==========================================================================
