@@ -324,8 +324,9 @@ class LoRA(nn.Module):
                 self.casts = tuple(tuple(torch.empty(1, 1, *p.shape, dtype=self.dtype,
                                                      device=p.device) for p in ps)
                                    for ps in (self.slice_a(), self.b))
-            for cast, a in zip(self.casts[0], self.slice_a()):
-                cast.view(a.shape).copy_(full_tensor(a))
+            whole = [full_tensor(a) for a in self.a]  # a shared A gathered once
+            for cast, g in zip(self.casts[0], self.groups):
+                cast.view(whole[g].shape).copy_(whole[g])
             for cast, b in zip(self.casts[1], self.b):
                 cast.view(b.shape).copy_(self.scale * full_tensor(b))
 
@@ -5830,25 +5831,15 @@ def count_params(args) -> int:
 
 
 def lora_params(cfg: Config, args) -> int:
-    """The adapters' parameters (0 without LoRA): r (S K + sum n_s) per adapted layer of S
-    slices, every slice counted (vLLM's packed layer holds them all, a shared A in each)."""
+    """The adapters' parameters (0 without LoRA), counted on the model built on the meta device:
+    every slice's A and B (vLLM's packed layer holds them all, a shared A in each slice)."""
     lora = lora_spec(cfg, args)
     if lora is None:
         return 0
-    c, linear = qwen35(args), linear_layers(args)
-    inputs = {"attention.wo": args.n_heads * args.head_dim, "feed_forward.w2": args.hidden_dim,
-              "attention.out_proj": c.v_heads * c.v_dim if c else 0}  # K; else args.dim
-    count = {"attention": args.n_layers - len(linear), "linear": len(linear),
-             "feed": args.n_layers - len(sparse_layers(args))}
-    total = 0
-    for path, sizes in lora_slice_sizes(args).items():
-        if set(LORA_LAYERS[path][1]) & set(lora.targets):
-            vllm_layer = LORA_LAYERS[path][0]
-            kind = ("linear" if vllm_layer.startswith("linear_attn") else
-                    "feed" if path.startswith("feed") else "attention")
-            k = inputs.get(path, args.dim)
-            total += count[kind] * lora.rank * (len(sizes) * k + sum(sizes))
-    return total
+    with torch.device("meta"):
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+        add_lora(model, lora)
+    return sum(t.numel() for m in lora_modules(model) for t in (*m.slice_a(), *m.b))
 
 
 def samples_an_episode(cfg: Config, args) -> int:
