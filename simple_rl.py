@@ -3546,7 +3546,8 @@ def shard_model(model: Qwen3, dtype) -> None:
     mp = MixedPrecisionPolicy(param_dtype=None if frozen else dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     # Gated DeltaNet's A_log is used in fp32, as vLLM keeps it: that layer gathers its masters
-    # in fp32, and its linear layers, conv and norms cast their own, to the same bits
+    # in fp32, and its linear layers, conv and norms cast their own, to the same bits (its
+    # projections so travel at twice the bytes; a unit of A_log alone would rename it)
     fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.layers:
         if isinstance(block.attention, GatedDeltaNet):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import batch_invariant_backward as bib  # noqa: E402
+from bench_moe_layer import clock  # noqa: E402
 
 
 def rule_inputs(samples: int, prompt: int, completion: int, k_heads: int, v_heads: int,
@@ -71,13 +71,10 @@ def fla_rule(x: list, cu: torch.Tensor, prefill: torch.Tensor):
     return o[0]
 
 
-def timed(fn, x: list, go: torch.Tensor, repeats: int, cuda: bool) -> dict:
+def timed(fn, x: list, go: torch.Tensor, repeats: int, device: str) -> dict:
     """Mean forward and backward seconds of fn over repeats (after one warm-up), peak memory
     above what was in use before, and the last repeat's input gradients."""
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
+    cuda = device == "cuda"
     fwd = bwd = 0.0
     for i in range(repeats + 1):
         for t in x:
@@ -85,14 +82,11 @@ def timed(fn, x: list, go: torch.Tensor, repeats: int, cuda: bool) -> dict:
         if cuda and i == repeats:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        sync()
-        t0 = time.perf_counter()
+        t0 = clock(device)
         o = fn(x)
-        sync()
-        t1 = time.perf_counter()
+        t1 = clock(device)
         o.backward(go)
-        sync()
-        t2 = time.perf_counter()
+        t2 = clock(device)
         if i:
             fwd, bwd = fwd + (t1 - t0) / repeats, bwd + (t2 - t1) / repeats
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
@@ -129,7 +123,7 @@ def main(argv=None) -> list[dict]:
         designs = {"simple_rl": lambda x: trainer_rule(ops, x, cu, prefill)}
         if have_fla:
             designs["fla"] = lambda x: fla_rule(x, cu, prefill)
-        got = {name: timed(fn, x, go, a.repeats, cuda) for name, fn in designs.items()}
+        got = {name: timed(fn, x, go, a.repeats, a.device) for name, fn in designs.items()}
         for name, r in got.items():
             rel = None
             if name != "simple_rl":
