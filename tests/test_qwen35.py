@@ -4,6 +4,8 @@ round trip, --check, a run on the exact stand-in engine, and what is refused."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
+from conftest import ROOT
 from helpers import ExactEngine, assert_custom_backwards_match_autograd, cpu_argv, main_cpu
 from helpers import cpu_trainer as trainer
 from helpers import metrics_rows, run_cpu
@@ -383,3 +386,19 @@ def test_lora_flags_a_qwen35_cannot_take_get_one_sentence(q35, tmp_path, capsys,
     capsys.readouterr()
     assert main_cpu(cpu_argv(path, tmp_path / "logs", **flags) + ["--check"]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_script_checks_a_qwen35_lora_run_as_a_user_runs_it(q35, tmp_path):
+    """python simple_rl.py --check (the file run as a script): a Qwen3.5 with LoRA on its
+    default targets passes; its vision-language form with LoRA stops in one sentence, exit 2."""
+    def check(path):
+        argv = cpu_argv(path, tmp_path / "logs", lora_rank=8) + ["--check"]
+        return subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), *argv],
+                              capture_output=True, text=True, timeout=600)
+
+    ok = check(q35())
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    bad = check(q35(vision=True))
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith("simple_rl: error: --lora-rank: ")
+    assert "is a vision-language checkpoint" in bad.stderr
