@@ -13,7 +13,6 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from conftest import ROOT
 from helpers import ExactEngine, assert_custom_backwards_match_autograd, cpu_argv, main_cpu
 from helpers import cpu_trainer as trainer
 from helpers import metrics_rows, run_cpu
