@@ -195,12 +195,13 @@ def test_auto_micro_batch_is_the_largest_that_the_estimate_fits():
     """--micro-batch-tokens 0 on a 140 GiB GPU: 24576 tokens at 1.7B, 8192 at 4B (the sizes
     measured to fit: see README), 4096 for 8B on two GPUs; never more than a step needs, never
     less than one sequence; the smallest when nothing fits (check_memory then explains)."""
-    from types import SimpleNamespace
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
-    def qwen3(dim, layers, heads, inter, tied=True):
-        return SimpleNamespace(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8,
-                               head_dim=128, hidden_dim=inter, vocab_size=151936,
-                               enable_weight_tying=tied)
+    def qwen3(dim, layers, heads, inter, tied=True):  # (LoRA's count builds it on meta)
+        return Qwen3ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8,
+                              head_dim=128, hidden_dim=inter, vocab_size=151936,
+                              enable_weight_tying=tied, norm_eps=1e-6, rope_theta=1e6,
+                              max_seq_len=40960)
 
     h200 = 140 * 2**30
     cfg = rl.Config()  # 16 prompts x 8 samples, max_model_len 1024
