@@ -83,3 +83,6 @@ if __name__ == "__main__":
     rollout_grads(a.model, a.log_dir, a.out, a.lora_rank, a.dtype)
     if rl.dist.is_initialized():
         rl.dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past teardown, as `main` above: a gloo rank aborted there once (CI)
