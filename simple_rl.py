@@ -114,7 +114,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -731,9 +731,9 @@ class BasePolicy:
                 m.enabled = True
 
 
-def policy_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
-    """What the engine needs to hold the trainer's policy: every weight (HF names), or under
-    LoRA the adapter alone (the base is the engine's own)."""
+def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
+    """What the engine needs to hold the trainer's policy: every weight (HF names), streamed, or
+    under LoRA the adapter alone (the base is the engine's own; see adapter_weights)."""
     return adapter_weights(model) if lora_modules(model) else hf_weights(model)
 
 
@@ -1118,7 +1118,7 @@ class VLLMEngine(Engine):
                     self.llm.sleep(level=2)
             self.asleep = True
 
-    def push(self, weights: Iterator[tuple[str, torch.Tensor]]) -> float:
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         return push_weights(self, weights)
 
 
@@ -1191,7 +1191,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
          generated: list[list[bool]] | None = None) -> Packed:
     """Samples back to back, no padding; token t of completion b is predicted at
     start_b + P_b - 1 + t. The targets are every completion token, or those generated[b][t]
-    marks (an episode's tool tokens are context, not targets)."""
+    marks (an episode's tool tokens are context, not targets). E.g. prompts [a b], [c] and
+    completions [x y], [z]: tokens a b x y c z, positions 0 1 2 3 0 1, cu_seqlens 0 4 6,
+    targets x y z, predicted at gen_index 1 2 4 (the rows of b, x, c), sample 0 0 1."""
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
     L = P + C
@@ -1232,7 +1234,9 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
 
 
 def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
-    """Samples [start, stop) as their own packed batch, and the slice of targets (N,) they own."""
+    """Samples [start, stop) as their own packed batch, and the slice of targets (N,) they own.
+    E.g. range(1, 2) of pack's example: tokens c z, cu_seqlens 0 2, gen_index 0, sample 0;
+    slice(2, 3)."""
     t0, t1 = int(packed.cu_seqlens[samples.start]), int(packed.cu_seqlens[samples.stop])
     # packed.sample is sorted: the targets of samples [start, stop) are one run of it
     bounds = torch.tensor([samples.start, samples.stop], device=packed.sample.device)
@@ -1790,15 +1794,23 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     return first
 
 
-def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None, device) -> list:
-    """(batch on `device`, its targets' slice of the N, its samples' range of the B, loss
-    weight) per micro-batch, padded to n_micro with zero-weight copies of the first sample
-    (they run FSDP's collectives only)."""
-    parts = [(*sub_pack(packed, g), g, 1.0) for g in plan_micro_batches(packed, cfg)]
+class MicroBatch(NamedTuple):
+    batch: Packed  # its samples packed on their own, on the model's device
+    owned: slice  # its targets' slice of the rank's N
+    samples: range  # its samples' range of the rank's B
+    weight: float  # 1, or 0 for a padding micro-batch (it runs FSDP's collectives only)
+
+
+def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
+                      device) -> list[MicroBatch]:
+    """The rank's micro-batches, padded to n_micro with zero-weight copies of the first sample."""
+    def part(samples: range, weight: float) -> MicroBatch:
+        batch, owned = sub_pack(packed, samples)
+        return MicroBatch(batch.to(device), owned, samples, weight)
+
+    parts = [part(g, 1.0) for g in plan_micro_batches(packed, cfg)]
     n_micro = len(parts) if n_micro is None else n_micro
-    padding = (*sub_pack(packed, range(0, 1)), range(0, 1), 0.0)
-    parts += [padding] * (n_micro - len(parts))
-    return [(batch.to(device), owned, samples, w) for batch, owned, samples, w in parts]
+    return parts + [part(range(0, 1), 0.0)] * (n_micro - len(parts))
 
 
 class Pass(NamedTuple):
@@ -1809,8 +1821,8 @@ class Pass(NamedTuple):
     routing: torch.Tensor | None  # (N, sparse layers, k) int32 experts (Qwen3-MoE), else None
 
 
-def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Config,
-                         scale: float) -> Pass:
+def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
+                         cfg: Config, scale: float) -> Pass:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
     pass's summed loss, logprobs, token sums and (Qwen3-MoE) the experts it chose."""
     device = old_logp.device
@@ -1845,6 +1857,12 @@ def accumulate_gradients(model, ref_model, parts: list, old_logp, adv, cfg: Conf
 
 @dataclass
 class Parity:
+    """One step's check: the trainer's logprob of every generated token (and, for Qwen3-MoE,
+    its experts) against vLLM's, bit for bit. It checks, it does not block: the update's first
+    forward is its trainer side, so the step updates and pushes whatever it finds. A mismatch
+    is printed with a table of the first tokens that differ, and charted in TensorBoard (a
+    run total); --strict-parity stops the run after that step, exit 4, keeping the last
+    checkpoint; --debug-parity shows which op differs first."""
     n_tokens: int
     n_mismatch: int
     max_abs_diff: float
@@ -1915,7 +1933,7 @@ def parity_line(p: Parity) -> str:
 # ==========================================================================
 
 
-def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]) -> float:
+def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
     """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
 
     The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
@@ -1935,7 +1953,7 @@ def push_weights(engine: VLLMEngine, weights: Iterator[tuple[str, torch.Tensor]]
             with young_collections_only():  # vLLM 0.34 collects all garbage at each wake-up
                 engine.llm.wake_up(tags=["weights"])
     t1 = time.perf_counter()
-    if lora:  # the adapter's casts are the engine's slot: refreshing them wrote it
+    if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy
         for name, t in weights:
             assert t.data_ptr() in engine.adapter_ptrs, f"{name} is not the engine's tensor"
     else:
@@ -3865,15 +3883,18 @@ def engine_weights(llm, args, dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def adapter_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
-    """(PEFT name, cast) of every targeted slice, after refreshing the casts: A_s (1, 1, r, K)
-    as `...q_proj.lora_A.weight`, B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
+def adapter_weights(model: Qwen3) -> list[tuple[str, torch.Tensor]]:
+    """Refresh the casts (bound to the engine's slot, this writes the engine's adapter), then
+    (PEFT name, cast) of every targeted slice: A_s (1, 1, r, K) as `...q_proj.lora_A.weight`,
+    B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
     for m in lora_modules(model):
         m.refresh()
+    out = []
     for name, m, slices in adapter_slices(model):
-        yield f"{name}.lora_A.weight", m.casts[0][slices[0]]  # a shared A: each slice a copy
+        out.append((f"{name}.lora_A.weight", m.casts[0][slices[0]]))  # a shared A: one a slice
         b = [m.casts[1][s] for s in slices]
-        yield f"{name}.lora_B.weight", b[0] if len(b) == 1 else torch.cat(b, dim=-2)
+        out.append((f"{name}.lora_B.weight", b[0] if len(b) == 1 else torch.cat(b, dim=-2)))
+    return out
 
 
 def lora_slice_sizes(args) -> dict[str, list[int]]:
