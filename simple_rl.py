@@ -2486,7 +2486,22 @@ def need(ok: bool, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Every check on the config alone, in one place (the checkpoint's checks live in load)."""
+    """Every check on the config alone, in one place (the checkpoint's checks live in load):
+    each field's type and range, then the numbers, the task and env, LoRA, the names."""
+    validate_types(cfg)
+    validate_numbers(cfg)
+    validate_task(cfg)
+    validate_lora(cfg)
+    need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
+         f"--run-name {cfg.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; "
+         "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
+    if looks_like_path(cfg.model) and not cfg.resume:
+        need(Path(cfg.model).expanduser().is_dir(), f"--model {cfg.model!r} is not a directory.")
+
+
+def validate_types(cfg: Config) -> None:
+    """Each field's type (a run_config.json may hold anything), floats in fp32's range, and
+    the choices of those that have them."""
     kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
     for f in dataclasses.fields(Config):
         value = getattr(cfg, f.name)  # a crafted run_config.json's may be of any JSON type
@@ -2501,6 +2516,10 @@ def validate(cfg: Config) -> None:
         if f.metadata["choices"]:
             need(value in f.metadata["choices"], f"{flag(f.name)} must be one of "
                  f"{', '.join(f.metadata['choices'])} (got {value!r}).")
+
+
+def validate_numbers(cfg: Config) -> None:
+    """The rollout's, the loss's, the optimizer's and the logging's numbers."""
     need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): GRPO "
          "normalises rewards within a group.")
     need(cfg.num_prompts >= 1, f"--num-prompts must be at least 1 (got {cfg.num_prompts}).")
@@ -2532,6 +2551,10 @@ def validate(cfg: Config) -> None:
          "--parity-every >= 1.")
     need(cfg.save_every >= 0 and cfg.keep_last >= 1, "--save-every must be >= 0 and "
          "--keep-last >= 1.")
+
+
+def validate_task(cfg: Config) -> None:
+    """The task, the env and the reward: what goes with what."""
     need(not cfg.data_files or cfg.task in ("gsm8k", "jsonl"), "--data-files goes with --task "
          "gsm8k or jsonl.")
     need(cfg.task != "jsonl" or bool(cfg.data_files), "--task jsonl reads your problems from "
@@ -2560,6 +2583,10 @@ def validate(cfg: Config) -> None:
          "--reward.")
     need(not (cfg.enable_thinking and cfg.chat_template == "off"), "--enable-thinking needs a "
          "chat template; drop --chat-template off.")
+
+
+def validate_lora(cfg: Config) -> None:
+    """--lora-*: a rank vLLM serves, alpha / r in range, known targets, no LoRA flag without it."""
     ranks = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRA ranks (max_lora_rank)
     need(cfg.lora_rank in ranks, f"--lora-rank {cfg.lora_rank}: vLLM serves LoRA ranks "
          f"{', '.join(map(str, ranks[1:]))} (0: full fine-tuning).")
@@ -2583,11 +2610,6 @@ def validate(cfg: Config) -> None:
     need(not (cfg.lora_rank and cfg.kernels == "reference"), "--lora-rank with --kernels "
          "reference: the engine adds the adapters with vLLM's LoRA kernels, which only --kernels "
          "vllm computes as it does (drop --kernels reference).")
-    need(not cfg.run_name or RUN_NAME.fullmatch(cfg.run_name) is not None,
-         f"--run-name {cfg.run_name!r} must be a plain name (letters, digits, '.', '_', '-'; "
-         "no '/', not '.' or '..'): a run lives in LOG_DIR/RUN_NAME.")
-    if looks_like_path(cfg.model) and not cfg.resume:
-        need(Path(cfg.model).expanduser().is_dir(), f"--model {cfg.model!r} is not a directory.")
 
 
 @contextlib.contextmanager
@@ -6604,28 +6626,9 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     turn's ids; its last id is never fed). Returns the per-op rows (print with `format_debug`),
     how many generated tokens' logprobs differ, and per turn (rows computed, cached tokens).
     """
-    llm = engine.llm
     names = trace_names(model.args.n_layers, sparse_layers(model.args))
-    llm.reset_prefix_cache()  # turn 1 prefills its whole prompt
-    theirs_by_module = {v: k for k, v in names}
-    stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
-    calls = llm.apply_model(lambda m: stack.enter_context(recording(m, theirs_by_module)))[0]
-    starts, cached = [], []  # per turn: forward calls recorded before it; its cache hits
-
-    def counted(*args, **kwargs):  # llm.generate, noting each turn's calls and cache hits
-        starts.append(max(map(len, calls.values()), default=0))
-        outs = generate(*args, **kwargs)
-        cached.append(outs[0].num_cached_tokens or 0)
-        return outs
-
-    generate, llm.generate = llm.generate, counted
-    try:
-        episode = play_one()
-    finally:
-        stack.close()
-        del llm.generate  # the class's method again
-    need(calls, "--debug-parity: no vLLM module has a name it traces (has vLLM's model changed?)")
-    starts.append(max(map(len, calls.values())))
+    episode, calls, starts, cached = traced_episode(engine.llm, {v: k for k, v in names},
+                                                    play_one)
     rollout = episodes_rollout([episode], moe=False)
     full = pack(rollout.prompts, rollout.completions, rollout.generated)
     # vLLM never feeds the last sampled token: drop it from the trainer's input too
@@ -6656,6 +6659,30 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     want = rollout.logprobs.view(torch.int32)
     n_bad = int((want != logp.cpu().view(torch.int32)).sum())
     return compare_traces(ours, theirs, [n for n, _ in names]), n_bad, turns
+
+
+def traced_episode(llm, modules: dict[str, str], play_one: Callable[[], Episode]):
+    """play_one() with vLLM's modules (vLLM name -> key) recorded: (the episode, the calls by
+    key, the index of each turn's first call and one past the last, each turn's cache hits)."""
+    llm.reset_prefix_cache()  # turn 1 prefills its whole prompt
+    stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
+    calls = llm.apply_model(lambda m: stack.enter_context(recording(m, modules)))[0]
+    starts, cached = [], []  # per turn: forward calls recorded before it; its cache hits
+
+    def counted(*args, **kwargs):  # llm.generate, noting each turn's calls and cache hits
+        starts.append(max(map(len, calls.values()), default=0))
+        outs = generate(*args, **kwargs)
+        cached.append(outs[0].num_cached_tokens or 0)
+        return outs
+
+    generate, llm.generate = llm.generate, counted
+    try:
+        episode = play_one()
+    finally:
+        stack.close()
+        del llm.generate  # the class's method again
+    need(calls, "--debug-parity: no vLLM module has a name it traces (has vLLM's model changed?)")
+    return episode, calls, starts + [max(map(len, calls.values()))], cached
 
 
 def format_debug(rows: list[dict]) -> str:
