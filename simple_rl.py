@@ -2006,12 +2006,12 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
         return f"sample {s % G} of training problem {chosen[mine[s // G]]}"
 
     t0 = time.perf_counter()
-    # 1. Rollout: G episodes of each prompt, played to their ends.
-    rollout, waited = on_every_rank(trainer, lambda: roll_out(trainer, step, mine, chosen),
-                                    sample_name)
-    # 2. Rewards and advantages, per group (a prompt's G episodes are all on this rank).
-    rewards, adv = on_every_rank(trainer, lambda: rewards_and_advantages(trainer, rollout),
-                                 sample_name)
+    # 1. Rollout: G episodes of each prompt, played to their ends. 2. Rewards and advantages,
+    # per group (a prompt's G episodes are all on this rank). A reward's or an env's failure on
+    # any rank stops every rank ("Ranks", after the story ends).
+    with failing_together(trainer, sample_name):
+        rollout, waited = roll_out(trainer, step, mine, chosen)
+        rewards, adv = rewards_and_advantages(trainer, rollout)
     adv = adv.to(device)
     rollout_in_use, sleep_s = engine_to_sleep(trainer)  # the update gets the KV cache's memory
     t1 = time.perf_counter()
@@ -2124,27 +2124,6 @@ def generated_lengths(rollout: Rollout) -> list[int]:
     return [sum(g) for g in rollout.generated]
 
 
-def on_every_rank(trainer: Trainer, fn: Callable, name: Callable[[int], str]):
-    """fn()'s result. If a reward or env failed in it on any rank (or a stop came while its
-    tools ran, or they got stuck), every rank raises that RewardError (ToolsStopped,
-    ToolsStuck), so none waits in a collective. The one place a RewardError is named:
-    name(sample), and its turn."""
-    try:
-        out, failure = fn(), None
-    except RewardError as e:
-        e.where = name(e.sample) + (f", turn {e.turn}" if e.turn else "")
-        out, failure = None, e
-    except (ToolsStopped, ToolsStuck) as e:
-        out, failure = None, e
-    if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
-        flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
-        if int(all_reduce(flag, dist.ReduceOp.MAX)):
-            failure = next(f for f in all_gather_objects(failure) if f is not None)
-    if failure is not None:
-        raise failure
-    return out
-
-
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     """Greedy (T = 0) episodes of the held-out problems, tools included, over every rank: their
     mean reward (for a 0/1 reward, the accuracy of the weights after `step` updates). Logged to
@@ -2154,8 +2133,8 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     task, cfg = trainer.task, trainer.cfg
     mine = my_prompts(len(task.eval_problems), trainer.ranks)
     t0 = time.perf_counter()
-    played = on_every_rank(trainer, lambda: greedy_episodes(trainer, mine),
-                           lambda i: f"held-out problem {mine[i]}")
+    with failing_together(trainer, lambda i: f"held-out problem {mine[i]}"):
+        played = greedy_episodes(trainer, mine)
     rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
     sums = torch.tensor([rewards.sum().item(), rewards.square().sum().item(),
                          sum(e.generated_tokens() for e in played),
@@ -3428,7 +3407,7 @@ class RewardError(RuntimeError):
         self.sample = sample  # index among this rank's episodes (of the step, or of the eval)
         self.completion = completion
         self.turn: int | None = None  # the turn whose text the env read (env_turn), if any
-        self.where = f"sample {sample}"  # on_every_rank names it by its problem
+        self.where = f"sample {sample}"  # failing_together names it by its problem
 
     def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
         return (RewardError, (str(self), self.sample, self.completion), self.__dict__)
@@ -3566,6 +3545,28 @@ def on_rank0(fn: Callable):
     if kind == "error":
         raise ConfigError(value)
     return value
+
+
+@contextlib.contextmanager
+def failing_together(trainer: Trainer, name: Callable[[int], str]):
+    """Within: if a reward or env fails on any rank (or a stop comes while its tools run, or
+    they get stuck), every rank raises that RewardError (ToolsStopped, ToolsStuck) on leaving,
+    so none waits in a collective. The one place a RewardError is named: name(sample), and its
+    turn. Every rank must leave it (no collective inside may be skipped by a failure)."""
+    failure = None
+    try:
+        yield
+    except RewardError as e:
+        e.where = name(e.sample) + (f", turn {e.turn}" if e.turn else "")
+        failure = e
+    except (ToolsStopped, ToolsStuck) as e:
+        failure = e
+    if world_size() > 1:  # every rank learns of a failure anywhere (one process: no sync)
+        flag = torch.tensor([failure is not None], device=trainer.ranks.device).int()
+        if int(all_reduce(flag, dist.ReduceOp.MAX)):
+            failure = next(f for f in all_gather_objects(failure) if f is not None)
+    if failure is not None:
+        raise failure
 
 
 def barrier() -> None:
@@ -6612,7 +6613,8 @@ def first_episode(trainer: Trainer) -> Episode:
              lambda _, turn: turn_seed(cfg, 0, 0, 0, turn), cfg.temperature)
         return episodes[0]
 
-    return on_every_rank(trainer, one, lambda _: f"sample 0 of training problem {j}")
+    with failing_together(trainer, lambda _: f"sample 0 of training problem {j}"):
+        return one()
 
 
 def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episode]
