@@ -1,4 +1,4 @@
-"""simple_rl: bitwise-deterministic GRPO for Qwen3, with vLLM rollouts, on one GPU or many.
+"""simple_rl: bitwise-deterministic GRPO for Qwen3 and Qwen3.5 with vLLM rollouts, one GPU or many.
 
 One file, the RL story first, in data-flow order:
 
@@ -14,7 +14,9 @@ TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton
 CUDA fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with num_splits=1; for the
 GEMMs cuBLASLt without split-K, which gives the bits of vLLM's Triton matmul; for the
 logprobs a kernel that sums in the order of vLLM's Triton log_softmax but writes only the
-sampled token's entry; for Qwen3-MoE vLLM's top-k softmax and Triton fused experts);
+sampled token's entry; for Qwen3-MoE vLLM's top-k softmax and Triton fused experts; for
+Qwen3.5's Gated DeltaNet layers vLLM's conv1d and delta-rule kernels, in the schedule vLLM ran:
+each prompt's prefill, then a step per generated token, as the two forms differ in their bits);
 `batch_invariant_backward.py` adds their backward. So the trainer's logprob of every generated
 token equals vLLM's bit for bit (and, for MoE, every token's experts equal vLLM's), and every
 step checks that for every token of every sample, then pushes the new weights into vLLM.
@@ -253,7 +255,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 # ==========================================================================
-# Model: Qwen3 that computes exactly what vLLM computes
+# Model: Qwen3 (and Qwen3.5, Qwen3-MoE) computing exactly what vLLM computes
 # ==========================================================================
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
 # Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
@@ -737,31 +739,59 @@ def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
     return adapter_weights(model) if lora_modules(model) else hf_weights(model)
 
 
+def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks,
+                 engine: Engine | None = None):
+    """The policy and, with --kl-coef > 0, its KL reference: (model, ref_model or None), sharded
+    over the ranks (rank 0 holds hf_state; the others get their shards from it).
+
+    LoRA: the base is the engine's own weights where it lends them (Engine.base_weights), else
+    hf_state's (every rank's); the adapters start as PEFT's (lora_init), their casts bound to
+    the engine's adapter slot; the reference is the policy with its adapters off."""
+    dtype = DTYPES[cfg.dtype]
+    lora = lora_spec(cfg, args)
+    lent = engine.base_weights(args) if lora and engine else None  # one copy of the base
+    state = lent if lent is not None else hf_to_trainer(hf_state, args) if hf_state else {}
+    if lora:
+        with torch.device("meta"):
+            shapes = Qwen3(args, kernels, dtype)
+            add_lora(shapes, lora)
+        state = {**state, **lora_init(shapes, cfg.seed)}
+    model = build_model(args, state, kernels, dtype, ranks.device, ranks.world, lora)
+    if lora and engine and engine.lora_tensors:
+        bind_lora(model, engine.lora_tensors)
+    if cfg.kl_coef == 0:
+        return model, None
+    if lora:
+        return model, BasePolicy(model)
+    return model, build_model(args, state, kernels, dtype, ranks.device, ranks.world,
+                              frozen=True)
+
+
 def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device,
-                world: int = 1, lora: LoRASpec | None = None) -> Qwen3:
+                world: int = 1, lora: LoRASpec | None = None, frozen: bool = False) -> Qwen3:
     """Build on the meta device, then load the fp32 masters: never materialised twice.
 
     One process: `assign=True` adopts the loaded tensors. Several: FSDP2 shards every block and
     the root; rank 0 holds `state` and set_model_state_dict broadcasts each rank its shard.
     LoRA: the base is frozen in the compute dtype (adopted as given: the engine's own tensors
     on a GPU), the adapters' fp32 masters come from `state` too, every rank holds all of it,
-    and FSDP2 shards the adapters alone.
+    and FSDP2 shards the adapters alone. `frozen`: no weight trains (the KL reference).
     """
     with torch.device("meta"):
         model = Qwen3(args, kernels, dtype)
         if lora:
             add_lora(model, lora)
+    def base(name: str) -> bool:  # a LoRA's base weight: frozen, adopted in the compute dtype
+        return lora is not None and ".lora." not in name
+
     try:
         if world == 1 or lora:
-            def master(k, v):  # a frozen base weight is adopted as it is, in the compute dtype
-                frozen = lora is not None and ".lora." not in k
-                return v.to(device=device, dtype=dtype if frozen else torch.float32,
-                            copy=not frozen)
-
-            model.load_state_dict({k: master(k, v) for k, v in state.items()}, strict=True,
-                                  assign=True)
+            # masters are copies: the KL reference is built from the same state
+            model.load_state_dict({k: v.to(device=device, dtype=dtype if base(k) else
+                                           torch.float32, copy=not base(k))
+                                   for k, v in state.items()}, strict=True, assign=True)
             for name, p in model.named_parameters():
-                p.requires_grad_(".lora." in name or lora is None)
+                p.requires_grad_(not (frozen or base(name)))
             if world > 1:
                 shard_model(model, dtype)
         else:
@@ -773,6 +803,7 @@ def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtyp
             masters = {k: v.float() for k, v in state.items()}
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(model, masters, options=options)
+            model.requires_grad_(not frozen)
     except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
         detail = " ".join(line.strip() for line in str(e).splitlines()[1:3]) or str(e)
         raise ConfigError(f"the checkpoint's weights do not match its config.json: "
@@ -799,10 +830,10 @@ def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, 
     gate_up_proj and one down_proj per layer, which vLLM's MoE loader takes whole) unless
     `fused_experts` is False (per expert: the hub's names, for files).
     """
-    adapter = _adapter(model.args)
+    keys = hf_key_map(model.args)
     for name, p in model.named_parameters():
         dtype = torch.float32 if name.endswith("A_log") else model.dtype  # as vLLM's Qwen3.5
-        yield from to_hf_items(name, full_tensor(p.detach().to(dtype)), model.args, adapter,
+        yield from to_hf_items(name, full_tensor(p.detach().to(dtype)), model.args, keys,
                                fused_experts)
 
 
@@ -816,11 +847,12 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
 
 
 # ==========================================================================
-# Load & convert: HF Qwen3 checkpoint <-> trainer (vLLM layout)
+# Load & convert: HF checkpoint <-> trainer (vLLM layout)
 # ==========================================================================
 # The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
-# gate/up fused into one (Qwen3.5's linear attention: q/k/v/z, b/a). TorchTitan's adapter maps
-# HF <-> TorchTitan names; this table fuses the parts (on dim 0, in order) a layer has.
+# gate/up fused into one (Qwen3.5's linear attention: q/k/v/z, b/a). TorchTitan's state-dict
+# adapter (hf_key_map) maps HF <-> TorchTitan names; this table fuses the parts (on dim 0, in
+# order) a layer has.
 FUSED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
@@ -840,12 +872,14 @@ class ModelFiles:
     tool_ids: list[int] = field(default_factory=list)  # --tool-stop's ids: they end a turn too
 
 
-def _adapter(args):
+def hf_key_map(args):
+    """TorchTitan's Qwen3StateDictAdapter (.from_hf, .to_hf: HF <-> TorchTitan names), with
+    Qwen3.5's names added. (In simple_rl an "adapter" is a LoRA's; this is the key map.)"""
     from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-    adapter = Qwen3StateDictAdapter(args, None)
-    adapter.from_hf_map.update(QWEN35_NAMES)  # names a Qwen3 never has
-    return adapter
+    keys = Qwen3StateDictAdapter(args, None)
+    keys.from_hf_map.update(QWEN35_NAMES)  # names a Qwen3 never has
+    return keys
 
 
 def fused_sizes(args) -> dict[str, list[int]]:
@@ -858,7 +892,7 @@ def fused_sizes(args) -> dict[str, list[int]]:
 
 
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """HF names -> TorchTitan names (TorchTitan's adapter) -> fused vLLM-layout projections.
+    """HF names -> TorchTitan names (hf_key_map) -> fused vLLM-layout projections.
 
     A sparse layer's router and experts are taken out first (`moe_from_hf`), per expert (hub)
     or fused (the push's names) alike.
@@ -866,7 +900,7 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
     try:
         moe = moe_from_hf(hf_state, args)  # pops what it takes from hf_state
-        titan = _adapter(args).from_hf(hf_state)
+        titan = hf_key_map(args).from_hf(hf_state)
         titan.update(moe)
         if args.enable_weight_tying:
             titan.pop("output.weight", None)  # tied: the trainer reads tok_embeddings.weight
@@ -922,9 +956,9 @@ def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
     return [(f"{hf}experts.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
 
 
-def to_hf_items(name: str, tensor: torch.Tensor, args, adapter, fused_experts=False):
+def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False):
     """One trainer tensor as [(HF name, tensor)]: fused projections split, names mapped by
-    TorchTitan's adapter (_adapter(args))."""
+    `keys` (hf_key_map(args))."""
     if ".moe.router." in name or ".moe.experts." in name:
         return moe_to_hf_items(name, tensor, args, fused_experts)
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
@@ -934,16 +968,16 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, adapter, fused_experts=Fa
         titan = {prefix + part: piece for part, piece in zip(FUSED[suffix], pieces)}
     else:
         titan = {name: tensor}
-    return list(adapter.to_hf(titan).items())
+    return list(keys.to_hf(titan).items())
 
 
 def trainer_to_hf(state: dict[str, torch.Tensor], args,
                   fused: set[int] = frozenset()) -> dict[str, torch.Tensor]:
-    """Inverse of hf_to_trainer: split the fused projections, then TorchTitan's adapter; the
-    experts of the sparse layers in `fused` stay fused, the others go per expert (the hub's)."""
-    adapter = _adapter(args)
+    """Inverse of hf_to_trainer: split the fused projections, then map the names (hf_key_map);
+    the experts of the sparse layers in `fused` stay fused, the others go per expert (hub's)."""
+    keys = hf_key_map(args)
     return dict(item for name, t in state.items() for item in to_hf_items(
-        name, t, args, adapter, ".moe." in name and int(name.split(".")[1]) in fused))
+        name, t, args, keys, ".moe." in name and int(name.split(".")[1]) in fused))
 
 
 # ==========================================================================
@@ -977,6 +1011,11 @@ class Engine:
 
     cfg: Config
     moe = False
+    lora_tensors: dict | None = None  # LoRA: the adapter slot's tensors, by vLLM's layer name
+
+    def base_weights(self, args) -> dict[str, torch.Tensor] | None:
+        """LoRA: the base weights the engine lends the trainer (one copy), or None."""
+        return None
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int | None],
                  max_tokens: list[int], temperature: float) -> list[list[Completion]]:
@@ -1014,10 +1053,13 @@ class VLLMEngine(Engine):
         from vllm import LLM
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
-        route_vllm_add_rms_norm_through_padded_rows()
-        route_vllm_linear_through_cublaslt()
-        qwen = qwen35(files.args) is not None  # a schedule the trainer replays, see after the
-        cfg = prepare_qwen35_engine(cfg) if qwen else cfg  # story ("Qwen3.5 on vLLM")
+        # LoRA: one adapter slot on the layers of --lora-targets; the trainer adopts the base
+        # weights and binds its adapter casts to the slot (no second copy)
+        self.lora = lora_spec(cfg, files.args)
+        # The plumbing's part, after the story ("vLLM patches"): two vLLM ops routed through
+        # the trainer's kernels, a Qwen3.5's schedule made one the trainer replays, the
+        # engine's memory, LoRA's slot: the config it runs, LLM's arguments, a wake-up's bytes.
+        cfg, plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
         self.cfg = cfg
         self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
@@ -1025,11 +1067,6 @@ class VLLMEngine(Engine):
         # the routing-parity check, and only with its prefix cache on (it keeps the routes of
         # the cached blocks beside them): under --no-prefix-caching only tokens are checked.
         self.moe = bool(sparse_layers(files.args)) and cfg.prefix_caching
-        # LoRA: one adapter slot on the layers of --lora-targets (engine_lora_args); the trainer
-        # adopts the base weights and binds its adapter casts to the slot (no second copy)
-        self.lora = lora_spec(cfg, files.args)
-        # KV cache, sequences, batched tokens: sized after the story ends ("Memory estimate")
-        sizes, self.wake_bytes = engine_memory(cfg, files.args, ranks, self.lora is not None)
         graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
         # What makes vLLM's numbers the trainer's: its kernels (patched above), its logprobs, the
         # attention backend, and no compiler.
@@ -1046,7 +1083,7 @@ class VLLMEngine(Engine):
             enforce_eager=not graphs,
             compilation_config=CompilationConfig(
                 mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                max_decode_cudagraph_capture_requests=min(sizes["max_num_seqs"],
+                max_decode_cudagraph_capture_requests=min(plumbing["max_num_seqs"],
                                                           CUDA_GRAPH_MAX_BATCH),
                 # every request has the adapter: no graphs for requests without one
                 cudagraph_specialize_lora=False) if graphs else None,
@@ -1054,18 +1091,16 @@ class VLLMEngine(Engine):
         self.llm = LLM(
             model=str(files.path),
             **parity,
-            **sizes,
+            **plumbing,
             max_model_len=cfg.max_model_len,
             enable_sleep_mode=cfg.engine_sleep,
             enable_prefix_caching=cfg.prefix_caching,
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
-            **(engine_lora_args(self.lora) if self.lora else {}),
-            **(QWEN35_ENGINE_ARGS if qwen else {}),
         )
         self.lora_request = start_adapter(self, files) if self.lora else None
-        self.preempted = preemption_counter(self.llm) if qwen else None
+        self.preempted = preemption_counter(self.llm) if qwen35(files.args) else None
 
     def base_weights(self, args) -> dict[str, torch.Tensor]:
         """The engine's own weights (no copy) under the trainer's names, checked finite."""
@@ -1522,6 +1557,10 @@ class Episode:
     def generated_tokens(self) -> int:
         return sum(len(turn.out.ids) for turn in self.turns)
 
+    def end(self, status: str) -> None:  # the one place an episode ends
+        assert self.status == "running" and status in EPISODE_ENDS, (self.status, status)
+        self.status = status
+
 
 # completed: the env scored a turn that ended at a stop id; length: one that hit
 # --max-new-tokens; context: the turn or the tool's message ran into --max-model-len;
@@ -1579,7 +1618,8 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
     engine.generate over all of them (`next_turns`). seed(i, k) seeds episode i's turn k (0:
     the first, already generated). Returns the seconds the turns waited on the envs."""
     for e in episodes:
-        e.status = "running" if e.env is not None else "tool_timeout"  # its reset ran too long
+        if e.env is None:  # its reset ran past --tool-timeout
+            e.end("tool_timeout")
     live = [i for i, e in enumerate(episodes) if e.env is not None]
     waited = 0.0
     for turn in range(1, cfg.max_turns + 1):
@@ -1632,7 +1672,7 @@ def going_on(episodes: list[Episode], messages: dict[int, str], tokenizer,
                                  tool_message_ids(tokenizer, list(messages.values()), cfg)):
         context = episodes[i].ids() + ids
         if len(context) + 1 > cfg.max_model_len:  # no room left for a token
-            episodes[i].status = "context"
+            episodes[i].end("context")
         else:
             going.append(Going(i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
     return going
@@ -1649,27 +1689,33 @@ def next_turns(engine: Engine, episodes: list[Episode], going: list[Going],
         episodes[g.episode].turns.append(Turn(g.ids, out, capped=capped))
 
 
-def end_turn(episode: Episode, called: tuple[object, float], last: bool) -> str | None:
-    """What the env made of the episode's last turn (env_step's result or exception, and its
-    seconds): the tool message if the episode goes on, else None, with status and reward set."""
-    out, seconds = called
-    episode.tool_s += seconds
-    if isinstance(out, (ToolError, ToolTimeout)):
-        episode.status = "tool_error" if isinstance(out, ToolError) else "tool_timeout"
-        out = (None, 0.0)
-    elif isinstance(out, BaseException):
-        raise out
-    message, value = out
+class Called(NamedTuple):
+    """A call to an env as call_tools reports it ("Tools", after the story ends)."""
+    out: object  # what it returned, or the exception it raised (ToolTimeout: it ran too long)
+    seconds: float
+
+
+def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
+    """What the env made of the episode's last turn (env_step's (message, reward), or what it
+    raised): the tool message if the episode goes on, else None, the episode ended."""
+    episode.tool_s += called.seconds
+    if isinstance(called.out, (ToolError, ToolTimeout)):  # ends the episode, reward 0
+        episode.reward = 0.0
+        episode.end("tool_error" if isinstance(called.out, ToolError) else "tool_timeout")
+        return None
+    if isinstance(called.out, BaseException):  # anything else (a RewardError): the step stops
+        raise called.out
+    message, value = called.out
     episode.reward = value or 0.0
-    if message is not None:
-        episode.tool_calls += 1
-        if not last:
-            return message
-        episode.status = "max_turns"
-    elif episode.status == "running":
+    if message is None:
         end = episode.turns[-1]
-        episode.status = "completed" if end.out.stopped else "context" if end.capped else "length"
-    return None
+        episode.end("completed" if end.out.stopped else "context" if end.capped else "length")
+        return None
+    episode.tool_calls += 1
+    if last:
+        episode.end("max_turns")
+        return None
+    return message
 
 
 def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
@@ -2286,37 +2332,6 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     return trainer, start, run_dir, files.path
 
 
-def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks,
-                 engine: Engine | None = None):
-    """The policy and, with --kl-coef > 0, a frozen copy of it: (model, ref_model or None),
-    sharded over the ranks (rank 0 holds hf_state; the others get their shards from it).
-
-    LoRA: the base is the engine's own weights where it lends them (`base_weights`), else
-    hf_state's (every rank's); the adapters' casts are bound to the engine's slot; the
-    reference is the policy with its adapters off (no second model)."""
-    dtype = DTYPES[cfg.dtype]
-    lora = lora_spec(cfg, args)
-    if lora and hasattr(engine, "base_weights"):  # one copy: the trainer adopts the engine's
-        state = engine.base_weights(args)
-    else:
-        state = hf_to_trainer(hf_state, args) if hf_state else {}
-    if lora:
-        with torch.device("meta"):
-            shapes = Qwen3(args, kernels, dtype)
-            add_lora(shapes, lora)
-        state = {**state, **lora_init(shapes, cfg.seed)}
-    model = build_model(args, state, kernels, dtype, ranks.device, ranks.world, lora)
-    if lora and hasattr(engine, "lora_tensors"):
-        bind_lora(model, engine.lora_tensors)
-    ref_model = None
-    if lora and cfg.kl_coef > 0:
-        ref_model = BasePolicy(model)
-    elif cfg.kl_coef > 0:
-        ref_model = build_model(args, state, kernels, dtype, ranks.device, ranks.world)
-        ref_model.requires_grad_(False)
-    return model, ref_model
-
-
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW on the fp32 masters (or their shards; under LoRA the adapters'); fused on CUDA
     (deterministic)."""
@@ -2829,8 +2844,9 @@ def qwen35_fused_sizes(args) -> dict[str, list[int]]:
             "moe.shared_expert.w13.weight": [c.shared_expert_dim] * 2}
 
 
-# Qwen3.5's names beyond Qwen3's, for TorchTitan's adapter: HF -> the trainer's parts, which
-# FUSED then joins. Its linear attention keeps vLLM's names, under the block's `attention`.
+# Qwen3.5's names beyond Qwen3's, for TorchTitan's key map (hf_key_map): HF -> the trainer's
+# parts, which FUSED then joins. Its linear attention keeps vLLM's names, under the block's
+# `attention`.
 QWEN35_NAMES = {
     **{f"model.layers.{{}}.linear_attn.{n}": f"layers.{{}}.attention.{n}" for n in (
         "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
@@ -3602,6 +3618,22 @@ def shard_model(model: Qwen3, dtype) -> None:
 # ==========================================================================
 
 
+def engine_setup(cfg: Config, args, ranks: Ranks,
+                 lora: LoRASpec | None) -> tuple[Config, dict, int]:
+    """What VLLMEngine takes from the plumbing, before vLLM starts: two vLLM ops routed through
+    the trainer's kernels (below), a Qwen3.5's settings ("Qwen3.5 on vLLM"), the engine's sizes
+    ("Memory estimate") and LoRA's slot (engine_lora_args). Returns the config the engine runs,
+    LLM's arguments for all of it, and the bytes a sleeping engine maps again for a push."""
+    route_vllm_add_rms_norm_through_padded_rows()
+    route_vllm_linear_through_cublaslt()
+    qwen = qwen35(args) is not None
+    cfg = prepare_qwen35_engine(cfg) if qwen else cfg
+    sizes, wake_bytes = engine_memory(cfg, args, ranks, lora is not None)
+    return cfg, {**sizes, **(engine_lora_args(lora) if lora else {}),
+                 **(QWEN35_ENGINE_ARGS if qwen else {})}, wake_bytes
+
+
+
 @contextlib.contextmanager
 def young_collections_only():
     """gc.collect() collects only the young generations for the duration.
@@ -4070,8 +4102,8 @@ class CallInterrupted(BaseException):
             raise CallInterrupted(signum)
 
 
-def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]:
-    """Each call's (result, or the exception it raised, or a ToolTimeout; seconds), in call
+def call_tools(calls: list[Callable], cfg: Config) -> list[Called]:
+    """Each call's Called (its result, or the exception it raised, or a ToolTimeout), in call
     order, run on --tool-workers threads (0: one per call). ToolsStopped on a stop request,
     ToolsStuck once MAX_ABANDONED_THREADS abandoned calls still run. Without --env the calls
     are --reward's, made in this thread (inline_calls)."""
@@ -4083,7 +4115,7 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
                          f"{cfg.tool_timeout:g}s, abandoned but not ended (the run stops at "
                          f"{MAX_ABANDONED_THREADS})")
     n = len(calls)
-    results: list[tuple[object, float] | None] = [None] * n  # written by this thread only
+    results: list[Called | None] = [None] * n  # written by this thread only
     started: list[float] = [0.0] * n
     running: list[threading.Thread | None] = [None] * n  # the thread in call i
     todo, done = queue.SimpleQueue(), queue.SimpleQueue()  # C queues: no Python frame inside
@@ -4122,7 +4154,7 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[tuple[object, float]]
             raise ToolsStopped(StopRequest.asked())
         for i, out, seconds in finished(done, next_late(running, started, cfg.tool_timeout)):
             if results[i] is None:
-                results[i], left = (out, seconds), left - 1
+                results[i], left = Called(out, seconds), left - 1
         for _ in range(abandon_late(running, started, results, cfg.tool_timeout, gate)):
             left -= 1
             spawn(worker, cfg)  # its thread is stuck in the call: another takes the calls left
@@ -4177,8 +4209,8 @@ def abandon_late(running: list, started: list, results: list, timeout: float,
         for i, thread in enumerate(running):
             if timeout and thread is not None and results[i] is None and \
                     now - started[i] >= timeout:
-                results[i] = (ToolTimeout(f"ran past --tool-timeout {timeout:g}s"),
-                              now - started[i])
+                results[i] = Called(ToolTimeout(f"ran past --tool-timeout {timeout:g}s"),
+                                    now - started[i])
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
                                                            ctypes.py_object(ToolAbandoned))
                 ABANDONED.append(thread)
@@ -4200,7 +4232,7 @@ def call_once(fn: Callable, cfg: Config):
     return out
 
 
-def inline_calls(calls: list[Callable], timeout: float) -> list[tuple[object, float]]:
+def inline_calls(calls: list[Callable], timeout: float) -> list[Called]:
     """--reward's calls in this thread, as call_tools reports them. In the main thread a
     Ctrl-C or SIGTERM (StopRequest) ends the call it lands in (ToolsStopped: the step is
     dropped; one landing between calls lets the step finish, as before), and past `timeout`
@@ -4215,8 +4247,8 @@ def inline_calls(calls: list[Callable], timeout: float) -> list[tuple[object, fl
         signal.signal(TIMER_SIGNAL, previous)
 
 
-def inline(call: Callable, timeout: float = 0.0) -> tuple[object, float]:
-    """call() in this thread, as call_tools reports it: (its result or exception, seconds);
+def inline(call: Callable, timeout: float = 0.0) -> Called:
+    """call() in this thread, as call_tools reports it (its result or exception, seconds);
     with a timeout, a timer sends TIMER_SIGNAL to the main thread at `timeout` seconds."""
     timer = threading.Timer(timeout, signal.pthread_kill,
                             (threading.main_thread().ident, TIMER_SIGNAL)) if timeout else None
@@ -4239,7 +4271,7 @@ def inline(call: Callable, timeout: float = 0.0) -> tuple[object, float]:
             timer.cancel()
             timer.join()  # its signal, if it was sent, is handled while the handler is ours
     forked_off(pid, out)
-    return out, time.perf_counter() - t0
+    return Called(out, time.perf_counter() - t0)
 
 
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
@@ -5385,7 +5417,7 @@ def merged_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of a LoRA run, HF names, with its adapter merged: W + (alpha / r) B A, summed
     in fp32 and rounded once to the compute dtype (so not bit for bit the two-rounding layers the
     run trained: serve the adapter for that). Rank 0's items ({} elsewhere); every rank runs it."""
-    adapter = _adapter(model.args)
+    keys = hf_key_map(model.args)
     adapters = {n.removesuffix(".lora"): m for n, m in model.named_modules()
                 if isinstance(m, LoRA)}
     for name, p in model.named_parameters():
@@ -5397,7 +5429,7 @@ def merged_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
             delta = torch.cat([m.scale * full_tensor(b.detach()) @ full_tensor(a.detach())
                                for a, b in zip(m.slice_a(), m.b)])  # (sum n_s, K) fp32
             w = (w.float() + delta).to(model.dtype)
-        items = to_hf_items(name, w, model.args, adapter, False)
+        items = to_hf_items(name, w, model.args, keys, False)
         yield from items if is_main() else ()
 
 
