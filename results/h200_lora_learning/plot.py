@@ -6,12 +6,13 @@ the same arithmetic warm start, ../h200_episodes/learning_run.log. From each it 
 lines (`step N/S | reward R | held-out H | ...`: the held-out accuracy on step N's line was
 measured before step N, i.e. after N - 1 updates) and the last line's
 `held-out accuracy after S steps: H`. Writes learning.png (arithmetic and calculator) and
-lookup.png (the lookup task). The uncached runs are not drawn: their step lines equal the
-cached runs' (see README.md).
+lookup.png (the lookup task), beside this file or into OUT_DIR. The uncached runs are not
+drawn: their step lines equal the cached runs' (see README.md).
 
-    python results/h200_lora_learning/plot.py
+    python results/h200_lora_learning/plot.py [OUT_DIR]
 """
 import re
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -59,20 +60,20 @@ def draw(runs: list[tuple[str, Path, str, str]], title: str, out: Path) -> None:
     print("wrote", out)
 
 
-def main() -> None:
+def main(out_dir: Path) -> None:
     draw([("LoRA r16, lr 1e-3", HERE / "lora_arith.log", "tab:blue", "-"),
           ("LoRA r16, lr 3e-3", HERE / "lora_arith_lr3e-3.log", "tab:red", "-"),
           ("full FT, lr 1e-4 (h200_episodes)",
            HERE.parent / "h200_episodes" / "learning_run.log", "black", "--"),
           ("LoRA r16, lr 1e-3, calculator (--env calc)", HERE / "lora_calc.log", "tab:green",
            "-")],
-         "arithmetic", HERE / "learning.png")
+         "arithmetic", out_dir / "learning.png")
     draw([("direct 0.7, lr 1e-4", HERE / "lookup.log", "tab:blue", "-"),
           ("direct 0.7, lr 3e-4", HERE / "lookup_lr3e-4.log", "tab:red", "-"),
           ("direct 0.9, lr 1e-4", HERE / "lookup90.log", "tab:orange", "-"),
           ("direct 0.95, lr 1e-4", HERE / "lookup95.log", "tab:purple", "-")],
-         "lookup task, full FT", HERE / "lookup.png")
+         "lookup task, full FT", out_dir / "lookup.png")
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)

@@ -3,11 +3,13 @@
 From each log it takes the step lines (`step N/S | reward R | held-out H | ...`; a held-out
 accuracy printed on step N's line was measured before step N, after N - 1 updates) and the
 last line's `held-out accuracy after S steps: H`. Writes learning.png (arithmetic and the
-calculator, full fine-tuning beside LoRA) and lookup.png (the lookup task: accuracy and turns).
+calculator, full fine-tuning beside LoRA) and lookup.png (the lookup task: accuracy and turns),
+beside this file or into OUT_DIR.
 
-    python results/h200_vllm034_learning/plot.py
+    python results/h200_vllm034_learning/plot.py [OUT_DIR]
 """
 import re
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -36,7 +38,7 @@ def curves(name: str) -> dict[str, dict[int, float]]:
     return out
 
 
-def draw(runs, right_key: str, right_label: str, out: str) -> None:
+def draw(runs, right_key: str, right_label: str, out: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, name, color, style in runs:
         c = curves(name)
@@ -51,18 +53,19 @@ def draw(runs, right_key: str, right_label: str, out: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("vLLM 0.34, torch 2.14, one H200: 0 mismatched tokens at every step")
     fig.tight_layout()
-    fig.savefig(HERE / out, dpi=110)
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
 
 
-def main() -> None:
+def main(out_dir: Path) -> None:
     draw([("arithmetic, full fine-tuning, lr 1e-4", "arith.log", "black", "-"),
           ("arithmetic, LoRA r16, lr 1e-3", "lora_arith.log", "black", "--"),
           ("calculator, full fine-tuning, lr 1e-4", "calc.log", "tab:blue", "-"),
           ("calculator, LoRA r16, lr 1e-3", "lora_calc.log", "tab:blue", "--")],
-         "reward", "mean reward of the step's samples", "learning.png")
+         "reward", "mean reward of the step's samples", out_dir / "learning.png")
     draw([("lookup, full fine-tuning, lr 1e-4", "lookup.log", "tab:green", "-")],
-         "turns", "turns per episode", "lookup.png")
+         "turns", "turns per episode", out_dir / "lookup.png")
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
