@@ -262,7 +262,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # it computes with are exactly those pushed into vLLM. A linear layer's kernel makes that cast
 # itself, so its weight gradient leaves the GEMM in fp32 with no cast pass. An update casts the
 # weights once for all its micro-batches (`weights_cast_once`). Under FSDP2 the all-gather
-# already produced the bf16 cast, and the cast is a no-op.
+# already produced the bf16 cast (Qwen3.5's Gated DeltaNet layers: fp32, cast in the forward).
 
 
 class Embedding(nn.Module):
@@ -304,7 +304,8 @@ class LoRA(nn.Module):
                  scale: float, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
         self.names = names  # PEFT's name of each slice, None where --lora-targets leaves it out
-        # groups[s]: slice s's A, shared by a PEFT module's slices (see LORA_LAYERS)
+        # groups[s]: slice s's A, shared by a PEFT module's slices (see LORA_LAYERS); e.g.
+        # Qwen3.5's in_proj_qkvz, names (in_proj_qkv x 3, in_proj_z): groups (0, 0, 0, 1)
         keys = [n or s for s, n in enumerate(names)]  # an untargeted slice: its own (zero) A
         self.groups = tuple(list(dict.fromkeys(keys)).index(k) for k in keys)
         self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in))
@@ -349,14 +350,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.dtype = dtype
-        self.kernels = (ops.gemma_rms_norm, ops.gemma_add_rms_norm) if gemma else \
+        self.norms = (ops.gemma_rms_norm, ops.gemma_add_rms_norm) if gemma else \
             (ops.rms_norm, ops.add_rms_norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         w = self.weight.to(self.dtype)
         if residual is None:
-            return self.kernels[0](x, w, self.eps)
-        return self.kernels[1](x, residual, w, self.eps)
+            return self.norms[0](x, w, self.eps)
+        return self.norms[1](x, residual, w, self.eps)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -654,7 +655,8 @@ def weights_cast_once(model: Qwen3):
     whose `compute_weights` are, computes with it instead of casting its master in the
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
-    Nothing to do under FSDP2 (the all-gather casts) or when the masters are the compute dtype.
+    Nothing to do under FSDP2 (the all-gather casts; Qwen3.5's Gated DeltaNet layers, gathered
+    in fp32, cast in their forward) or when the masters are the compute dtype.
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
@@ -739,7 +741,7 @@ def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
     return adapter_weights(model) if lora_modules(model) else hf_weights(model)
 
 
-def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks: Ranks,
+def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ranks,
                  engine: Engine | None = None):
     """The policy and, with --kl-coef > 0, its KL reference: (model, ref_model or None), sharded
     over the ranks (rank 0 holds hf_state; the others get their shards from it).
@@ -753,21 +755,21 @@ def build_models(cfg: Config, args, hf_state: dict, kernels: bib.Kernels, ranks:
     state = lent if lent is not None else hf_to_trainer(hf_state, args) if hf_state else {}
     if lora:
         with torch.device("meta"):
-            shapes = Qwen3(args, kernels, dtype)
+            shapes = Qwen3(args, ops, dtype)
             add_lora(shapes, lora)
         state = {**state, **lora_init(shapes, cfg.seed)}
-    model = build_model(args, state, kernels, dtype, ranks.device, ranks.world, lora)
+    model = build_model(args, state, ops, dtype, ranks.device, ranks.world, lora)
     if lora and engine and engine.lora_tensors:
         bind_lora(model, engine.lora_tensors)
     if cfg.kl_coef == 0:
         return model, None
     if lora:
         return model, BasePolicy(model)
-    return model, build_model(args, state, kernels, dtype, ranks.device, ranks.world,
+    return model, build_model(args, state, ops, dtype, ranks.device, ranks.world,
                               frozen=True)
 
 
-def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtype, device,
+def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, device,
                 world: int = 1, lora: LoRASpec | None = None, frozen: bool = False) -> Qwen3:
     """Build on the meta device, then load the fp32 masters: never materialised twice.
 
@@ -778,7 +780,7 @@ def build_model(args, state: dict[str, torch.Tensor], kernels: bib.Kernels, dtyp
     and FSDP2 shards the adapters alone. `frozen`: no weight trains (the KL reference).
     """
     with torch.device("meta"):
-        model = Qwen3(args, kernels, dtype)
+        model = Qwen3(args, ops, dtype)
         if lora:
             add_lora(model, lora)
     def base(name: str) -> bool:  # a LoRA's base weight: frozen, adopted in the compute dtype
@@ -1214,7 +1216,7 @@ class Packed:
     gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
     targets: torch.Tensor  # (N,) the generated tokens
     sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
-    prefill: torch.Tensor  # (B,) the first tokens of each sample vLLM prefilled: its prompt
+    prefill: torch.Tensor  # (B,) how many first tokens of each sample vLLM prefilled: P_b
 
     def to(self, device) -> "Packed":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -1359,56 +1361,6 @@ def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
             seen.add(p.question)
             heldout.append(p)
     return pool, heldout
-
-
-def uses_chat_template(cfg: Config, tokenizer) -> bool:
-    has = bool(getattr(tokenizer, "chat_template", None))
-    need(has or cfg.chat_template != "on", "--chat-template on, but the tokenizer has no chat "
-         "template.")
-    return has and cfg.chat_template != "off"
-
-
-def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list[int]]:
-    """Token ids of each prompt: the chat template's user turn, or a plain 'Q: ...\\nA:'."""
-    if not problems:
-        return []
-    if uses_chat_template(cfg, tokenizer):
-        texts = chat_texts(tokenizer, [[{"role": "user", "content": p.question}]
-                                       for p in problems], cfg)
-    else:
-        texts = [f"Q: {p.question}\nA:" for p in problems]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def chat_texts(tokenizer, conversations: list[list[dict]], cfg: Config) -> list[str]:
-    """Each conversation through the chat template, with the assistant's generation prompt."""
-    try:  # a template is code: it may raise, or do what the sandbox refuses
-        return tokenizer.apply_chat_template(  # one call renders every conversation
-            conversations, tokenize=False, add_generation_prompt=True,
-            enable_thinking=cfg.enable_thinking)
-    except Exception as e:
-        raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
-                          f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
-
-
-def load_task(cfg: Config, tokenizer) -> Task:
-    """The problems of the whole run and the held-out ones, tokenized once; lengths checked."""
-    if cfg.env == "lookup":  # its own questions (the lookup task, after the story ends)
-        problems, heldout = lookup_split(cfg)
-    elif cfg.task == "arithmetic":
-        problems, heldout = arithmetic_split(cfg)
-    else:
-        source = cfg.data_files or "GSM8K"
-        read = gsm8k_problems if cfg.task == "gsm8k" else jsonl_problems
-        problems, heldout = split_heldout(read(cfg.data_files), cfg.eval_size, source)
-    prompt_ids = format_prompts(problems, tokenizer, cfg)
-    eval_ids = format_prompts(heldout, tokenizer, cfg)
-    lengths = [len(p) for p in prompt_ids + eval_ids]
-    need(max(lengths) + cfg.max_new_tokens <= cfg.max_model_len, f"the longest prompt has "
-         f"{max(lengths)} tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds "
-         f"--max-model-len {cfg.max_model_len}.")
-    need(min(lengths) > 0, "a prompt encodes to no tokens.")
-    return Task(problems, prompt_ids, heldout, eval_ids)
 
 
 def step_problems(n_problems: int, num_prompts: int, step: int, seed: int) -> list[int]:
@@ -1622,14 +1574,14 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
             e.end("tool_timeout")
     live = [i for i, e in enumerate(episodes) if e.env is not None]
     waited = 0.0
-    for turn in range(1, cfg.max_turns + 1):
-        messages, seconds = env_turn(episodes, live, tokenizer, cfg, turn)
+    for played in range(1, cfg.max_turns + 1):  # turns played: also the next turn's index
+        messages, seconds = env_turn(episodes, live, tokenizer, cfg, played)
         waited += seconds
         going = going_on(episodes, messages, tokenizer, cfg)
         if not going:
             return waited
-        next_turns(engine, episodes, going, [seed(g.episode, turn) for g in going], temperature,
-                   cfg)
+        next_turns(engine, episodes, going, [seed(g.episode, played) for g in going],
+                   temperature, cfg)
         live = [g.episode for g in going]
     return waited
 
@@ -1638,8 +1590,8 @@ def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
              turn: int) -> tuple[dict[int, str], float]:
     """The envs of the live episodes read their last turn's text, in parallel (call_tools and
     env_step's checks: "Tools", after the story ends): the tool message of each episode that
-    goes on ({episode: message}), and the seconds the calls took. end_turn sets the others'
-    status and reward; a RewardError records its turn."""
+    goes on ({episode: message}), and the seconds the calls took. end_turn ends the others; a
+    RewardError records its turn (1: the first; `turn` is the one just played)."""
     texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
     t0 = time.perf_counter()
     called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
@@ -1741,6 +1693,28 @@ def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
     )
 
 
+def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
+    """The update's samples, and each one's episode (B',) int64. An episode is one sample: its
+    first prompt, then its turns (the targets) and the tools' messages between them. By turn (a
+    Qwen3.5): vLLM prefilled each turn's whole request again (no prefix cache), its linear
+    attention from a zero state, so a turn's tokens are computed from hidden states that no
+    other turn's are; each turn is a sample of its own, prompted with its whole request. The
+    targets keep their order: episode by episode, turn by turn."""
+    if not by_turn:
+        return (pack(rollout.prompts, rollout.completions, rollout.generated),
+                torch.arange(len(rollout.prompts)))
+    requests, outs, episode = [], [], []
+    for i, e in enumerate(rollout.episodes):
+        ids = []
+        for turn in e.turns:  # turn k's request: the turns before it, then its context
+            ids = ids + turn.context
+            requests.append(ids)
+            outs.append(turn.out.ids)
+            episode.append(i)
+            ids = ids + turn.out.ids
+    return pack(requests, outs), torch.tensor(episode)
+
+
 # ==========================================================================
 # Advantages & loss (pure functions)
 # ==========================================================================
@@ -1772,7 +1746,7 @@ def ppo_clip_loss(logp, old_logp, adv, clip_eps: float):
 
 
 def kl_k3(logp, ref_logp) -> torch.Tensor:
-    """k3 estimator of KL(pi || pi_ref) per token: exp(q) - q - 1, q = ref_logp - logp (>= 0)."""
+    """k3 estimator of KL(pi || pi_ref) per token: exp(q) - q - 1 (>= 0), q = ref_logp - logp."""
     q = ref_logp - logp
     return torch.exp(q) - q - 1
 
@@ -1819,7 +1793,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
     parts = micro_batch_parts(packed, cfg, n_micro, device)
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
-    # rank's part is scaled by the world size (a power of two: exact).
+    # rank's part is scaled by the world size (exact when it is a power of two).
     scale = world_size() / n_tokens
     first = None
     for update in range(cfg.updates_per_batch):
@@ -1985,7 +1959,7 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
     The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
     sleeping engine gets its weight memory back first and its KV cache after; then the prefix
     cache is dropped, since its KV was computed with the old weights. Returns the seconds the
-    waking took (the rest is the push itself: under LoRA, the adapter's write).
+    waking took (the rest is the push itself; under LoRA policy_weights wrote the adapter).
     """
     lora = getattr(engine, "lora", None)
     t0 = time.perf_counter()
@@ -2128,7 +2102,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
     (the update, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    # a sample an episode; a turn for Qwen3.5 ("Qwen3.5 on vLLM"); episode[s]: sample s's
+    # a sample an episode, or a turn for Qwen3.5 (pack_rollout); episode[s]: sample s's
     packed, episode = pack_rollout(rollout, by_turn=bool(linear_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
@@ -2244,14 +2218,8 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                 done += 1
                 report_step(trainer, step, step == start, metrics, parity, metrics_log,
                             (time.perf_counter() - began) / done)
-                if cfg.strict_parity and (parity.n_mismatch or parity.routing_mismatch):
-                    raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} "
-                                     f"mismatched tokens and {parity.routing_mismatch} routed "
-                                     "to other experts.", EXIT_PARITY)
-                stop_if_asked(stop, trainer, run_dir, source, step + 1, f"after step {step}")
-                if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                    print0(f"saving checkpoint step_{step + 1:06d}")
-                    save_checkpoint(run_dir, trainer, step + 1, source)
+                # --strict-parity, a Ctrl-C or SIGTERM, --save-every ("Stops")
+                after_step(stop, trainer, run_dir, source, step, parity)
             if eval_due(cfg, cfg.steps):
                 with stops_at(trainer, cfg.steps, run_dir, source):
                     final = evaluate(trainer, cfg.steps)
@@ -2310,7 +2278,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
     # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
-    kernels = bib.vllm_kernels() if cfg.kernels != "reference" and device_type == "cuda" \
+    ops = bib.vllm_kernels() if cfg.kernels != "reference" and device_type == "cuda" \
         else bib.reference_kernels()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -2318,7 +2286,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
                "kernels: 1-2 minutes)")
     engine = engine_factory(cfg, files, ranks)
-    model, ref_model = build_models(cfg, files.args, hf_state, kernels, ranks, engine)
+    model, ref_model = build_models(cfg, files.args, hf_state, ops, ranks, engine)
     del hf_state
     optimizer = make_optimizer(model, cfg)
     trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
@@ -3095,6 +3063,56 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def uses_chat_template(cfg: Config, tokenizer) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    need(has or cfg.chat_template != "on", "--chat-template on, but the tokenizer has no chat "
+         "template.")
+    return has and cfg.chat_template != "off"
+
+
+def format_prompts(problems: list[Problem], tokenizer, cfg: Config) -> list[list[int]]:
+    """Token ids of each prompt: the chat template's user turn, or a plain 'Q: ...\\nA:'."""
+    if not problems:
+        return []
+    if uses_chat_template(cfg, tokenizer):
+        texts = chat_texts(tokenizer, [[{"role": "user", "content": p.question}]
+                                       for p in problems], cfg)
+    else:
+        texts = [f"Q: {p.question}\nA:" for p in problems]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def chat_texts(tokenizer, conversations: list[list[dict]], cfg: Config) -> list[str]:
+    """Each conversation through the chat template, with the assistant's generation prompt."""
+    try:  # a template is code: it may raise, or do what the sandbox refuses
+        return tokenizer.apply_chat_template(  # one call renders every conversation
+            conversations, tokenize=False, add_generation_prompt=True,
+            enable_thinking=cfg.enable_thinking)
+    except Exception as e:
+        raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
+                          f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
+
+
+def load_task(cfg: Config, tokenizer) -> Task:
+    """The problems of the whole run and the held-out ones, tokenized once; lengths checked."""
+    if cfg.env == "lookup":  # its own questions (the lookup task, after the story ends)
+        problems, heldout = lookup_split(cfg)
+    elif cfg.task == "arithmetic":
+        problems, heldout = arithmetic_split(cfg)
+    else:
+        source = cfg.data_files or "GSM8K"
+        read = gsm8k_problems if cfg.task == "gsm8k" else jsonl_problems
+        problems, heldout = split_heldout(read(cfg.data_files), cfg.eval_size, source)
+    prompt_ids = format_prompts(problems, tokenizer, cfg)
+    eval_ids = format_prompts(heldout, tokenizer, cfg)
+    lengths = [len(p) for p in prompt_ids + eval_ids]
+    need(max(lengths) + cfg.max_new_tokens <= cfg.max_model_len, f"the longest prompt has "
+         f"{max(lengths)} tokens; with --max-new-tokens {cfg.max_new_tokens} it exceeds "
+         f"--max-model-len {cfg.max_model_len}.")
+    need(min(lengths) > 0, "a prompt encodes to no tokens.")
+    return Task(problems, prompt_ids, heldout, eval_ids)
+
+
 def read_rows(data_files: str, task: str) -> dict[str, list]:
     """The question and answer columns of a local jsonl or parquet file, or of GSM8K on the hub
     (data_files ''). A jsonl number is read as the text written in the file."""
@@ -3782,7 +3800,7 @@ def route_vllm_linear_through_cublaslt() -> None:
 # and each generated token decoded once. These settings make it so; a preemption (a request
 # prefilled again, prompt and generated tokens together) is refused after each generate. In an
 # episode of several turns vLLM prefills each turn's whole request again, so the trainer takes
-# each turn as a sample of its own (pack_rollout).
+# each turn as a sample of its own (pack_rollout, in the story's "Episodes").
 # Measured on an H200 (results/h200_qwen35_parity/): 0 of 131,072 generated tokens differ at
 # Qwen3.5-0.8B's layer shapes, eager and with CUDA graphs, across a push.
 QWEN35_ENGINE_ARGS = dict(
@@ -3798,28 +3816,6 @@ PACKED_DECODE = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"  # "1": a second decod
 # fla's gated RMSNorm (the linear attention's output norm) blocks 1 to 4 rows together as a
 # call grows; pinned to one row, every row count reduces alike (engine and trainer, one process)
 GDN_NORM_ROWS_PER_BLOCK = 1
-
-
-def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
-    """The update's samples, and each one's episode (B',) int64. An episode is one sample: its
-    first prompt, then its turns (the targets) and the tools' messages between them. By turn (a
-    Qwen3.5): vLLM prefilled each turn's whole request again (no prefix cache), its linear
-    attention from a zero state, so a turn's tokens are computed from hidden states that no
-    other turn's are; each turn is a sample of its own, prompted with its whole request. The
-    targets keep their order: episode by episode, turn by turn."""
-    if not by_turn:
-        return (pack(rollout.prompts, rollout.completions, rollout.generated),
-                torch.arange(len(rollout.prompts)))
-    requests, outs, episode = [], [], []
-    for i, e in enumerate(rollout.episodes):
-        ids = []
-        for turn in e.turns:  # turn k's request: the turns before it, then its context
-            ids = ids + turn.context
-            requests.append(ids)
-            outs.append(turn.out.ids)
-            episode.append(i)
-            ids = ids + turn.out.ids
-    return pack(requests, outs), torch.tensor(episode)
 
 
 def prepare_qwen35_engine(cfg: Config) -> Config:
@@ -6502,6 +6498,20 @@ def weights_finite(model: nn.Module, device) -> bool:
     norms = torch._foreach_norm(local)  # a NaN or Inf anywhere makes its tensor's norm non-finite
     ok = torch.isfinite(torch.stack(norms)).all().int().reshape(1).to(device)
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
+
+
+def after_step(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path, step: int,
+               parity: Parity) -> None:
+    """Between two steps: --strict-parity stops at a step with a differing token (RunStopped,
+    exit 4), a Ctrl-C or SIGTERM saves and stops, and every --save-every steps a checkpoint."""
+    if trainer.cfg.strict_parity and (parity.n_mismatch or parity.routing_mismatch):
+        raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} mismatched "
+                         f"tokens and {parity.routing_mismatch} routed to other experts.",
+                         EXIT_PARITY)
+    stop_if_asked(stop, trainer, run_dir, source, step + 1, f"after step {step}")
+    if trainer.cfg.save_every and (step + 1) % trainer.cfg.save_every == 0:
+        print0(f"saving checkpoint step_{step + 1:06d}")
+        save_checkpoint(run_dir, trainer, step + 1, source)
 
 
 def stop_if_asked(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path,
