@@ -1855,7 +1855,7 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, samples, weight in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            if routing is not None and weight != 0:
+            if routing is not None and weight != 0:  # read before a LoRA reference reruns it
                 routing[owned] = model.routed_ids(batch)
             adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
