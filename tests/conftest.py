@@ -53,3 +53,14 @@ def saved(ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("saved")
     run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=2, run_name="r"))
     return tmp / "runs" / "r" / "checkpoints" / "step_000002"
+
+
+@pytest.fixture(scope="module")
+def four(ckpt, tmp_path_factory):
+    """A finished 4-step run: checkpoints at steps 2 and 4, and its final export (copy it before
+    changing it: helpers.copy_run)."""
+    from helpers import cpu_argv, run_cpu
+
+    tmp = tmp_path_factory.mktemp("four")
+    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=4, run_name="r"))
+    return tmp / "runs" / "r"

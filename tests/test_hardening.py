@@ -10,22 +10,8 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import CountingEngine, copy_checkpoint, cpu_argv, main_cpu, run_cpu
-
-
-def one_line_error(code, capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2, err
-    assert err.startswith("simple_rl: error: ") and "Traceback" not in err
-    return err
-
-
-def refuse(argv, capsys) -> str:
-    """Runs main on argv, expects exit 2 with one sentence and no engine start."""
-    CountingEngine.made = 0
-    err = one_line_error(main_cpu(argv, CountingEngine), capsys)
-    assert CountingEngine.made == 0, "the engine started before the error"
-    return err
+from helpers import (copy_checkpoint, cpu_argv, main_cpu, one_line_error,
+                     refuse_last_line, run_cpu)
 
 
 class Boom:
@@ -82,7 +68,7 @@ def test_run_names_that_escape_the_log_dir_are_refused(ckpt, tmp_path, capsys, n
     (logs / "other" / "keep.txt").write_text("another run")
     argv = cpu_argv(ckpt(), logs, overwrite=True)
     argv += ["--run-name" + name] if name.startswith("=") else ["--run-name", name]
-    err = refuse(argv, capsys)
+    err = refuse_last_line(argv, capsys)
     assert "--run-name" in err and "plain name" in err
     assert (victim / "keep.txt").read_text() == "precious"
     assert (logs / "other" / "keep.txt").read_text() == "another run"
@@ -102,7 +88,7 @@ def test_overwrite_removes_only_its_run_and_only_after_every_check(ckpt, tmp_pat
     bad = tmp_path / "bad"
     shutil.copytree(ckpt(), bad)
     (bad / "model.safetensors").write_bytes(b"garbage")
-    refuse(cpu_argv(bad, logs, run_name="mine", overwrite=True), capsys)
+    refuse_last_line(cpu_argv(bad, logs, run_name="mine", overwrite=True), capsys)
     assert (logs / "mine" / "notes.txt").read_text() == "mine"
     # all checks pass: the run directory (and nothing else) is replaced
     run_cpu(cpu_argv(ckpt(), logs, steps=1, run_name="mine", overwrite=True))
@@ -116,7 +102,8 @@ def test_a_symlinked_run_dir_is_refused(ckpt, tmp_path, capsys):
     (victim / "keep.txt").write_text("precious")
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "link").symlink_to(victim)
-    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", run_name="link", overwrite=True), capsys)
+    err = refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs", run_name="link", overwrite=True),
+                           capsys)
     assert "symbolic link" in err and (victim / "keep.txt").read_text() == "precious"
 
 
@@ -130,7 +117,8 @@ def test_a_non_empty_output_dir_is_refused_even_with_overwrite(ckpt, tmp_path, c
     out = tmp_path / "final"
     out.mkdir()
     (out / "model.safetensors").write_text("old")
-    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", output_dir=out, overwrite=True), capsys)
+    err = refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs", output_dir=out, overwrite=True),
+                           capsys)
     assert "is not empty" in err and (out / "model.safetensors").read_text() == "old"
 
 
@@ -153,14 +141,14 @@ def test_a_non_empty_output_dir_is_refused_even_with_overwrite(ckpt, tmp_path, c
 ])
 def test_bad_floats_and_ranges(ckpt, tmp_path, capsys, flag, value, needle):
     given = [flag + value] if value.startswith("=") else [flag, value]
-    assert needle in refuse(cpu_argv(ckpt(), tmp_path / "logs") + given, capsys)
+    assert needle in refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs") + given, capsys)
 
 
 def test_a_model_dir_without_tokenizer(ckpt, tmp_path, capsys):
     shutil.copytree(ckpt(), tmp_path / "m")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (tmp_path / "m" / name).unlink(missing_ok=True)
-    err = refuse(cpu_argv(tmp_path / "m", tmp_path / "logs"), capsys)
+    err = refuse_last_line(cpu_argv(tmp_path / "m", tmp_path / "logs"), capsys)
     assert "has no tokenizer (tokenizer.json, or vocab.json + merges.txt)" in err
     assert not (tmp_path / "logs").exists()
 
@@ -200,7 +188,7 @@ def test_damaged_weights_fail_before_the_engine_starts(ckpt, tmp_path, capsys, d
         save_file(state, file)
     else:
         (m / "config.json").write_text("{not json")
-    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    err = refuse_last_line(cpu_argv(m, tmp_path / "logs"), capsys)
     assert needle in err
     assert not (tmp_path / "logs").exists()  # no run directory for a run that never started
 

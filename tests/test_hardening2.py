@@ -19,50 +19,16 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import (CountingEngine, TorchEngine, copy_checkpoint, copy_run, cpu_argv, main_cpu,
-                     metrics_rows, run_cpu)
+from helpers import (Killed, TorchEngine, copy_checkpoint, copy_run, cpu_argv, main_cpu,
+                     metrics_rows, one_sentence, refuse)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "dcp_metadata"
 FULL_DISK_DCP = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # as seen
 FULL_DISK_SAFETENSORS = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
-class Killed(BaseException):
-    """A stand-in for SIGKILL: nothing of simple_rl's catches it."""
-
-
-def one_sentence(capsys, code: int, want: int, datasets: bool = False) -> str:
-    """The run's stderr is one line, without a traceback, and the exit code is `want`
-    (`datasets`: its progress bars and logs, printed before simple_rl's line, are left out)."""
-    captured = capsys.readouterr()
-    err = captured.err.strip().splitlines()
-    if datasets:
-        err = err[-1:]
-    assert code == want, err
-    assert len(err) == 1 and err[0].startswith("simple_rl: "), err
-    assert datasets or "Traceback" not in captured.out + captured.err
-    return err[0]
-
-
-def refuse(argv, capsys, datasets: bool = False) -> str:
-    """main on argv: exit 2 in one sentence, before the engine starts."""
-    capsys.readouterr()  # what came before (a checkpoint made for the test) is not the run's
-    CountingEngine.made = 0
-    err = one_sentence(capsys, main_cpu(argv, CountingEngine), 2, datasets)
-    assert CountingEngine.made == 0, "the engine started before the error"
-    return err
-
-
 def metrics(run_dir):
     return metrics_rows(run_dir)
-
-
-@pytest.fixture(scope="module")
-def four(ckpt, tmp_path_factory):
-    """A finished 4-step run: checkpoints at steps 2 and 4, and its final export."""
-    tmp = tmp_path_factory.mktemp("four")
-    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=4, run_name="r"))
-    return tmp / "runs" / "r"
 
 
 # ---------------------------------------------------------------- 1. the run directory

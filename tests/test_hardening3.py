@@ -16,29 +16,11 @@ from pathlib import Path
 import pytest
 
 import simple_rl as rl
-from helpers import TorchEngine, copy_checkpoint, cpu_argv, main_cpu, metrics_rows
-from test_hardening2 import one_sentence, refuse
+from helpers import (TorchEngine, copy_checkpoint, cpu_argv, edit_json, exits, latest, main_cpu,
+                     metrics_rows, refuse)
 
 EVIL = ("from pathlib import Path\nPath({marker!r}).write_text('ran')\n"  # runs when imported
         "def f(c, a):\n    return 0.0\n")
-
-
-def latest(tmp_path, *extra) -> list[str]:
-    return ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
-            "--steps", "3", *map(str, extra)]
-
-
-def exits(capsys, argv, want: int, engine=None) -> str:
-    """main on argv (after what came before, e.g. a checkpoint built for the test, is read):
-    the exit code `want`, in one sentence."""
-    capsys.readouterr()
-    return one_sentence(capsys, main_cpu(argv, engine), want)
-
-
-def edit_json(file: Path, **change) -> None:
-    data = json.loads(file.read_text())
-    data.update(change)
-    file.write_text(json.dumps(data))
 
 
 # ---------------------------------------------------------------- 1. no code from a checkpoint
@@ -147,7 +129,7 @@ def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, 
                     f"    {REWARDS[kind]}\n")
     argv = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r", reward=f"{file}:f",
                     eval_size=0, max_new_tokens=3)
-    err = exits(capsys, argv, 7)
+    err = exits(capsys, argv, 7, TorchEngine)
     assert f"step 0: the reward ({file}:f) " in err and "on sample " in err
     want = {"exit": "raised SystemExit: 0", "huge int": "returned 1000000000",
             "string": "returned 'correct', not a finite number in fp32",
@@ -227,7 +209,8 @@ def test_3_a_write_failing_mid_run_exits_6(ckpt, tmp_path, monkeypatch, capsys, 
         if where in ("tensorboard flush", "tensorboard close"):
             name = where.split()[1]
             monkeypatch.setattr(SummaryWriter, name, lambda self: (real[name](self), fail()))
-    err = exits(capsys, cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="w"), 6)
+    err = exits(capsys, cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="w"), 6,
+                TorchEngine)
     assert WORDS[code] in err and str(run_dir) in err
 
 

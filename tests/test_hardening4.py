@@ -15,27 +15,10 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import CountingEngine, ExactEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
-from test_hardening2 import Killed, one_sentence, refuse
+from helpers import (LORA, CountingEngine, ExactEngine, Killed, cpu_argv, edit_json, exits, latest,
+                     main_cpu, metrics_rows, one_sentence, refuse, run_cpu)
 
 SEVEN = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-LORA = dict(lora_rank=8, lr=1e-2, kl_coef=0.05)
-
-
-def latest(tmp_path, *extra) -> list[str]:
-    return ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
-            "--steps", "3", *map(str, extra)]
-
-
-def exits(capsys, argv, want: int, engine=ExactEngine) -> str:
-    capsys.readouterr()
-    return one_sentence(capsys, main_cpu(argv, engine), want)
-
-
-def edit_json(file, **change) -> None:
-    data = json.loads(file.read_text())
-    data.update(change)
-    file.write_text(json.dumps(data))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import ExactEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
+from helpers import LORA, ExactEngine, cpu_argv, main_cpu, metrics_rows, run_cpu
 
 
 def lora_inputs(seed=0, T=7, K=32, sizes=(24, 8, 8), r=4):
@@ -50,9 +50,6 @@ def test_a_frozen_base_has_no_weight_gradient_and_the_same_input_gradient():
         assert (wp.grad is None) == frozen
         dx.append(x.grad)
     assert torch.equal(dx[0], dx[1])
-
-
-LORA = dict(lora_rank=8, lr=1e-2, kl_coef=0.05)
 
 
 @pytest.fixture(scope="module")
