@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import (copy_checkpoint, cpu_argv, main_cpu, one_line_error,
-                     refuse_last_line, run_cpu)
+from helpers import cpu_argv, refuse_last_line, run_cpu
 
 
 # ---------------------------------------------------------------- nothing outside the run
@@ -149,29 +148,3 @@ def test_damaged_weights_fail_before_the_engine_starts(ckpt, tmp_path, capsys, d
     err = refuse_last_line(cpu_argv(m, tmp_path / "logs"), capsys)
     assert needle in err
     assert not (tmp_path / "logs").exists()  # no run directory for a run that never started
-
-
-# ---------------------------------------------------------------- bad resume input
-
-
-def test_a_checkpoint_from_another_model_is_refused(saved, ckpt, tmp_path, capsys):
-    ckpt_dir = copy_checkpoint(saved, tmp_path)
-    config = json.loads((ckpt_dir / "run_config.json").read_text())
-    config["model"] = str(ckpt(layers=3))  # a model with one more layer
-    (ckpt_dir / "run_config.json").write_text(json.dumps(config))
-    err = one_line_error(main_cpu(["--resume", str(ckpt_dir), "--steps", "3"]), capsys)
-    assert "config.json is not what the run read when" in err  # refused before it is read
-    err = one_line_error(main_cpu(["--resume", str(ckpt_dir), "--steps", "3", "--model",
-                                   config["model"], "--allow-changed-files"]), capsys)
-    assert "was saved from another model" in err
-
-
-def test_resume_names_the_flags_it_ignores(saved, tmp_path, capsys):
-    ckpt = copy_checkpoint(saved, tmp_path)
-    assert main_cpu(["--resume", str(ckpt), "--steps", "3", "--lr", "0.5", "--group-size", "3",
-                     "--save-every", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "ignores the command line's: --lr." in out  # --group-size 3 is the saved value
-    saved_cfg = json.loads((ckpt.parent / "step_000003" / "run_config.json").read_text()) \
-        if (ckpt.parent / "step_000003").exists() else None
-    assert saved_cfg is None  # --save-every 5 was taken: no checkpoint at step 3

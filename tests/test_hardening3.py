@@ -6,7 +6,6 @@ two runs, a signal after the last step saves it, and jsonl answers stay as writt
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,53 +14,8 @@ from pathlib import Path
 import pytest
 
 import simple_rl as rl
-from helpers import (TorchEngine, copy_checkpoint, cpu_argv, edit_json, exits, latest, main_cpu,
-                     metrics_rows, refuse)
-
-# ---------------------------------------------------------------- 1. no code from a checkpoint
-
-
-def test_1_your_own_reward_resumes_and_a_changed_one_is_refused(ckpt, tmp_path, capsys):
-    mine = tmp_path / "mine.py"
-    mine.write_text("def f(completion, answer):\n    return float(len(completion) % 2)\n")
-    assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r",
-                             reward=f"{mine}:f", eval_size=0)) == 0
-    moved = tmp_path / "moved.py"
-    shutil.copy(mine, moved)  # the same file elsewhere: the same sha256, accepted
-    assert main_cpu(latest(tmp_path, "--reward", f"{moved}:f")) == 0
-    mine.write_text("def f(completion, answer):\n    return 0.5\n")
-    err = refuse(latest(tmp_path, "--steps", 4, "--reward", f"{mine}:f"), capsys)
-    assert f"{mine} is not what the run read when" in err and "--allow-changed-files" in err
-
-
-def test_1_a_resume_takes_the_recorded_model_only_while_its_files_are_unchanged(
-        saved, ckpt, tmp_path, capsys):
-    run_ckpt = copy_checkpoint(saved, tmp_path)
-    model = tmp_path / "model"
-    shutil.copytree(ckpt(), model)  # the same files: their sha256 are the recorded ones
-    edit_json(run_ckpt / "run_config.json", model=str(model))
-    assert main_cpu(latest(tmp_path)) == 0  # no --model needed
-    edit_json(model / "tokenizer_config.json", model_max_length=7)
-    err = refuse(latest(tmp_path, "--steps", 4), capsys)
-    assert f"{model / 'tokenizer_config.json'} is not what the run read when" in err
-    assert "pass --model to name the files to use" in err
-    err = refuse(latest(tmp_path, "--steps", 4, "--model", model), capsys)
-    assert "pass --allow-changed-files to resume with it." in err
-    assert main_cpu(latest(tmp_path, "--steps", 4, "--model", model,
-                           "--allow-changed-files")) == 0
-
-
-def test_1_a_checkpoint_naming_other_data_is_refused_before_it_is_read(saved, tmp_path, capsys,
-                                                                       monkeypatch):
-    ckpt = copy_checkpoint(saved, tmp_path)
-    data = tmp_path / "other.jsonl"
-    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
-    edit_json(ckpt / "run_config.json", task="jsonl", data_files=str(data), eval_size=0)
-    monkeypatch.setattr(rl, "read_rows", lambda *a: pytest.fail("read before the check"))
-    err = refuse(latest(tmp_path), capsys)
-    assert f"{data} is not what the run read when {ckpt} was saved" in err
-    assert "pass --data-files to name the files to use" in err
-
+from helpers import (TorchEngine, copy_checkpoint, cpu_argv, exits, latest, main_cpu, metrics_rows,
+                     refuse)
 
 # ---------------------------------------------------------------- 2. a reward cannot end a run
 
