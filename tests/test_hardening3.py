@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 import simple_rl as rl
-from helpers import (TorchEngine, copy_checkpoint, cpu_argv, exits, latest, main_cpu, metrics_rows,
-                     refuse)
+from helpers import TorchEngine, cpu_argv, exits, refuse
 
 # ---------------------------------------------------------------- 2. a reward cannot end a run
 
@@ -159,34 +158,6 @@ def test_3_a_real_disk_filled_mid_run_exits_6(ckpt, tmp_path, capsys):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-# ---------------------------------------------------------------- 4. a resume and an overwrite
-
-
-@pytest.mark.parametrize("hook", ["check_run_paths", "lock_run_dir"])
-def test_4_an_overwrite_between_a_resumes_start_and_its_lock_cannot_mix_two_runs(
-        saved, ckpt, tmp_path, monkeypatch, capsys, hook):
-    copy_checkpoint(saved, tmp_path)
-    run_dir = tmp_path / "runs" / "r"
-    overwrite = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r", overwrite=True,
-                         seed=5)
-    real = getattr(rl, hook)
-    codes = []
-
-    def other_process_runs_first(*a, **k):  # the overwrite runs to its end before this one
-        if not codes:
-            codes.append(None)
-            codes[0] = main_cpu(overwrite)
-        return real(*a, **k)
-
-    monkeypatch.setattr(rl, hook, other_process_runs_first)
-    assert main_cpu(latest(tmp_path, "--save-every", 1)) == 0
-    seeds = {json.loads((c / "run_config.json").read_text())["seed"]
-             for c in rl.complete_checkpoints(run_dir)}
-    assert len(seeds) == 1, f"checkpoints of two runs in one directory (overwrite: {codes})"
-    rows = metrics_rows(run_dir)
-    assert [m["step"] for m in rows if "loss" in m] == [0, 1, 2]
-
-
 # ---------------------------------------------------------------- 5. a signal after the last step
 
 
@@ -270,28 +241,3 @@ def test_6_gsm8k_and_parquet_answers_are_kept_as_written(tmp_path):
     pq.write_table(table, tmp_path / "ints.parquet")
     got = [p.answer for p in rl.jsonl_problems(str(tmp_path / "ints.parquet"))]
     assert got == ["3", "12345678901234567"]
-
-
-# ---------------------------------------------------------------- 7. paths fixed at start
-
-
-def test_7_a_reward_that_changes_directory_does_not_move_the_run(ckpt, tmp_path, monkeypatch,
-                                                                 capsys):
-    away = tmp_path / "away"
-    away.mkdir()
-    (tmp_path / "work").mkdir()
-    (tmp_path / "work" / "r.py").write_text(
-        f"import os\ndef f(completion, answer):\n    os.chdir({str(away)!r})\n    return 0.0\n")
-    monkeypatch.chdir(tmp_path / "work")
-    argv = cpu_argv(ckpt(), "runs", steps=2, run_name="r", reward="r.py:f")
-    assert main_cpu(argv) == 0
-    assert list(away.iterdir()) == []
-    assert (tmp_path / "work" / "runs" / "r" / "final" / "model.safetensors").is_file()
-    config = json.loads((tmp_path / "work" / "runs" / "r" / "checkpoints" / "step_000002" /
-                         "run_config.json").read_text())
-    assert config["reward"] == f"{tmp_path / 'work' / 'r.py'}:f"
-    assert config["log_dir"] == str(tmp_path / "work" / "runs")
-    monkeypatch.chdir(tmp_path / "work")  # the reward left the process in away/
-    cfg, _ = rl.parse_config(["--env", "e.py:E"])  # an env file too; the calculator is no file
-    assert cfg.env == f"{tmp_path / 'work' / 'e.py'}:E"
-    assert rl.parse_config(["--env", "calc"])[0].env == "calc"

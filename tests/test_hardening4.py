@@ -228,17 +228,6 @@ def test_8_a_read_only_output_dir_is_found_before_the_first_step(ckpt, tmp_path,
     assert CountingEngine.made == 0 and not (tmp_path / "runs" / "ro" / "checkpoints").exists()
 
 
-def test_8_final_has_the_mode_of_the_checkpoints(ckpt, tmp_path):
-    umask = os.umask(0o022)
-    try:
-        run_cpu(cpu_argv(ckpt(), tmp_path, steps=2, run_name="m"))
-    finally:
-        os.umask(umask)
-    mode = (tmp_path / "m" / "final").stat().st_mode & 0o777
-    assert mode == 0o755
-    assert mode == (tmp_path / "m" / "checkpoints" / "step_000002").stat().st_mode & 0o777
-
-
 def test_8_a_full_output_dir_is_not_advised_to_lower_keep_last(ckpt, tmp_path, monkeypatch,
                                                                capsys):
     from safetensors import torch as st
