@@ -3,20 +3,16 @@ silently, a half-written export is cleaned by the same run's next start, crafted
 are refused in one sentence naming the real cause, and the suite pins LoRA's scale, its
 gradients and what DCP writes. One test (or more) per row of the issue, numbered as there."""
 
-import errno
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import (LORA, CountingEngine, ExactEngine, Killed, cpu_argv, edit_json, exits, latest,
-                     main_cpu, one_sentence, refuse, run_cpu)
+from helpers import (LORA, ExactEngine, Killed, cpu_argv, edit_json, exits, latest, main_cpu,
+                     refuse, run_cpu)
 
 SEVEN = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -193,59 +189,6 @@ def test_8_a_crafted_export_in_a_full_runs_config_is_refused(saved, tmp_path, ca
     edit_json(ckpt_dir / "run_config.json", export="merged")
     err = exits(capsys, latest(tmp_path), 2)
     assert "holds an invalid config: --export set a LoRA run's adapters and export" in err
-
-
-def read_only(where) -> bool:
-    """`where` made read-only: a read-only tmpfs as root (root writes through modes), else
-    mode 0555."""
-    where.mkdir()
-    if os.geteuid() != 0:
-        where.chmod(0o555)
-        return True
-    if sys.platform != "linux":
-        return False
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)],
-                          capture_output=True)
-    return done.returncode == 0
-
-
-def test_8_a_read_only_output_dir_is_found_before_the_first_step(ckpt, tmp_path, capsys):
-    frozen = tmp_path / "frozen"
-    if not read_only(frozen):
-        pytest.skip("no way to make a read-only directory here")
-    try:
-        capsys.readouterr()
-        CountingEngine.made = 0
-        argv = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="ro",
-                        output_dir=frozen / "out")
-        err = one_sentence(capsys, main_cpu(argv, CountingEngine), 6)
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["umount", "-l", str(frozen)], check=False)
-        else:
-            frozen.chmod(0o755)
-    assert str(frozen) in err and ("read-only" in err or "no permission" in err), err
-    assert CountingEngine.made == 0 and not (tmp_path / "runs" / "ro" / "checkpoints").exists()
-
-
-def test_8_a_full_output_dir_is_not_advised_to_lower_keep_last(ckpt, tmp_path, monkeypatch,
-                                                               capsys):
-    from safetensors import torch as st
-
-    real = st.save_file
-    out = tmp_path / "exports" / "out"
-
-    def full(tensors, filename, *a, **k):
-        if str(filename).startswith(str(out.parent)):
-            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
-        return real(tensors, filename, *a, **k)
-
-    monkeypatch.setattr(st, "save_file", full)
-    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=1, run_name="f", output_dir=out)
-    err = exits(capsys, argv, 6)
-    assert "no space left on the device holding" in err and "--keep-last" not in err
-    assert "free space there, or point --output-dir at a larger disk." in err
-    assert not out.exists() and not list(out.parent.glob(".tmp_*"))
 
 
 # ---------------------------------------------------------------- 11. a hub id's adapter
