@@ -10,7 +10,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
-    """Tiny random Qwen3 checkpoints (fp32, GQA, head_dim 128), built once per session."""
+    """Tiny random Qwen3 checkpoints (fp32, GQA, head_dim 128), built once per session. The
+    default one is built here, before any test's body (a test that patches safetensors' writer
+    or reads its stderr must not be the one that builds it)."""
     from helpers import make_checkpoint
 
     made = {}
@@ -23,6 +25,7 @@ def ckpt(tmp_path_factory):
             )
         return made[key]
 
+    get()
     return get
 
 
