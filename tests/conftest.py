@@ -10,7 +10,9 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
-    """Tiny random Qwen3 checkpoints (fp32, GQA, head_dim 128), built once per session."""
+    """Tiny random Qwen3 checkpoints (fp32, GQA, head_dim 128), built once per session. The
+    default one is built here, before any test's body (a test that patches safetensors' writer
+    or reads its stderr must not be the one that builds it)."""
     from helpers import make_checkpoint
 
     made = {}
@@ -23,6 +25,7 @@ def ckpt(tmp_path_factory):
             )
         return made[key]
 
+    get()
     return get
 
 
@@ -53,3 +56,14 @@ def saved(ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("saved")
     run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=2, run_name="r"))
     return tmp / "runs" / "r" / "checkpoints" / "step_000002"
+
+
+@pytest.fixture(scope="module")
+def four(ckpt, tmp_path_factory):
+    """A finished 4-step run: checkpoints at steps 2 and 4, and its final export (copy it before
+    changing it: helpers.copy_run)."""
+    from helpers import cpu_argv, run_cpu
+
+    tmp = tmp_path_factory.mktemp("four")
+    run_cpu(cpu_argv(ckpt(), tmp / "runs", steps=4, run_name="r"))
+    return tmp / "runs" / "r"

@@ -435,6 +435,9 @@ CPU_RUN = dict(
     eval_size=4,  # the held-out eval runs, at the size of a tiny run
 )
 
+# A LoRA run's flags, on top of CPU_RUN.
+LORA = dict(lora_rank=8, lr=1e-2, kl_coef=0.05)
+
 
 def cpu_argv(path, log_dir, **overrides) -> list[str]:
     """Command-line flags for a tiny CPU run of the checkpoint at `path`."""
@@ -531,6 +534,72 @@ def copy_checkpoint(saved: Path, tmp_path: Path) -> Path:
     """A copy of the `saved` fixture's run (lock file included), so a test can damage it;
     returns the copy's checkpoint directory."""
     return copy_run(saved.parent.parent, tmp_path) / "checkpoints" / "step_000002"
+
+
+# ---------------------------------------------------------------- runs that end in one sentence
+
+
+class Killed(BaseException):
+    """A stand-in for SIGKILL: nothing of simple_rl's catches it."""
+
+
+def one_line_error(code, capsys) -> str:
+    """The exit code is 2 and stderr's last line is simple_rl's error, without a traceback."""
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2, err
+    assert err.startswith("simple_rl: error: ") and "Traceback" not in err
+    return err
+
+
+def refuse_last_line(argv, capsys) -> str:
+    """Runs main on argv, expects exit 2 with one sentence (stderr's last line: one_line_error)
+    and no engine start."""
+    CountingEngine.made = 0
+    err = one_line_error(main_cpu(argv, CountingEngine), capsys)
+    assert CountingEngine.made == 0, "the engine started before the error"
+    return err
+
+
+def one_sentence(capsys, code: int, want: int, datasets: bool = False) -> str:
+    """The run's stderr is one line, without a traceback, and the exit code is `want`
+    (`datasets`: its progress bars and logs, printed before simple_rl's line, are left out)."""
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    if datasets:
+        err = err[-1:]
+    assert code == want, err
+    assert len(err) == 1 and err[0].startswith("simple_rl: "), err
+    assert datasets or "Traceback" not in captured.out + captured.err
+    return err[0]
+
+
+def refuse(argv, capsys, datasets: bool = False) -> str:
+    """main on argv: exit 2 in one sentence, before the engine starts."""
+    capsys.readouterr()  # what came before (a checkpoint made for the test) is not the run's
+    CountingEngine.made = 0
+    err = one_sentence(capsys, main_cpu(argv, CountingEngine), 2, datasets)
+    assert CountingEngine.made == 0, "the engine started before the error"
+    return err
+
+
+def exits(capsys, argv, want: int, engine=ExactEngine) -> str:
+    """main on argv (after what came before, e.g. a checkpoint built for the test, is read):
+    the exit code `want`, in one sentence; on the exact stand-in engine unless `engine`."""
+    capsys.readouterr()
+    return one_sentence(capsys, main_cpu(argv, engine), want)
+
+
+def latest(tmp_path, *extra) -> list[str]:
+    """Flags that resume the run `r` of tmp_path/runs from its latest checkpoint to step 3
+    (`extra` after them: a --steps there wins)."""
+    return ["--resume", "latest", "--run-name", "r", "--log-dir", str(tmp_path / "runs"),
+            "--steps", "3", *map(str, extra)]
+
+
+def edit_json(file: Path, **change) -> None:
+    data = json.loads(file.read_text())
+    data.update(change)
+    file.write_text(json.dumps(data))
 
 
 def make_moe_checkpoint(out: Path, *, vocab, hidden, layers, heads, kv_heads, head_dim, inter,

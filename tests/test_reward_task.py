@@ -1,4 +1,6 @@
-"""Your own reward (--reward FILE.py:FUNCTION) and task (--task jsonl), and their bad input."""
+"""Your own reward (--reward FILE.py:FUNCTION) and task (--task jsonl), and their bad input: a
+reward that raises, exits or overflows fp32 ends the run as its failure (exit 7), never as a
+success."""
 
 import json
 import re
@@ -8,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import simple_rl as rl
-from helpers import cpu_argv, main_cpu, metrics_rows, run_cpu
+from helpers import TorchEngine, cpu_argv, exits, main_cpu, metrics_rows, refuse, run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,6 +112,40 @@ def test_a_reward_that_fails_mid_run_stops_naming_the_sample(ckpt, tmp_path, cap
     assert err.endswith("step_000002.")  # the last good checkpoint, named
     assert rl.is_complete(tmp_path / "runs" / "late" / "checkpoints" / "step_000002")
     assert [r["step"] for r in rows(tmp_path / "runs" / "late")] == [0, 1]
+
+
+REWARDS = {
+    "exit": "import sys\n    sys.exit(0)",
+    "huge int": "return 10**400",
+    "string": "return 'correct'",
+    "overflows fp32": "return 1e308",
+    "overflows the group": "return 3e38",
+}
+
+
+@pytest.mark.parametrize("kind", list(REWARDS))
+def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, capsys, kind):
+    file = tmp_path / "r.py"
+    file.write_text("calls = [0]\ndef f(completion, answer):\n    calls[0] += 1\n"
+                    f"    if calls[0] == 1:  # the check at start\n        return 0.0\n"
+                    f"    {REWARDS[kind]}\n")
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r", reward=f"{file}:f",
+                    eval_size=0, max_new_tokens=3)
+    err = exits(capsys, argv, 7, TorchEngine)
+    assert f"step 0: the reward ({file}:f) " in err and "on sample " in err
+    want = {"exit": "raised SystemExit: 0", "huge int": "returned 1000000000",
+            "string": "returned 'correct', not a finite number in fp32",
+            "overflows fp32": "returned 1e+308, not a finite number in fp32",
+            "overflows the group": "returned 3e+38, so large that its group's advantages"}[kind]
+    assert want in err
+    assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
+
+
+def test_2_a_reward_that_exits_at_the_first_call_is_refused_at_start(ckpt, tmp_path, capsys):
+    file = tmp_path / "r.py"
+    file.write_text("import sys\ndef f(completion, answer):\n    sys.exit(0)\n")
+    err = refuse(cpu_argv(ckpt(), tmp_path / "runs", reward=f"{file}:f"), capsys)
+    assert "on an empty completion it raised SystemExit: 0." in err
 
 
 @pytest.mark.parametrize("line, expected", [

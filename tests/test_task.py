@@ -1,4 +1,5 @@
-"""Tasks: the arithmetic generator, the reward parser, the chat template and GSM8K files."""
+"""Tasks: the arithmetic generator, the reward parser, the chat template, GSM8K files, and
+answers kept as written (jsonl, GSM8K, parquet)."""
 
 import json
 import sys
@@ -163,3 +164,32 @@ def test_an_unreachable_hub_is_one_sentence_within_seconds(ckpt, tmp_path, capsy
     assert main_cpu(["--model", "Qwen/Qwen3-0.6B", "--log-dir", str(tmp_path / "r2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "could not fetch 'Qwen/Qwen3-0.6B'" in err[0]
+
+
+def test_6_jsonl_answers_are_kept_as_written(tmp_path):
+    answers = [3, 2.5, 4, 12345678901234567891, "x", 4.0, -0.10, 1e5, "7"]
+    lines = [f'{{"question": "q{i}", "answer": {json.dumps(a) if isinstance(a, str) else a}}}'
+             for i, a in enumerate(answers)]
+    lines[5] = '{"question": "q5", "answer": 4.0}'
+    lines[6] = '{"question": "q6", "answer": -0.10}'
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    got = [p.answer for p in rl.jsonl_problems(str(data))]
+    assert got == ["3", "2.5", "4", "12345678901234567891", "x", "4.0", "-0.10", "100000.0", "7"]
+    assert rl.reward("Answer: 12345678901234567891", got[3]) == 1.0
+    assert rl.reward("Answer: 12345678901234567890", got[3]) == 0.0
+
+
+def test_6_gsm8k_and_parquet_answers_are_kept_as_written(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "so #### 12345678901234567891"}) +
+                    "\n")
+    assert [p.answer for p in rl.gsm8k_problems(str(data))] == ["12345678901234567891"]
+    table = pa.table({"question": ["a", "b"],
+                      "answer": pa.array([3, 12345678901234567], pa.int64())})
+    pq.write_table(table, tmp_path / "ints.parquet")
+    got = [p.answer for p in rl.jsonl_problems(str(tmp_path / "ints.parquet"))]
+    assert got == ["3", "12345678901234567"]

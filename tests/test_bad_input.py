@@ -1,0 +1,163 @@
+"""Bad input is refused in one sentence (exit 2) before the engine starts or a run directory is
+made: flags out of range or past what fp32 and a step can hold, damaged or incomplete model
+files, a chat template that fails, and data files that are empty or not JSON lines. (The
+parser's own errors and the environment's: test_config.py.)"""
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+
+from helpers import cpu_argv, refuse, refuse_last_line
+
+
+# ---------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--temperature", "inf", "--temperature must be a finite number"),
+    ("--lr", "inf", "--lr must be a finite number"),
+    ("--lr", "nan", "--lr must be a finite number"),
+    ("--lr", "1e39", "--lr must be a finite number"),
+    ("--beta1", "2", "--beta1 and --beta2 must lie in [0, 1)"),
+    ("--beta2", "nan", "--beta2 must be a finite number"),
+    ("--weight-decay", "-5", "--weight-decay must be >= 0"),
+    ("--grad-clip", "-1", "--grad-clip must be >= 0"),
+    ("--clip-eps", "0", "--clip-eps must be > 0"),
+    ("--adv-eps", "=-1e-6", "--adv-eps must be > 0"),
+    ("--kv-cache-gib", "=-2", "--kv-cache-gib must be >= 0"),
+    ("--parity-every", "0", "--parity-every >= 1"),
+])
+def test_bad_floats_and_ranges(ckpt, tmp_path, capsys, flag, value, needle):
+    given = [flag + value] if value.startswith("=") else [flag, value]
+    assert needle in refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs") + given, capsys)
+
+
+@pytest.mark.parametrize("seed", [2**50, 2**64 - 1, 2**70])
+def test_11_seeds_out_of_range_are_refused_at_parse_time(ckpt, tmp_path, capsys, seed):
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", seed=seed), capsys)
+    assert f"--seed must lie in [0, 2^32) (got {seed})." in err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--adv-eps", "1e-320", "--adv-eps 1e-320 is too small for fp32 (0, or at least 1.18e-38"),
+    ("--lr", "1e-45", "--lr 1e-45 is too small for fp32"),
+    ("--num-prompts", "10000000", "--num-prompts x --group-size is 30,000,000 samples a step"),
+    ("--group-size", "100000", "--num-prompts x --group-size is 200,000 samples a step"),
+])
+def test_15_values_the_run_cannot_hold_are_refused_at_parse_time(ckpt, tmp_path, capsys, flag,
+                                                                 value, needle):
+    assert needle in refuse(cpu_argv(ckpt(), tmp_path / "logs") + [flag, value], capsys)
+
+
+# ---------------------------------------------------------------- model files
+
+
+def test_a_model_dir_without_tokenizer(ckpt, tmp_path, capsys):
+    shutil.copytree(ckpt(), tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "m" / name).unlink(missing_ok=True)
+    err = refuse_last_line(cpu_argv(tmp_path / "m", tmp_path / "logs"), capsys)
+    assert "has no tokenizer (tokenizer.json, or vocab.json + merges.txt)" in err
+    assert not (tmp_path / "logs").exists()
+
+
+def write_header_only(path, header: dict, data_bytes: int):
+    body = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * data_bytes)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate", "is not a readable safetensors file"),
+    ("garbage", "is not a readable safetensors file"),
+    ("nan", "hold NaN or Inf values"),
+    ("shape", "has shape [7], config.json implies [256]"),
+    ("missing", "weights missing for config.json's model: model.layers.1.mlp.down_proj.weight"),
+    ("config", "config.json is not valid JSON"),
+])
+def test_damaged_weights_fail_before_the_engine_starts(ckpt, tmp_path, capsys, damage, needle):
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "m"
+    shutil.copytree(ckpt(), m)
+    file = m / "model.safetensors"
+    state = load_file(file)
+    if damage == "truncate":
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    elif damage == "garbage":
+        file.write_bytes(b"\x00\x01not a safetensors file at all" * 10)
+    elif damage == "nan":
+        state["model.layers.0.mlp.up_proj.weight"][3, 3] = float("nan")
+        save_file(state, file)
+    elif damage == "shape":
+        state["model.norm.weight"] = torch.ones(7)
+        save_file(state, file)
+    elif damage == "missing":
+        del state["model.layers.1.mlp.down_proj.weight"]
+        save_file(state, file)
+    else:
+        (m / "config.json").write_text("{not json")
+    err = refuse_last_line(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert needle in err
+    assert not (tmp_path / "logs").exists()  # no run directory for a run that never started
+
+
+@pytest.mark.parametrize("template,kind", [
+    ("{{ raise_exception('no chat here') }}", "TemplateError"),
+    ("{% set turns = [] %}{{ turns.append(1) }}", "SecurityError"),  # the sandbox's refusal
+])
+def test_13_a_chat_template_that_fails_is_one_sentence(ckpt, tmp_path, capsys, template, kind):
+    m = tmp_path / "m"
+    shutil.copytree(ckpt(chat=True), m)
+    (m / "chat_template.jinja").write_text(template)
+    config = json.loads((m / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (m / "tokenizer_config.json").write_text(json.dumps(config))
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert f"the tokenizer's chat template fails ({kind}: " in err
+    assert "pass --chat-template off" in err and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("value", [2**40, 0, "4096", 4096.5])
+def test_14_a_max_position_embeddings_out_of_range_is_refused(ckpt, tmp_path, capsys, value):
+    m = tmp_path / "m"
+    shutil.copytree(ckpt(), m)
+    config = json.loads((m / "config.json").read_text())
+    config["max_position_embeddings"] = value
+    (m / "config.json").write_text(json.dumps(config))
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert f"max_position_embeddings {value!r} must be a whole number in [1, 1,048,576]" in err
+
+
+# ---------------------------------------------------------------- data files
+
+
+def test_17_an_empty_data_file_says_so(ckpt, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys)
+    assert f"--data-files '{data}' is empty." in err and "offline" not in err
+
+
+def test_17_a_data_file_that_is_not_jsonl_names_the_file_not_the_network(ckpt, tmp_path,
+                                                                        capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("this is not json\n")
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys)
+    assert f"--data-files '{data}' line 1 is not valid JSON (JSONDecodeError: Expecting value" \
+        in err
+    assert "offline" not in err
+
+
+@pytest.mark.parametrize("question", [None, "  "])
+def test_17_a_question_that_is_not_text_is_refused(ckpt, tmp_path, capsys, question):
+    data = tmp_path / "train.jsonl"
+    rows = [{"question": "What is 2 + 2?", "answer": "4 #### 4"},
+            {"question": question, "answer": "so #### 5"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys,
+                 datasets=True)
+    assert "a question that is not text" in err
