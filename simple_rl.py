@@ -1009,7 +1009,7 @@ class Engine:
     """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
     `generate`, `sleep` and `push` (which returns the seconds it spent waking the engine).
     Every turn of every episode, the first included, is one `generate` call over the episodes
-    that go on; `rollout` is a step's first turn."""
+    that go on; `first_turn` is a step's first turn."""
 
     cfg: Config
     moe = False
@@ -1025,8 +1025,8 @@ class Engine:
         sample is seeded seeds[j] + k (None and temperature 0: greedy)."""
         raise NotImplementedError
 
-    def rollout(self, prompts: list[list[int]], indices: list[int],
-                step: int) -> list[list[Completion]]:
+    def first_turn(self, prompts: list[list[int]], indices: list[int],
+                   step: int) -> list[list[Completion]]:
         """Turn 1 of a step's episodes: G samples of each prompt; prompt j has the seed of its
         index in the whole step."""
         cfg = self.cfg
@@ -1737,12 +1737,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
 def ppo_clip_loss(logp, old_logp, adv, clip_eps: float):
     """Per token: rho = exp(logp - old), pg = -min(rho A, clip(rho, 1-eps, 1+eps) A).
 
-    Returns (pg, rho, clipped), each (N,).
+    Returns (pg, rho, clipped), each (N,); clipped is 1 where the clipped term is the min.
     """
     ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
-    return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).float()
+    plain = ratio * adv
+    bounded = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    return -torch.minimum(plain, bounded), ratio, (bounded < plain).float()
 
 
 def kl_k3(logp, ref_logp) -> torch.Tensor:
@@ -1998,7 +1998,7 @@ class Trainer:
     """Everything a step touches, built once by `setup` (or by a test, with a stand-in engine)."""
 
     cfg: Config
-    engine: Engine  # .generate and .rollout (turn 1), .sleep(), .push(weights)
+    engine: Engine  # .generate and .first_turn, .sleep(), .push(weights)
     tokenizer: object
     model: Qwen3
     ref_model: Qwen3 | None
@@ -2058,13 +2058,13 @@ def roll_out(trainer: Trainer, step: int, mine: list[int],
              chosen: list[int]) -> tuple[Rollout, float]:
     """G episodes of each of this rank's prompts (mine: their indices in the step; chosen[i]:
     prompt i's problem). Turn 1 samples G completions of each prompt, seeded by its index in
-    the step (Engine.rollout); `play` continues every live episode. Returns the rollout and
+    the step (Engine.first_turn); `play` continues every live episode. Returns the rollout and
     the seconds its turns waited on the envs."""
     cfg, task = trainer.cfg, trainer.task
     G = cfg.group_size
     envs, prompts = new_episodes(trainer, [task.problems[chosen[i]] for i in mine],
                                  [task.prompt_ids[chosen[i]] for i in mine], G)
-    episodes = start_episodes(envs, prompts, trainer.engine.rollout(prompts, mine, step))
+    episodes = start_episodes(envs, prompts, trainer.engine.first_turn(prompts, mine, step))
     waited = play(trainer.engine, trainer.tokenizer, cfg, episodes,
                   lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
                   cfg.temperature)

@@ -500,8 +500,8 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.last = engine, None
 
-    def rollout(self, prompts, indices, step):
-        outs = self.engine.rollout(prompts, indices, step)
+    def first_turn(self, prompts, indices, step):
+        outs = self.engine.first_turn(prompts, indices, step)
         self.last = first_turns(prompts, outs, self.engine.moe)
         return outs
 
@@ -510,7 +510,7 @@ class Recording:
 
 
 def first_turns(prompts, outs, moe: bool):
-    """A step's first turn (Engine.rollout's completions) as simple_rl's trainer packs it: one
+    """A step's first turn (Engine.first_turn's completions) as simple_rl's trainer packs it: one
     episode of one turn per sample, with no env."""
     import simple_rl as rl
 
@@ -555,7 +555,7 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
     sync(dev)
     t0 = time.perf_counter()
     mine_prompts = [prompts[i] for i in mine]
-    ro = first_turns(mine_prompts, engine.rollout(mine_prompts, mine, step), engine.moe)
+    ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, step), engine.moe)
     sync(dev)
     peak = device_used_gib(ranks)
     t1 = time.perf_counter()
@@ -674,7 +674,7 @@ def profile_train_step(
     with profile(activities=activities) as rollout_prof:
         t0 = time.perf_counter()
         mine_prompts = [prompts[i] for i in mine]
-        ro = first_turns(mine_prompts, engine.rollout(mine_prompts, mine, 10_000), engine.moe)
+        ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, 10_000), engine.moe)
         sync(ranks.device)
         rollout_s = time.perf_counter() - t0
     engine.sleep()

@@ -200,7 +200,7 @@ def worker(design: str, model: str, samples: int, new_tokens: int, prompt_len: i
     def rollout():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = engine.rollout(prompts, indices, 0)
+        outs = engine.first_turn(prompts, indices, 0)
         torch.cuda.synchronize()
         return [c for cs in outs for c in cs], time.perf_counter() - t0  # one per sample
 

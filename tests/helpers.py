@@ -315,9 +315,9 @@ class TorchEngine(rl.Engine):
 
 
 def first_turns(engine, prompts, indices, step) -> rl.Rollout:
-    """A step's first turn (Engine.rollout) as simple_rl's trainer packs it: one-turn episodes
+    """A step's first turn (Engine.first_turn) as simple_rl's trainer packs it: one-turn episodes
     with no env (nothing scores them); `stopped`: the turn ended at a stop id."""
-    outs = engine.rollout(prompts, indices, step)
+    outs = engine.first_turn(prompts, indices, step)
     episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
     rollout = rl.episodes_rollout(episodes, engine.moe)
     rollout.stopped = [c.stopped for cs in outs for c in cs]
@@ -352,9 +352,9 @@ class ExactEngine(TorchEngine):
 
     episodes = None  # the step's: [first prompt, [(context ids, Completion) per turn]]
 
-    def rollout(self, prompts, indices, step):
+    def first_turn(self, prompts, indices, step):
         self.episodes = None
-        outs = super().rollout(prompts, indices, step)
+        outs = super().first_turn(prompts, indices, step)
         self.episodes = [[list(p), [([], c)]] for p, cs in zip(prompts, outs) for c in cs]
         self.rescore()
         return outs

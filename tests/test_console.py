@@ -95,8 +95,8 @@ def test_durations_read_like_a_clock():
 class OneOff(TorchEngine):
     """The stand-in engine with one token's logprob off per step: a known mismatch."""
 
-    def rollout(self, prompts, indices, step):
-        outs = super().rollout(prompts, indices, step)
+    def first_turn(self, prompts, indices, step):
+        outs = super().first_turn(prompts, indices, step)
         outs[0][0].logprobs[0] += 0.5
         return outs
 

@@ -145,13 +145,13 @@ class FillDiskAtStep1(TorchEngine):
 
     disk: Path = None
 
-    def rollout(self, prompts, indices, step):
+    def first_turn(self, prompts, indices, step):
         if step == 1:
             with open(FillDiskAtStep1.disk / "filler", "wb", buffering=0) as f:
                 with pytest.raises(OSError):
                     while True:
                         f.write(b"x" * 2**16)
-        return super().rollout(prompts, indices, step)
+        return super().first_turn(prompts, indices, step)
 
 
 def test_3_a_real_disk_filled_mid_run_exits_6(ckpt, tmp_path, capsys):
@@ -332,11 +332,11 @@ class PoisonAtStep2(TorchEngine):
 
     trainer_model = None
 
-    def rollout(self, prompts, indices, step):
+    def first_turn(self, prompts, indices, step):
         if step == 2:
             with torch.no_grad():
                 PoisonAtStep2.trainer_model.norm.weight[0] = float("nan")
-        return super().rollout(prompts, indices, step)
+        return super().first_turn(prompts, indices, step)
 
 
 def test_nan_guard_stops_before_the_optimizer_step(ckpt, tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Issue 51, as a new user meets simple_rl: what an env's `problem` is, --reward beside one's
+"""simple_rl as a new user first meets it: what an env's `problem` is, --reward beside one's
 own --env, --check's LoRA line and progress, the stand-in engine exact in every turn, and a
 bad input under torchrun."""
 

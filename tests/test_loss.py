@@ -135,7 +135,7 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
             p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
     trainer.engine.push(rl.hf_weights(trainer.model))
     rollouts = []
-    rollout = trainer.engine.rollout
+    rollout = trainer.engine.first_turn
 
     def recorded(prompts, indices, step):  # each step's samples, as the trainer packs them
         outs = rollout(prompts, indices, step)
@@ -143,7 +143,7 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
         rollouts.append(rl.episodes_rollout(episodes, moe=False))
         return outs
 
-    trainer.engine.rollout = recorded
+    trainer.engine.first_turn = recorded
 
     def kl(model, ro) -> float:  # the token mean of k3 on the rollout's tokens
         packed = rl.pack(ro.prompts, ro.completions)

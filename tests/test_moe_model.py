@@ -251,8 +251,8 @@ class RoutingEngine(ExactEngine):
 
     corrupt = False
 
-    def rollout(self, prompts, indices, step):
-        out = super().rollout(prompts, indices, step)
+    def first_turn(self, prompts, indices, step):
+        out = super().first_turn(prompts, indices, step)
         if self.corrupt:
             args = self.model.args
             first = out[0][0].routed[0, rl.sparse_layers(args)[0]]

@@ -92,3 +92,11 @@ def test_the_readme_quotes_its_learning_run():
     held[120] = float(re.search(r"^held-out accuracy after 120 steps: ([\d.]+)", log, re.M)[1])
     row = " | ".join(f"{100 * held[n]:.1f}%" for n in (0, 25, 50, 75, 100, 120))
     assert f"| one H200 | {row} |" in readme
+
+
+def test_contributing_maps_every_test_file():
+    """CONTRIBUTING.md's table names every test file of tests/, and only files that exist: a new
+    test file gets its row, and a renamed one is renamed there."""
+    named = set(re.findall(r"`(test_\w+\.py)`", (ROOT / "CONTRIBUTING.md").read_text()))
+    have = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert sorted(named - have) == [] and sorted(have - named) == []

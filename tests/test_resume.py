@@ -57,10 +57,10 @@ def test_resume_is_bit_exact(ckpt, tmp_path, whole):
 class SignalAtStep1(TorchEngine):
     sig = signal.SIGINT
 
-    def rollout(self, prompts, indices, step):
+    def first_turn(self, prompts, indices, step):
         if step == 1:
             signal.raise_signal(self.sig)
-        return super().rollout(prompts, indices, step)
+        return super().first_turn(prompts, indices, step)
 
 
 class TermAtStep1(SignalAtStep1):

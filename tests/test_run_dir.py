@@ -210,10 +210,10 @@ class OverwriteAtStep1(TorchEngine):
     argv: list = []
     code = None
 
-    def rollout(self, prompts, indices, step):
+    def first_turn(self, prompts, indices, step):
         if step == 1 and OverwriteAtStep1.code is None:
             OverwriteAtStep1.code = main_cpu(OverwriteAtStep1.argv)
-        return super().rollout(prompts, indices, step)
+        return super().first_turn(prompts, indices, step)
 
 
 def test_3_a_second_overwrite_cannot_take_a_training_run(ckpt, tmp_path, capsys):

@@ -48,7 +48,7 @@ def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
     engine = object.__new__(rl.VLLMEngine)  # no engine start: only rollout's own code runs
     engine.cfg, engine.eos_ids, engine.moe, engine.llm = rl.Config(), [0], False, LLM()
     with pytest.raises(RuntimeError, match="engine died"):
-        engine.rollout([[1, 2], [3]], [0, 1], 0)
+        engine.first_turn([[1, 2], [3]], [0, 1], 0)
     assert seen == [(2, False)] and gc.isenabled()
 
 
@@ -117,7 +117,7 @@ def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
     engine = object.__new__(rl.VLLMEngine)
     engine.cfg, engine.eos_ids, engine.moe = rl.Config(group_size=2), [0], False
     engine.llm = LLM()
-    outs = engine.rollout([[1, 2], [3]], [0, 1], 0)
+    outs = engine.first_turn([[1, 2], [3]], [0, 1], 0)
     samples = [c for cs in outs for c in cs]
     assert [len(cs) for cs in outs] == [2, 2]  # each prompt's G samples
     assert [c.ids for c in samples] == [[5, 6], [7], [8, 9, 4], []]
