@@ -433,7 +433,8 @@ class GatedDeltaNet(nn.Module):
         y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
     conv1d is causal and depthwise, K taps, over each sequence from zeros; the rule carries a
     state per head through each sequence: as vLLM, a sample's prompt in chunks (its prefill),
-    then its completion token by token (its decode steps; batch.prefill says where)."""
+    then its completion token by token (its decode steps; batch.prefill says where). Each turn
+    of an episode is a sample of its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -1072,7 +1073,7 @@ class VLLMEngine(Engine):
         graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
         # What makes vLLM's numbers the trainer's: its kernels (patched above), its logprobs, the
         # attention backend, and no compiler.
-        parity = dict(
+        bitwise = dict(
             dtype=cfg.dtype,
             seed=cfg.seed,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
@@ -1092,7 +1093,7 @@ class VLLMEngine(Engine):
         )
         self.llm = LLM(
             model=str(files.path),
-            **parity,
+            **bitwise,
             **plumbing,
             max_model_len=cfg.max_model_len,
             enable_sleep_mode=cfg.engine_sleep,
@@ -1622,11 +1623,11 @@ def going_on(episodes: list[Episode], messages: dict[int, str], tokenizer,
     going = []
     for (i, message), ids in zip(messages.items(),
                                  tool_message_ids(tokenizer, list(messages.values()), cfg)):
-        context = episodes[i].ids() + ids
-        if len(context) + 1 > cfg.max_model_len:  # no room left for a token
+        request = episodes[i].ids() + ids
+        if len(request) + 1 > cfg.max_model_len:  # no room left for a token
             episodes[i].end("context")
         else:
-            going.append(Going(i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(context))))
+            going.append(Going(i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(request))))
     return going
 
 
@@ -2318,7 +2319,7 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         built = setup(cfg, passed, engine_factory, device_type)
         if built is None:  # --check
             return ""
-        trainer, start, run_dir, path = built
+        trainer, start, run_dir, source = built  # source: the model's files
         if trainer.cfg.debug_parity:
             rows, n_bad, turns = debug_parity(trainer.engine, trainer.model,
                                               lambda: first_episode(trainer))
@@ -2327,7 +2328,7 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
                    + ", ".join(f"{n} ({c})" for n, c in turns))
             print0(f"generated-token logprobs that differ: {n_bad}")
             return ""
-        return train(trainer, start, run_dir, path)
+        return train(trainer, start, run_dir, source)
     finally:
         for locked in set(RUN_LOCKS) - held:
             release_run_dir(locked)
