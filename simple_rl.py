@@ -760,7 +760,7 @@ def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ran
             add_lora(shapes, lora)
         state = {**state, **lora_init(shapes, cfg.seed)}
     model = build_model(args, state, ops, dtype, ranks.device, ranks.world, lora)
-    if lora and engine and engine.lora_tensors:
+    if lora and engine and engine.lora_tensors is not None:  # bind_lora names a missing slot
         bind_lora(model, engine.lora_tensors)
     if cfg.kl_coef == 0:
         return model, None
@@ -1974,9 +1974,12 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
             with young_collections_only():  # vLLM 0.34 collects all garbage at each wake-up
                 engine.llm.wake_up(tags=["weights"])
     t1 = time.perf_counter()
-    if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy
+    if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy.
+        # bind_lora binds a layer's A and B casts at once, so an A that is the engine's tensor
+        # says its B are too (a B of several slices, PEFT's in_proj_qkv, is their concatenation)
         for name, t in weights:
-            assert t.data_ptr() in engine.adapter_ptrs, f"{name} is not the engine's tensor"
+            assert "lora_B" in name or t.data_ptr() in engine.adapter_ptrs, \
+                f"{name} is not the engine's tensor"
     else:
         engine.llm.apply_model(lambda m: m.load_weights(engine_names(m, weights)))
     t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait

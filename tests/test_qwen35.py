@@ -401,3 +401,39 @@ def test_the_script_checks_a_qwen35_lora_run_as_a_user_runs_it(q35, tmp_path):
     assert bad.returncode == 2, bad.stderr[-2000:]
     assert bad.stderr.strip().splitlines()[-1].startswith("simple_rl: error: --lora-rank: ")
     assert "is a vision-language checkpoint" in bad.stderr
+
+
+def test_the_lora_push_on_a_qwen35_writes_the_engines_slot_and_passes_its_check(q35):
+    """A Qwen3.5 LoRA's casts bound to engine-shaped slot tensors (vLLM's in_proj_qkvz: four
+    slices, q, k and v sharing PEFT's in_proj_qkv A): push_weights takes policy_weights (whose
+    in_proj_qkv B is a concatenation, not a slot tensor) without refusing it, and the slots then
+    hold the trainer's adapter; an A that is not the engine's is refused."""
+    path = q35()
+    files = rl.load_model_files(rl.Config(model=str(path), dtype="float32"))
+    cfg = rl.Config(model=str(path), dtype="float32", lora_rank=8)
+    model, _ = rl.build_models(cfg, files.args, rl.load_hf_state_dict(files.path),
+                               bib.reference_kernels(), rl.Ranks(0, 1, torch.device("cpu")))
+    slots = {rl.vllm_lora_layer(n): tuple(tuple(torch.zeros(1, 1, *p.shape) for p in ps)
+                                          for ps in (m.slice_a(), m.b))
+             for n, m in model.named_modules() if isinstance(m, rl.LoRA)}
+    rl.bind_lora(model, slots)
+    with torch.no_grad():
+        for m in rl.lora_modules(model):
+            for b in m.b:
+                b.normal_()  # a trained B: the slots must receive it
+    engine = type("Engine", (), dict(asleep=False, lora=True))()
+    engine.adapter_ptrs = {t.data_ptr() for a, b in slots.values() for t in a + b}
+    engine.llm = type("LLM", (), dict(reset_prefix_cache=lambda self: None))()
+    rl.push_weights(engine, rl.policy_weights(model))
+    layer = next(i for i, b in enumerate(model.layers) if hasattr(b.attention, "in_proj_qkvz"))
+    lora = model.layers[layer].attention.in_proj_qkvz.lora
+    a, b = slots[f"model.layers.{layer}.linear_attn.in_proj_qkvz"]
+    assert lora.groups == (0, 0, 0, 1) and len(a) == len(b) == 4
+    for s in range(4):  # every slice: its group's A, and its B scaled by alpha / r
+        assert torch.equal(a[s][0, 0], lora.a[lora.groups[s]].detach())
+        assert torch.equal(b[s][0, 0], lora.scale * lora.b[s].detach())
+    qkv_b = dict(rl.adapter_weights(model))[
+        f"model.layers.{layer}.linear_attn.in_proj_qkv.lora_B.weight"]
+    assert qkv_b.data_ptr() not in engine.adapter_ptrs  # the concatenation the check lets by
+    with pytest.raises(AssertionError, match="not the engine's tensor"):
+        rl.push_weights(engine, [("x.lora_A.weight", torch.zeros(1))])
