@@ -3651,8 +3651,9 @@ def engine_setup(cfg: Config, args, ranks: Ranks,
     qwen = qwen35(args) is not None
     cfg = prepare_qwen35_engine(cfg) if qwen else cfg
     sizes, wake_bytes = engine_memory(cfg, args, ranks, lora is not None)
-    return cfg, {**sizes, **(engine_lora_args(lora) if lora else {}),
-                 **(QWEN35_ENGINE_ARGS if qwen else {})}, wake_bytes
+    parts = [sizes, engine_lora_args(lora) if lora else {}, QWEN35_ENGINE_ARGS if qwen else {}]
+    assert sum(map(len, parts)) == len(set().union(*parts)), "two parts set one argument"
+    return cfg, {k: v for part in parts for k, v in part.items()}, wake_bytes
 
 
 
