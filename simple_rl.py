@@ -784,14 +784,16 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
         model = Qwen3(args, ops, dtype)
         if lora:
             add_lora(model, lora)
-    def base(name: str) -> bool:  # a LoRA's base weight: frozen, adopted in the compute dtype
+    def base(name: str) -> bool:  # a LoRA's base weight: frozen, adopted as it is
         return lora is not None and ".lora." not in name
+
+    def kept(name: str) -> torch.dtype:  # fp32 masters; a LoRA's base in the compute dtype, but
+        return dtype if base(name) and not name.endswith("A_log") else torch.float32  # as vLLM
 
     try:
         if world == 1 or lora:
             # masters are copies: the KL reference is built from the same state
-            model.load_state_dict({k: v.to(device=device, dtype=dtype if base(k) else
-                                           torch.float32, copy=not base(k))
+            model.load_state_dict({k: v.to(device=device, dtype=kept(k), copy=not base(k))
                                    for k, v in state.items()}, strict=True, assign=True)
             for name, p in model.named_parameters():
                 p.requires_grad_(not (frozen or base(name)))
@@ -4006,12 +4008,16 @@ def bind_lora(model: Qwen3, slots: dict[str, tuple]) -> None:
     """Make every adapter's casts the engine's own slot tensors of the same layer (vLLM's
     lora_a_stacked, lora_b_stacked): a refresh then writes the engine's adapter in place (the
     push moves no byte), and the trainer's forward reads what the engine reads."""
-    for name, m in model.named_modules():
-        if isinstance(m, LoRA):
-            a, b = slots[vllm_lora_layer(name)]
-            want = [(1, 1, *p.shape) for p in (*m.slice_a(), *m.b)]
-            assert [tuple(t.shape) for t in (*a, *b)] == want, f"{name}: vLLM's LoRA slot"
-            m.casts = (tuple(a), tuple(b))
+    layers = {vllm_lora_layer(n): m for n, m in model.named_modules() if isinstance(m, LoRA)}
+    missing = sorted(set(layers) - set(slots))
+    need(not missing, f"vLLM's model has no LoRA layer {missing[0] if missing else ''} (nor "
+         f"{len(missing) - 1} more the trainer binds): this vLLM lays the model's projections "
+         "out otherwise; use the vLLM of requirements.txt.")
+    for name, m in layers.items():
+        a, b = slots[name]
+        want = [(1, 1, *p.shape) for p in (*m.slice_a(), *m.b)]
+        assert [tuple(t.shape) for t in (*a, *b)] == want, f"{name}: vLLM's LoRA slot"
+        m.casts = (tuple(a), tuple(b))
 
 
 def lora_init(model: Qwen3, seed: int) -> dict[str, torch.Tensor]:

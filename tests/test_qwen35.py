@@ -437,3 +437,39 @@ def test_the_lora_push_on_a_qwen35_writes_the_engines_slot_and_passes_its_check(
     assert qkv_b.data_ptr() not in engine.adapter_ptrs  # the concatenation the check lets by
     with pytest.raises(AssertionError, match="not the engine's tensor"):
         rl.push_weights(engine, [("x.lora_A.weight", torch.zeros(1))])
+
+
+def test_a_qwen35_lora_keeps_A_log_in_fp32_as_vllm_does(q35):
+    """Under LoRA the frozen base is adopted in the compute dtype, but vLLM keeps A_log in
+    fp32: a value bf16 cannot hold stays bit for bit (rounded, every decay gate would move)."""
+    path = q35()
+    files = rl.load_model_files(rl.Config(model=str(path)))
+    hf = rl.load_hf_state_dict(files.path)
+    key = next(k for k in hf if k.endswith("linear_attn.A_log"))
+    hf[key] = torch.full(hf[key].shape, 0.1234567, dtype=torch.float32)
+    assert hf[key].to(torch.bfloat16).float()[0] != hf[key][0]  # bf16 cannot hold it
+    cfg = rl.Config(model=str(path), dtype="bfloat16", lora_rank=8)
+    model, _ = rl.build_models(cfg, files.args, hf, bib.reference_kernels(),
+                               rl.Ranks(0, 1, torch.device("cpu")))
+    params = dict(model.named_parameters())
+    layer = key.split(".")[2]
+    assert params[f"layers.{layer}.attention.A_log"].dtype == torch.float32
+    assert torch.equal(params[f"layers.{layer}.attention.A_log"].detach(), hf[key])
+    assert params[f"layers.{layer}.attention.in_proj_qkvz.weight"].dtype == torch.bfloat16
+    assert not params[f"layers.{layer}.attention.A_log"].requires_grad
+
+
+def test_a_vllm_without_the_lora_layers_the_trainer_binds_is_refused_in_one_sentence(q35):
+    """vLLM versions differ in how they lay out a Qwen3.5's projections under LoRA (one
+    in_proj_qkvz, or in_proj_qkv beside in_proj_z): slots under other names are refused."""
+    path = q35()
+    files = rl.load_model_files(rl.Config(model=str(path), dtype="float32"))
+    cfg = rl.Config(model=str(path), dtype="float32", lora_rank=8)
+    model, _ = rl.build_models(cfg, files.args, rl.load_hf_state_dict(files.path),
+                               bib.reference_kernels(), rl.Ranks(0, 1, torch.device("cpu")))
+    slots = {rl.vllm_lora_layer(n).replace("in_proj_qkvz", "in_proj_qkv"):
+             tuple(tuple(torch.zeros(1, 1, *p.shape) for p in ps) for ps in (m.slice_a(), m.b))
+             for n, m in model.named_modules() if isinstance(m, rl.LoRA)}
+    with pytest.raises(rl.ConfigError, match=r"vLLM's model has no LoRA layer model\.layers\."
+                       r"\d+\.linear_attn\.in_proj_qkvz \(nor \d+ more"):
+        rl.bind_lora(model, slots)
