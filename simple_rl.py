@@ -784,16 +784,16 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
         model = Qwen3(args, ops, dtype)
         if lora:
             add_lora(model, lora)
+
     def base(name: str) -> bool:  # a LoRA's base weight: frozen, adopted as it is
         return lora is not None and ".lora." not in name
 
-    def kept(name: str) -> torch.dtype:  # fp32 masters; a LoRA's base in the compute dtype, but
-        return dtype if base(name) and not name.endswith("A_log") else torch.float32  # as vLLM
-
     try:
         if world == 1 or lora:
-            # masters are copies: the KL reference is built from the same state
-            model.load_state_dict({k: v.to(device=device, dtype=kept(k), copy=not base(k))
+            # fp32 masters are copies (the KL reference is built from the same state); a LoRA's
+            # base is adopted in the compute dtype, but A_log in fp32, as vLLM keeps it
+            model.load_state_dict({k: v.to(device=device, copy=not base(k), dtype=dtype if base(k)
+                                           and not k.endswith("A_log") else torch.float32)
                                    for k, v in state.items()}, strict=True, assign=True)
             for name, p in model.named_parameters():
                 p.requires_grad_(not (frozen or base(name)))
@@ -1832,8 +1832,8 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
         return MicroBatch(batch.to(device), owned, samples, weight)
 
     parts = [part(g, 1.0) for g in plan_micro_batches(packed, cfg)]
-    n_micro = len(parts) if n_micro is None else n_micro
-    return parts + [part(range(0, 1), 0.0)] * (n_micro - len(parts))
+    padding = (n_micro or 0) - len(parts)
+    return parts + [part(range(0, 1), 0.0)] * padding if padding > 0 else parts
 
 
 class Pass(NamedTuple):

@@ -5,7 +5,6 @@ parser's own errors and the environment's: test_config.py.)"""
 
 import json
 import shutil
-import struct
 
 import pytest
 import torch
@@ -63,11 +62,6 @@ def test_a_model_dir_without_tokenizer(ckpt, tmp_path, capsys):
     err = refuse_last_line(cpu_argv(tmp_path / "m", tmp_path / "logs"), capsys)
     assert "has no tokenizer (tokenizer.json, or vocab.json + merges.txt)" in err
     assert not (tmp_path / "logs").exists()
-
-
-def write_header_only(path, header: dict, data_bytes: int):
-    body = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * data_bytes)
 
 
 @pytest.mark.parametrize("damage,needle", [
