@@ -119,8 +119,8 @@ def simple_rl(tmp, name, seed, steps, *extra, nproc=1):
            "--steps", str(steps), "--seed", str(seed), "--lr", "1e-4", "--entropy-coef", "0.01",
            "--max-new-tokens", "64", "--log-dir", str(tmp / "runs"), "--run-name", name,
            "--save-every", "2", *extra]
-    done = subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
-                          timeout=900)
+    done = finished(subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+                                   timeout=900))
     out = done.stdout + STDERR + done.stderr
     lines = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines()
              if line.startswith(("step", "parity:"))]
@@ -173,9 +173,9 @@ def test_console_is_quiet(runs):
     out = stdout.splitlines()
     assert not [line for line in out if " INFO " in line or "Warning" in line
                 or "deprecated" in line], out[:20]
-    # stderr: no traceback at exit, no progress bar, no deprecation notice (vLLM's one C++
-    # warning, that preferred_blas_library is experimental, is printed by torch's C++ core)
-    noise = ("Traceback", "Capturing CUDA graphs", "deprecated", " INFO ", "WARNING")
+    # stderr: no traceback at exit, no progress bar, no deprecation notice, and not torch's C++
+    # warning that the cuBLAS flag vLLM sets is experimental
+    noise = ("Traceback", "Capturing CUDA graphs", "deprecated", " INFO ", "WARNING", "Warning")
     assert not [line for line in stderr.splitlines() if any(n in line for n in noise)], stderr
     assert out[0].startswith("reading the weights of ")  # each checked finite, before vLLM
     assert out[1].startswith("starting vLLM on 1 GPU(s)"), out[:3]
@@ -357,8 +357,17 @@ def episode_console(tmp, name, *extra) -> str:
            "--max-model-len", "512", "--lr", "1e-4", "--entropy-coef", "0.01",
            "--eval-size", "16", "--save-every", "0", "--log-dir", str(tmp / "runs"),
            "--run-name", name, *extra]
-    return subprocess.run(cmd, check=True, env=_env(), capture_output=True, text=True,
-                          timeout=900).stdout
+    return finished(subprocess.run(cmd, env=_env(), capture_output=True, text=True,
+                                   timeout=900)).stdout
+
+
+def finished(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """The run, if it succeeded; else the test fails with the end of what it printed (its
+    traceback), which capture_output would otherwise keep from the log."""
+    if done.returncode:
+        pytest.fail(f"{' '.join(map(str, done.args[:3]))} ... exited {done.returncode}:\n"
+                    f"{done.stdout[-1500:]}{STDERR}{done.stderr[-4000:]}", pytrace=False)
+    return done
 
 
 @pytest.mark.parametrize("temperature", ["1.0", "0.7"])

@@ -9,8 +9,8 @@ Then simple_rl.py itself on that model at T = 0.7: two runs and a resumed one en
 
 The model: Qwen3.5-0.8B's shapes (head_dim 256, 16 linear heads of 128, partial rotary), cut
 to 4 layers (three Gated DeltaNet, one gated attention), random bf16 weights. It runs through
-tests/gpu_driver.py (the Qwen3 parity experiment: it builds VLLMEngine and the model itself,
-so simple_rl's refusal of a Qwen3.5 run is not in its way), one engine per process.
+tests/gpu_driver.py (the Qwen3 parity experiment: it builds VLLMEngine and the model itself
+and compares every token's logprob, weights and batch-freedom), one engine per process.
 """
 
 import subprocess
@@ -94,6 +94,8 @@ def test_every_token_of_every_turn_of_a_qwen35_bitwise_equal(tmp_path):
     (tmp_path / "env.py").write_text(SCRIPTED_ENV)
     rows, _ = episode_run(tmp_path, "turns")
     steps = [r for r in rows if "loss" in r]
+    print([{k: v for k, v in r.items() if k.startswith(("determinism/", "episode/"))}
+           for r in steps])
     assert len(steps) == 3
     for r in steps:
         assert r["determinism/mismatched_tokens"] == 0 and r["determinism/max_abs_diff"] == 0, r
