@@ -1,10 +1,11 @@
-"""Draw this folder's learning curves from its console logs (nothing else is read).
+"""Draw this folder's learning curves from its console logs, and beside them the Qwen3.5 run's
+of ../h200_after_refactor/ (nothing else is read).
 
 From each log it takes the step lines (`step N/S | reward R | held-out H | ...`; a held-out
 accuracy printed on step N's line was measured before step N, after N - 1 updates) and the
 last line's `held-out accuracy after S steps: H`. Writes learning.png (arithmetic and the
-calculator, full fine-tuning beside LoRA) and lookup.png (the lookup task: accuracy and turns),
-beside this file or into OUT_DIR.
+calculator, full fine-tuning beside LoRA; arithmetic on a Qwen3.5) and lookup.png (the lookup
+task: accuracy and turns), beside this file or into OUT_DIR.
 
     python results/h200_vllm034_learning/plot.py [OUT_DIR]
 """
@@ -50,7 +51,7 @@ def draw(runs, right_key: str, right_label: str, out: Path) -> None:
     right.set(xlabel="GRPO step", ylabel=right_label)
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("vLLM 0.34, torch 2.14, one H200: 0 mismatched tokens at every step")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -60,6 +61,8 @@ def draw(runs, right_key: str, right_label: str, out: Path) -> None:
 def main(out_dir: Path) -> None:
     draw([("arithmetic, full fine-tuning, lr 1e-4", "arith.log", "black", "-"),
           ("arithmetic, LoRA r16, lr 1e-3", "lora_arith.log", "black", "--"),
+          ("arithmetic, a Qwen3.5 (Gated DeltaNet), full fine-tuning, lr 1e-4",
+           "../h200_after_refactor/learning_qwen35.log", "tab:red", "-"),
           ("calculator, full fine-tuning, lr 1e-4", "calc.log", "tab:blue", "-"),
           ("calculator, LoRA r16, lr 1e-3", "lora_calc.log", "tab:blue", "--")],
          "reward", "mean reward of the step's samples", out_dir / "learning.png")
