@@ -111,7 +111,7 @@ def setup(args):
         group_size=args.group,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
-        max_model_len=1024,
+        max_model_len=max(1024, args.max_prompt + args.max_new_tokens),
         lr=args.lr,
         seed=args.seed,
         micro_batch_tokens=args.micro_batch_tokens,

@@ -82,6 +82,7 @@ def test_simple_rl_on_a_qwen35_is_exact_deterministic_and_resumable(tmp_path):
     assert part[1] != a[1] and resumed[1] == a[1]
     assert all("identical=yes" in line for line in resumed[0] if line.startswith("parity:"))
     print({"sha256": a[1], "lines": a[0]})
+    print("\n".join(line for line in a[3].splitlines() if line.startswith("step")))  # timings
 
 
 def test_every_token_of_every_turn_of_a_qwen35_bitwise_equal(tmp_path):
