@@ -6161,7 +6161,7 @@ def check_memory(cfg: Config, args, ranks: Ranks, prompts: tuple[int, int] = ANY
                        f"{peak(more[0]) / 2**30:.0f} GiB per GPU)")
     hint = " or ".join(options) or "lower --micro-batch-tokens and --num-prompts"
     parts = ", ".join(f"{k} {v / 2**30:.0f}" for k, v in est.items() if k != "peak")
-    raise ConfigError(f"a Qwen3 of {count_params(args) / 1e9:.2f}B parameters needs about "
+    raise ConfigError(f"a model of {count_params(args) / 1e9:.2f}B parameters needs about "
                       f"{est['peak'] / 2**30:.0f} GiB per GPU at this config ({parts} GiB, plus "
                       f"the allocator's slack) and this GPU has {total / 2**30:.0f} GiB: run "
                       f"with {hint}.")
