@@ -1973,7 +1973,7 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
         if free < engine.wake_bytes or lora:
             torch.cuda.empty_cache()
         if not lora:
-            with young_collections_only():  # vLLM 0.34 collects all garbage at each wake-up
+            with waking():  # young garbage only; no room to map back: an out-of-memory stop
                 engine.llm.wake_up(tags=["weights"])
     t1 = time.perf_counter()
     if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy.
@@ -1986,7 +1986,7 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
         engine.llm.apply_model(lambda m: m.load_weights(engine_names(m, weights)))
     t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait
     if engine.asleep:
-        with young_collections_only():
+        with waking():
             map_kv_cache(True) if lora else engine.llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
     wake_s = (t1 - t0) + (time.perf_counter() - t2)
@@ -3657,6 +3657,22 @@ def engine_setup(cfg: Config, args, ranks: Ranks,
     assert sum(map(len, parts)) == len(set().union(*parts)), "two parts set one argument"
     return cfg, {k: v for part in parts for k, v in part.items()}, wake_bytes
 
+
+
+@contextlib.contextmanager
+def waking():
+    """An engine waking up: only young garbage collected (young_collections_only), and memory
+    it cannot map back an out-of-memory error. vLLM's sleep-mode allocator maps memory with
+    CUDA's driver API and raises a plain RuntimeError ("CUDA Error: out of memory") when the
+    GPU has no room, e.g. another process took what the sleeping engine released; as PyTorch's
+    OutOfMemoryError it stops the run with exit code 5 and names the last good checkpoint."""
+    with young_collections_only():
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" not in str(e):
+                raise
+            raise torch.OutOfMemoryError(f"waking vLLM's engine: {e}") from e
 
 
 @contextlib.contextmanager
@@ -5501,7 +5517,8 @@ def start_logs(trainer: Trainer, run_dir: Path, ckpt: Path | None, start: int,
         open_logs(trainer, run_dir, start if ckpt else None)
     if ckpt:
         where = "" if continues(ckpt, run_dir) else f", as the new run {run_dir}"
-        print0(f"resuming {ckpt} at step {start} (config from the checkpoint{where})")
+        print0(f"resuming {ckpt}: {start} steps done, next {step_label(start, trainer.cfg.steps)}"
+               f" (config from the checkpoint{where})")
     print0(run_banner(trainer.cfg, files, trainer.ranks.world, kernels, memory, run_dir))
     if kernels == "reference":
         print0("reference kernels are plain PyTorch, not vLLM's: differing tokens in the parity "
@@ -6440,27 +6457,34 @@ class StopRequest:
 def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
     """A step's faults as a RunStopped with its exit code, naming the last good checkpoint; a
     stop asked while tools ran drops the step and saves the steps done."""
+    label = step_label(step, trainer.cfg.steps)
     try:
         yield
     except ToolsStopped as e:
         calls = "tool" if trainer.cfg.env else "reward"
         raise save_and_stop(trainer, run_dir, source, step, e.signum,
-                            f"in step {step}'s {calls} calls, which were abandoned") from None
+                            f"in {label}'s {calls} calls, which were abandoned") from None
     except ToolsStuck as e:
-        raise RunStopped(f"step {step}: the env ({trainer.cfg.env}) {e}; nothing of this step "
+        raise RunStopped(f"{label}: the env ({trainer.cfg.env}) {e}; nothing of this step "
                          f"was applied. Last good checkpoint: {last_good(run_dir)}.",
                          EXIT_REWARD) from None
     except NonFiniteError as e:
-        raise nonfinite_stop(e, step, run_dir) from e
+        raise nonfinite_stop(e, step, label, run_dir) from e
     except RewardError as e:
         what = (f"env ({trainer.cfg.env})" if trainer.cfg.env else
                 f"reward ({trainer.cfg.reward or 'simple_rl.reward'})")
-        raise RunStopped(f"step {step}: the {what} "
+        raise RunStopped(f"{label}: the {what} "
                          f"{e} on {e.where}, completion {e.completion[:80]!r}; nothing of this "
                          f"step was applied. Last good checkpoint: {last_good(run_dir)}.",
                          EXIT_REWARD) from e
     except torch.OutOfMemoryError as e:
-        raise oom_stop(trainer, step, run_dir) from e
+        raise oom_stop(trainer, label, run_dir) from e
+
+
+def step_label(step: int, steps: int) -> str:
+    """Step `step` (0-based, as checkpoints count the steps done) as the console numbers it:
+    step 2 of 4 is 'step 3/4'; a fault after the last step is in the eval after it."""
+    return f"step {step + 1}/{steps}" if step < steps else f"the eval after step {steps}"
 
 
 def last_good(run_dir: Path) -> str:
@@ -6468,7 +6492,7 @@ def last_good(run_dir: Path) -> str:
     return str(found[-1]) if found else "none"
 
 
-def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
+def nonfinite_stop(e: NonFiniteError, step: int, label: str, run_dir: Path) -> RunStopped:
     """The diagnostic file (rank 0, every rank's samples) and the stop, exit code 3."""
     prompts = sorted({p for ps in all_gather_objects(getattr(e, "prompts", [])) for p in ps})
     diag = run_dir / f"nonfinite_step_{step:06d}.json"
@@ -6476,15 +6500,16 @@ def nonfinite_stop(e: NonFiniteError, step: int, run_dir: Path) -> RunStopped:
         with writing(diag):
             diag.write_text(json.dumps(dict(step=step, quantity=e.quantity, update=e.update,
                                             samples=e.samples, prompts=prompts), indent=1))
-    return RunStopped(f"step {step}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
+    return RunStopped(f"{label}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
                       f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
 
-def oom_stop(trainer: Trainer, step: int, run_dir: Path) -> RunStopped:
+def oom_stop(trainer: Trainer, label: str, run_dir: Path) -> RunStopped:
     est = memory_estimate(trainer.cfg, trainer.model.args, trainer.ranks.world,
                           prompt_range(trainer.task, trainer.cfg))["peak"] / 2**30
-    return RunStopped(f"out of GPU memory at step {step} (estimate {est:.0f} GiB per GPU); "
-                      "add GPUs with torchrun --nproc-per-node N or lower --micro-batch-tokens. "
+    return RunStopped(f"out of GPU memory in {label} (estimate {est:.0f} GiB per GPU, for a "
+                      "GPU the run has to itself); add GPUs with torchrun --nproc-per-node N or "
+                      "lower --micro-batch-tokens. "
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
 
 

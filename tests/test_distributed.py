@@ -133,7 +133,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank(ckpt, tmp_path):
                                       run_name="r1", reward=f"{fn}:score"), check=False,
                  timeout=180)  # far below the collectives' 10-minute timeout: no rank waited
     assert out.returncode != 0
-    assert "step 0: the reward" in out.stderr and "raised RuntimeError: only on rank 1 on " \
+    assert "step 1/2: the reward" in out.stderr and "raised RuntimeError: only on rank 1 on " \
         "held-out problem 1," in out.stderr, out.stderr[-3000:]
 
 

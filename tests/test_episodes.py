@@ -238,7 +238,7 @@ def test_an_env_that_fails_mid_run_stops_with_exit_7_naming_episode_and_turn(
                     env=f"{path}:{name}", run_name="r")
     assert main_cpu(argv) == 7
     err = capsys.readouterr().err
-    assert f"step 1: the env ({path}:{name}) {says}" in err, err
+    assert f"step 2/3: the env ({path}:{name}) {says}" in err, err
     turn = "turn 2" if name == "LateFailure" else "turn 1"
     assert "of training problem " in err and f", {turn}, completion " in err
     assert "Last good checkpoint: " in err and "step_000001" in err

@@ -352,7 +352,7 @@ def test_nan_guard_stops_before_the_optimizer_step(ckpt, tmp_path, monkeypatch, 
     code = main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=4, run_name="nan"), PoisonAtStep2)
     err = capsys.readouterr().err
     assert code == 3
-    assert "step 2: non-finite logprobs; nothing was applied" in err and "step_000002" in err
+    assert "step 3/4: non-finite logprobs; nothing was applied" in err and "step_000002" in err
     run_dir = tmp_path / "runs" / "nan"
     diag = json.loads((run_dir / "nonfinite_step_000002.json").read_text())
     assert diag["step"] == 2 and diag["quantity"] == "logprobs" and diag["prompts"] == [0, 1]
@@ -375,7 +375,7 @@ def test_nan_at_the_second_update_says_what_was_applied(ckpt, tmp_path, monkeypa
     code = main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=2, updates_per_batch=2,
                              micro_batch_tokens=1024, run_name="u2"))  # one micro-batch each
     err = capsys.readouterr().err
-    assert code == 3 and "step 0: non-finite loss" in err
+    assert code == 3 and "step 1/2: non-finite loss" in err
     assert "1 of 2 updates of this step were applied in memory, none saved" in err
 
 
@@ -392,12 +392,58 @@ def test_non_finite_weights_after_the_step_are_caught_before_saving(ckpt, tmp_pa
     monkeypatch.setattr(torch.optim.AdamW, "step", step_to_nan)
     code = main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=3, save_every=1, run_name="big"))
     err = capsys.readouterr().err
-    assert code == 3 and "step 0: non-finite weights after the optimizer step" in err
+    assert code == 3 and "step 1/3: non-finite weights after the optimizer step" in err
     assert "update 1 of 1 produced them; nothing was saved" in err
     assert not (tmp_path / "runs" / "big" / "checkpoints").exists()  # nothing non-finite saved
 
 
 # ---------------------------------------------------------------- a signal after the last step
+
+
+class WakeFailsAtPush3(TorchEngine):
+    """Its third push (step 2's) finds no room to wake in, as push_weights raises it."""
+
+    def push(self, weights):
+        self.pushes = getattr(self, "pushes", 0) + 1
+        if self.pushes == 3:
+            raise torch.OutOfMemoryError("waking vLLM's engine: CUDA Error: out of memory")
+        return super().push(weights)
+
+
+def test_out_of_memory_mid_run_exits_5_naming_the_last_good_checkpoint(ckpt, tmp_path, capsys):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=4, save_every=1, run_name="m")
+    capsys.readouterr()  # the checkpoint's making is not the run's
+    err = one_sentence(capsys, main_cpu(argv, WakeFailsAtPush3), 5)
+    good = tmp_path / "runs" / "m" / "checkpoints" / "step_000001"
+    assert err.startswith("simple_rl: out of GPU memory in step 2/4 (estimate ")
+    assert "for a GPU the run has to itself" in err and err.endswith(f"checkpoint: {good}.")
+
+
+class SleepingEngine:
+    """What push_weights reads of a VLLMEngine asleep, its wake-up raising `error`."""
+
+    def __init__(self, error: Exception):
+        self.asleep, self.wake_bytes, self.lora = True, 0, None
+        self.llm = self
+
+    def wake_up(self, tags):
+        raise self.error
+
+
+def test_an_engine_that_cannot_map_its_memory_back_is_out_of_memory(monkeypatch):
+    """vLLM's sleep-mode allocator raises a plain RuntimeError when the GPU has no room left to
+    wake in (another process took it): push_weights raises it as PyTorch's out-of-memory error,
+    which stops the run with exit code 5; any other error passes unchanged."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine = SleepingEngine(None)
+    engine.error = RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:62")
+    with pytest.raises(torch.OutOfMemoryError, match="waking vLLM's engine: CUDA Error: out of"):
+        rl.push_weights(engine, [])
+    engine.error = RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:62")
+    with pytest.raises(RuntimeError) as other:
+        rl.push_weights(engine, [])
+    assert other.value is engine.error
 
 
 class Signalled(Exception):

@@ -107,7 +107,7 @@ def test_a_reward_that_fails_mid_run_stops_naming_the_sample(ckpt, tmp_path, cap
                     reward=f"{fn}:score")
     assert main_cpu(argv) == rl.EXIT_REWARD
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("simple_rl: step 2: the reward (") and expected in err, err
+    assert err.startswith("simple_rl: step 3/4: the reward (") and expected in err, err
     assert "sample 0 of training problem" in err and "completion '" in err
     assert err.endswith("step_000002.")  # the last good checkpoint, named
     assert rl.is_complete(tmp_path / "runs" / "late" / "checkpoints" / "step_000002")
@@ -132,7 +132,7 @@ def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, 
     argv = cpu_argv(ckpt(), tmp_path / "runs", steps=2, run_name="r", reward=f"{file}:f",
                     eval_size=0, max_new_tokens=3)
     err = exits(capsys, argv, 7, TorchEngine)
-    assert f"step 0: the reward ({file}:f) " in err and "on sample " in err
+    assert f"step 1/2: the reward ({file}:f) " in err and "on sample " in err
     want = {"exit": "raised SystemExit: 0", "huge int": "returned 1000000000",
             "string": "returned 'correct', not a finite number in fp32",
             "overflows fp32": "returned 1e+308, not a finite number in fp32",

@@ -156,7 +156,7 @@ def test_2_calls_that_will_not_end_show_on_the_step_line_then_stop_the_run_with_
         assert len(step1) == 1 and " | 6 abandoned tool calls still running (the run stops " \
             "at 8) | " in step1[0], out.out
         err = [line for line in out.err.splitlines() if line.startswith("simple_rl")]
-        assert err == [f"simple_rl: step 2: the env ({user('Stubborn')}) has 12 calls still "
+        assert err == [f"simple_rl: step 3/3: the env ({user('Stubborn')}) has 12 calls still "
                        "running past --tool-timeout 0.2s, abandoned but not ended (the run "
                        "stops at 8); nothing of this step was applied. Last good checkpoint: "
                        f"{tmp_path / 'runs' / 'r' / 'checkpoints' / 'step_000002'}."], err
@@ -186,7 +186,7 @@ def test_5_sigterm_ends_a_hung_reward_saves_the_steps_done_and_exits_143(ckpt, t
     assert main_cpu(argv) == 143
     assert time.time() - float((tmp_path / "runs" / "killed").read_text()) < 10  # it hangs 20
     ckpt1 = tmp_path / "runs" / "r" / "checkpoints" / "step_000001"
-    assert said(capsys) == [f"simple_rl: stopped in step 1's reward calls, which were "
+    assert said(capsys) == [f"simple_rl: stopped in step 2/2's reward calls, which were "
                             f"abandoned; checkpoint {ckpt1}; continue with --resume {ckpt1}"]
 
 
@@ -204,7 +204,7 @@ def test_6_a_tools_keyboard_interrupt_or_generator_exit_is_its_failure_exit_7(
                     run_name="r")
     assert main_cpu(argv) == 7
     [line] = said(capsys)
-    assert line.startswith(f"simple_rl: step 0: the env ({user(name)}) raised {raised} on "
+    assert line.startswith(f"simple_rl: step 1/1: the env ({user(name)}) raised {raised} on "
                            "sample 0 of training problem "), line
 
 

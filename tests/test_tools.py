@@ -219,7 +219,7 @@ def test_sigterm_in_a_hung_tool_saves_the_steps_done_and_exits_143_in_one_senten
     assert time.time() - float((tmp_path / "runs" / "killed").read_text()) < 10  # it hangs 20
     err = capsys.readouterr().err.strip()
     ckpt1 = tmp_path / "runs" / "r" / "checkpoints" / "step_000001"
-    assert err == (f"simple_rl: stopped in step 1's tool calls, which were abandoned; "
+    assert err == (f"simple_rl: stopped in step 2/2's tool calls, which were abandoned; "
                    f"checkpoint {ckpt1}; continue with --resume {ckpt1}")
     resumed = run_cpu(argv + ["--resume", "latest"])
     assert resumed == run_cpu(cpu_argv(ckpt(), tmp_path / "runs", env=env, steps=2,
