@@ -2918,7 +2918,33 @@ def read_qwen3_config(path: Path):
     need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
          and rope.get("rope_type", "default") == "default",
          f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
+    check_config_numbers(hf, file)
     return hf
+
+
+def finite_number(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def check_config_numbers(hf, file: Path) -> None:
+    """The numbers transformers takes as given that would fail, or give NaN, only at the
+    first forward, after the engine's start: RoPE's base, the norms' eps and, in a Qwen3.5,
+    partial_rotary_factor, which must turn an even number of a head's dims (vLLM rotates
+    int(head_dim x factor) dims, in pairs)."""
+    rope = getattr(hf, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 1e6))  # as model_args_from_hf
+    need(finite_number(theta) and theta > 0, f"{file}: rope_theta {theta!r} must be a finite "
+         "number > 0.")
+    need(finite_number(hf.rms_norm_eps) and hf.rms_norm_eps > 0, f"{file}: rms_norm_eps "
+         f"{hf.rms_norm_eps!r} must be a finite number > 0.")
+    if not hf.model_type.startswith("qwen3_5"):
+        return  # Qwen3 turns every dim
+    f = rope.get("partial_rotary_factor", 1.0)
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    dims = int(head * f) if finite_number(f) and 0 < f <= 1 else 0
+    need(dims >= 2 and dims % 2 == 0, f"{file}: partial_rotary_factor {f!r} must lie in (0, 1] "
+         f"and turn an even number of a head's {head} dims (vLLM turns int(head_dim x factor) "
+         "dims, in pairs).")
 
 
 def check_moe_config(raw: dict, file: Path, shared: bool = False) -> None:

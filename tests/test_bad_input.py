@@ -155,3 +155,43 @@ def test_17_a_question_that_is_not_text_is_refused(ckpt, tmp_path, capsys, quest
     err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys,
                  datasets=True)
     assert "a question that is not text" in err
+
+
+# ---------------------------------------------------------------- Qwen3.5 checkpoints
+
+
+def edited_q35(q35, tmp_path, change, **kw):
+    """A copy of a tiny Qwen3.5 checkpoint with change(config) applied to its config.json (to
+    its text_config for a vision-language one)."""
+    m = tmp_path / "m"
+    shutil.copytree(q35(**kw), m)
+    raw = json.loads((m / "config.json").read_text())
+    change(raw.get("text_config", raw))
+    (m / "config.json").write_text(json.dumps(raw))
+    return m
+
+
+TURNED = ("must lie in (0, 1] and turn an even number of a head's 32 dims (vLLM turns "
+          "int(head_dim x factor) dims, in pairs).")
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("partial_rotary_factor", 2.0, f"partial_rotary_factor 2.0 {TURNED}"),
+    ("partial_rotary_factor", -0.25, f"partial_rotary_factor -0.25 {TURNED}"),
+    ("partial_rotary_factor", 0.3, f"partial_rotary_factor 0.3 {TURNED}"),  # 9 dims
+    ("partial_rotary_factor", None, f"partial_rotary_factor None {TURNED}"),
+    ("rope_theta", 0, "rope_theta 0 must be a finite number > 0."),
+    ("rope_theta", None, "rope_theta None must be a finite number > 0."),
+    ("rms_norm_eps", -1.0, "rms_norm_eps -1.0 must be a finite number > 0."),
+])
+def test_q35_numbers_that_fail_at_the_first_forward_are_refused(q35, tmp_path, capsys, key,
+                                                                value, words):
+    """Before: a traceback (a factor of None), a traceback or NaN after the engine's start (a
+    factor above 1 or below 0, a theta of 0), or a silent run (9 of 32 dims turned)."""
+    def change(c):
+        (c if key == "rms_norm_eps" else c["rope_parameters"])[key] = value
+
+    m = edited_q35(q35, tmp_path, change)
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert err == f"simple_rl: error: {m / 'config.json'}: {words}"
+    assert not (tmp_path / "logs").exists()
