@@ -2894,6 +2894,10 @@ def read_qwen3_config(path: Path):
          "simple_rl trains Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE (Qwen3ForCausalLM, "
          "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, or the last two "
          "ForConditionalGeneration) only.")
+    # transformers' get_text_config returns a text model's text_config too, as a plain dict
+    need(kind.endswith("ConditionalGeneration") or "text_config" not in raw, f"{file}: a "
+         f"{raw['model_type']!r} model has no text_config (a Qwen3.5 with a vision tower says "
+         "model_type 'qwen3_5' or 'qwen3_5_moe'); remove one or the other.")
     if kind.endswith("ConditionalGeneration"):
         raw = raw.get("text_config")
         need(isinstance(raw, dict), f"{file}: a Qwen3.5 with a vision tower needs its "

@@ -195,3 +195,17 @@ def test_q35_numbers_that_fail_at_the_first_forward_are_refused(q35, tmp_path, c
     err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
     assert err == f"simple_rl: error: {m / 'config.json'}: {words}"
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_text_model_type_with_a_text_config_is_refused(q35, tmp_path, capsys):
+    """A vision-language Qwen3.5 whose config.json says a text model's model_type: transformers
+    reads its text_config as a dict (before: AttributeError, a traceback)."""
+    m = tmp_path / "m"
+    shutil.copytree(q35(vision=True), m)
+    raw = json.loads((m / "config.json").read_text())
+    raw.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"])
+    (m / "config.json").write_text(json.dumps(raw))
+    err = refuse(cpu_argv(m, tmp_path / "logs") + ["--check"], capsys)
+    assert err == (f"simple_rl: error: {m / 'config.json'}: a 'qwen3_5_text' model has no "
+                   "text_config (a Qwen3.5 with a vision tower says model_type 'qwen3_5' or "
+                   "'qwen3_5_moe'); remove one or the other.")
