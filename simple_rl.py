@@ -2268,7 +2268,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
 
     # 3. Every check that needs no GPU, in seconds: the files a resume's run read, model files,
     # tokenizer, prompts, reward and env ("Model and data files", after the story ends).
-    checked = check_inputs(cfg, ckpt, expect)
+    checked = check_inputs(cfg, ckpt, expect, passed)
     if checked is None:  # --check: nothing made, no engine; it said what was checked
         return None
     files, task, reward_fn, make_env, inputs = checked
@@ -3387,7 +3387,8 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
     return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
 
 
-def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
+def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None,
+                 passed: set[str] = frozenset()):
     """Every check that needs no GPU (headers and text, seconds; the weights hashed, one read):
     a resume reads only the files its run read; then model files, tokenizer, the run's
     prompts, the reward and the env.
@@ -3400,6 +3401,8 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
         if expect is not None or not cfg.check else {}  # --check alone records nothing
     say(None)  # config, run directory, checkpoint
     files = load_model_files(cfg, model_dir)
+    if cfg.check:  # what the run refuses before vLLM starts, --check refuses too
+        check_qwen35_engine(cfg, passed, files.args)
     say(files)  # model, tokenizer
     task = load_task(cfg, files.tokenizer)
     say(task)  # data

@@ -209,3 +209,17 @@ def test_a_text_model_type_with_a_text_config_is_refused(q35, tmp_path, capsys):
     assert err == (f"simple_rl: error: {m / 'config.json'}: a 'qwen3_5_text' model has no "
                    "text_config (a Qwen3.5 with a vision tower says model_type 'qwen3_5' or "
                    "'qwen3_5_moe'); remove one or the other.")
+
+
+@pytest.mark.parametrize("flag,words", [
+    ("--prefix-caching", "--prefix-caching: a Qwen3.5 runs without vLLM's prefix cache (a "
+     "cached prefix resumes its linear attention from a saved state, a split the trainer does "
+     "not replay); drop the flag."),
+    ("--debug-parity", "--debug-parity: the op-by-op debugger does not follow a Qwen3.5's "
+     "schedule (prompts chunked, generated tokens decoded) yet; drop the flag (every step's "
+     "parity check still compares every token)."),
+])
+def test_check_refuses_the_flags_a_qwen35_run_refuses(q35, tmp_path, capsys, flag, words):
+    """The run refuses them before vLLM starts; --check passed them (exit 0)."""
+    err = refuse(cpu_argv(q35(), tmp_path / "logs") + [flag, "--check"], capsys)
+    assert err == f"simple_rl: error: {words}"
