@@ -3403,6 +3403,8 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None,
     files = load_model_files(cfg, model_dir)
     if cfg.check:  # what the run refuses before vLLM starts, --check refuses too
         check_qwen35_engine(cfg, passed, files.args)
+    if ckpt:  # a resume onto another model (--allow-changed-files) ends here, not after vLLM
+        check_saved_shapes(ckpt, cfg, trained_shapes(cfg, files.args))
     say(files)  # model, tokenizer
     task = load_task(cfg, files.tokenizer)
     say(task)  # data
@@ -4984,6 +4986,26 @@ def read_rng(ckpt: Path, rank: int) -> dict | None:
     return rng
 
 
+def check_saved_shapes(ckpt: Path, cfg: Config, want: dict[str, list[int]]) -> None:
+    """The checkpoint holds the trained tensors of the model built (`want`: model_shapes)."""
+    saved = read_checkpoint_state(ckpt)["shapes"]
+    other = next((n for n in sorted({*saved, *want}) if saved.get(n) != want.get(n)), None)
+    need(other is None, f"{ckpt} holds other weights than --model {cfg.model} under "
+         f"its run_config.json makes ({other}: saved {saved.get(other)}, here "
+         f"{want.get(other)}): it was saved from another model, or its files were edited.")
+
+
+def trained_shapes(cfg: Config, args) -> dict[str, list[int]]:
+    """model_shapes of the model the run will build (on the meta device: nothing allocated),
+    for a resume's check before the engine starts."""
+    lora = lora_spec(cfg, args)
+    with torch.device("meta"):
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+        if lora:
+            add_lora(model, lora)
+    return {n: list(p.shape) for n, p in model.named_parameters() if not lora or ".lora." in n}
+
+
 def check_checkpoint_files(ckpt: Path) -> None:
     """What a restore reads before the model exists (state, DCP metadata, rank 0's RNG): a bad
     file ends here, in one sentence, before the run directory or the engine."""
@@ -4999,12 +5021,7 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = read_checkpoint_state(ckpt)
-    want = model_shapes(trainer.model)
-    other = next((n for n in sorted({*state["shapes"], *want})
-                  if state["shapes"].get(n) != want.get(n)), None)
-    need(other is None, f"{ckpt} holds other weights than --model {trainer.cfg.model} under "
-         f"its run_config.json makes ({other}: saved {state['shapes'].get(other)}, here "
-         f"{want.get(other)}): it was saved from another model, or its files were edited.")
+    check_saved_shapes(ckpt, trainer.cfg, model_shapes(trainer.model))
     read_dcp_metadata(ckpt)
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=TRAINED_ONLY)

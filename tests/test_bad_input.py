@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import cpu_argv, refuse, refuse_last_line
+import simple_rl as rl
+from helpers import copy_checkpoint, cpu_argv, latest, refuse, refuse_last_line
 
 
 # ---------------------------------------------------------------- flags
@@ -223,3 +224,18 @@ def test_check_refuses_the_flags_a_qwen35_run_refuses(q35, tmp_path, capsys, fla
     """The run refuses them before vLLM starts; --check passed them (exit 0)."""
     err = refuse(cpu_argv(q35(), tmp_path / "logs") + [flag, "--check"], capsys)
     assert err == f"simple_rl: error: {words}"
+
+
+def test_a_qwen3_run_resumed_onto_a_qwen35_stops_before_the_engine(saved, q35, tmp_path,
+                                                                   capsys):
+    """--resume of a Qwen3 run with --model a Qwen3.5 (--allow-changed-files: the base changed
+    on purpose): before, the engine started and the restore then refused, and --check passed;
+    now both stop at the checkpoint's shapes, and the run keeps its checkpoint."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    for check in ([], ["--check"]):
+        argv = latest(tmp_path, "--model", q35(), "--allow-changed-files", *check)
+        err = refuse(argv, capsys)
+        assert err == (f"simple_rl: error: {ckpt} holds other weights than --model {q35()} "
+                       "under its run_config.json makes (layers.0.attention.A_log: saved None, "
+                       "here [4]): it was saved from another model, or its files were edited.")
+    assert rl.is_complete(ckpt)
