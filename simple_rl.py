@@ -2709,6 +2709,8 @@ def check_weight_headers(path: Path, args) -> None:
     from safetensors import safe_open
 
     found: dict[str, tuple[tuple[int, ...], str]] = {}
+    keys: dict[str, str] = {}  # text name -> the key that gave it
+    twice = []  # model.x beside model.language_model.x, or a key in two files
     for name in weight_files(path):
         file = path / name
         need(file.is_file(), f"{file} is listed in the index but missing.")
@@ -2716,12 +2718,18 @@ def check_weight_headers(path: Path, args) -> None:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     piece = f.get_slice(key)
+                    if text_weight_name(key) in keys:
+                        twice.append((text_weight_name(key), keys[text_weight_name(key)], key))
                     if text_weight_name(key) is not None:
+                        keys[text_weight_name(key)] = key
                         found[text_weight_name(key)] = (tuple(piece.get_shape()),
                                                         piece.get_dtype())
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
+    for name, first, second in twice[:1]:
+        raise ConfigError(f"{path} holds the text model's {name} twice ({first}, {second}): "
+                          "which one is trained would be chance; keep one.")
     found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
     want = expected_hf_shapes(args, fused_layers(found, args))
     if args.enable_weight_tying:

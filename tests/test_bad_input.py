@@ -239,3 +239,20 @@ def test_a_qwen3_run_resumed_onto_a_qwen35_stops_before_the_engine(saved, q35, t
                        "under its run_config.json makes (layers.0.attention.A_log: saved None, "
                        "here [4]): it was saved from another model, or its files were edited.")
     assert rl.is_complete(ckpt)
+
+
+def test_a_text_weight_held_twice_is_refused(q35, tmp_path, capsys):
+    """A vision-language Qwen3.5 holding a text weight under model. beside its
+    model.language_model. copy: before, one of the two was trained, silently."""
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "m"
+    shutil.copytree(q35(vision=True), m)
+    state = load_file(m / "model.safetensors")
+    state["model.layers.0.linear_attn.A_log"] = torch.full((4,), 50.0)
+    save_file(state, m / "model.safetensors")
+    err = refuse(cpu_argv(m, tmp_path / "logs") + ["--check"], capsys)
+    assert err == (f"simple_rl: error: {m} holds the text model's "
+                   "model.layers.0.linear_attn.A_log twice (model.language_model.layers.0."
+                   "linear_attn.A_log, model.layers.0.linear_attn.A_log): which one is trained "
+                   "would be chance; keep one.")
