@@ -2268,7 +2268,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
 
     # 3. Every check that needs no GPU, in seconds: the files a resume's run read, model files,
     # tokenizer, prompts, reward and env ("Model and data files", after the story ends).
-    checked = check_inputs(cfg, ckpt, expect)
+    checked = check_inputs(cfg, ckpt, expect, passed)
     if checked is None:  # --check: nothing made, no engine; it said what was checked
         return None
     files, task, reward_fn, make_env, inputs = checked
@@ -2709,6 +2709,8 @@ def check_weight_headers(path: Path, args) -> None:
     from safetensors import safe_open
 
     found: dict[str, tuple[tuple[int, ...], str]] = {}
+    keys: dict[str, str] = {}  # text name -> the key that gave it
+    twice = []  # model.x beside model.language_model.x, or a key in two files
     for name in weight_files(path):
         file = path / name
         need(file.is_file(), f"{file} is listed in the index but missing.")
@@ -2716,12 +2718,18 @@ def check_weight_headers(path: Path, args) -> None:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     piece = f.get_slice(key)
+                    if text_weight_name(key) in keys:
+                        twice.append((text_weight_name(key), keys[text_weight_name(key)], key))
                     if text_weight_name(key) is not None:
+                        keys[text_weight_name(key)] = key
                         found[text_weight_name(key)] = (tuple(piece.get_shape()),
                                                         piece.get_dtype())
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
+    for name, first, second in twice[:1]:
+        raise ConfigError(f"{path} holds the text model's {name} twice ({first}, {second}): "
+                          "which one is trained would be chance; keep one.")
     found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
     want = expected_hf_shapes(args, fused_layers(found, args))
     if args.enable_weight_tying:
@@ -2894,6 +2902,10 @@ def read_qwen3_config(path: Path):
          "simple_rl trains Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE (Qwen3ForCausalLM, "
          "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, or the last two "
          "ForConditionalGeneration) only.")
+    # transformers' get_text_config returns a text model's text_config too, as a plain dict
+    need(kind.endswith("ConditionalGeneration") or "text_config" not in raw, f"{file}: a "
+         f"{raw['model_type']!r} model has no text_config (a Qwen3.5 with a vision tower says "
+         "model_type 'qwen3_5' or 'qwen3_5_moe'); remove one or the other.")
     if kind.endswith("ConditionalGeneration"):
         raw = raw.get("text_config")
         need(isinstance(raw, dict), f"{file}: a Qwen3.5 with a vision tower needs its "
@@ -2918,7 +2930,33 @@ def read_qwen3_config(path: Path):
     need(hf.hidden_act == "silu" and not getattr(hf, "attention_bias", False)
          and rope.get("rope_type", "default") == "default",
          f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
+    check_config_numbers(hf, file)
     return hf
+
+
+def finite_number(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def check_config_numbers(hf, file: Path) -> None:
+    """The numbers transformers takes as given that would fail, or give NaN, only at the
+    first forward, after the engine's start: RoPE's base, the norms' eps and, in a Qwen3.5,
+    partial_rotary_factor, which must turn an even number of a head's dims (vLLM rotates
+    int(head_dim x factor) dims, in pairs)."""
+    rope = getattr(hf, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 1e6))  # as model_args_from_hf
+    need(finite_number(theta) and theta > 0, f"{file}: rope_theta {theta!r} must be a finite "
+         "number > 0.")
+    need(finite_number(hf.rms_norm_eps) and hf.rms_norm_eps > 0, f"{file}: rms_norm_eps "
+         f"{hf.rms_norm_eps!r} must be a finite number > 0.")
+    if not hf.model_type.startswith("qwen3_5"):
+        return  # Qwen3 turns every dim
+    f = rope.get("partial_rotary_factor", 1.0)
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    dims = int(head * f) if finite_number(f) and 0 < f <= 1 else 0
+    need(dims >= 2 and dims % 2 == 0, f"{file}: partial_rotary_factor {f!r} must lie in (0, 1] "
+         f"and turn an even number of a head's {head} dims (vLLM turns int(head_dim x factor) "
+         "dims, in pairs).")
 
 
 def check_moe_config(raw: dict, file: Path, shared: bool = False) -> None:
@@ -3357,7 +3395,8 @@ def check_env(make_env: Callable[[], Env], cfg: Config, task: Task,
     return env, f"env {cfg.env}: made, reset; on an empty completion its step {said}"
 
 
-def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
+def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None,
+                 passed: set[str] = frozenset()):
     """Every check that needs no GPU (headers and text, seconds; the weights hashed, one read):
     a resume reads only the files its run read; then model files, tokenizer, the run's
     prompts, the reward and the env.
@@ -3370,6 +3409,10 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None):
         if expect is not None or not cfg.check else {}  # --check alone records nothing
     say(None)  # config, run directory, checkpoint
     files = load_model_files(cfg, model_dir)
+    if cfg.check:  # what the run refuses before vLLM starts, --check refuses too
+        check_qwen35_engine(cfg, passed, files.args)
+    if ckpt:  # a resume onto another model (--allow-changed-files) ends here, not after vLLM
+        check_saved_shapes(ckpt, cfg, trained_shapes(cfg, files.args))
     say(files)  # model, tokenizer
     task = load_task(cfg, files.tokenizer)
     say(task)  # data
@@ -4967,6 +5010,26 @@ def read_rng(ckpt: Path, rank: int) -> dict | None:
     return rng
 
 
+def check_saved_shapes(ckpt: Path, cfg: Config, want: dict[str, list[int]]) -> None:
+    """The checkpoint holds the trained tensors of the model built (`want`: model_shapes)."""
+    saved = read_checkpoint_state(ckpt)["shapes"]
+    other = next((n for n in sorted({*saved, *want}) if saved.get(n) != want.get(n)), None)
+    need(other is None, f"{ckpt} holds other weights than --model {cfg.model} under "
+         f"its run_config.json makes ({other}: saved {saved.get(other)}, here "
+         f"{want.get(other)}): it was saved from another model, or its files were edited.")
+
+
+def trained_shapes(cfg: Config, args) -> dict[str, list[int]]:
+    """model_shapes of the model the run will build (on the meta device: nothing allocated),
+    for a resume's check before the engine starts."""
+    lora = lora_spec(cfg, args)
+    with torch.device("meta"):
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+        if lora:
+            add_lora(model, lora)
+    return {n: list(p.shape) for n, p in model.named_parameters() if not lora or ".lora." in n}
+
+
 def check_checkpoint_files(ckpt: Path) -> None:
     """What a restore reads before the model exists (state, DCP metadata, rank 0's RNG): a bad
     file ends here, in one sentence, before the run directory or the engine."""
@@ -4982,12 +5045,7 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = read_checkpoint_state(ckpt)
-    want = model_shapes(trainer.model)
-    other = next((n for n in sorted({*state["shapes"], *want})
-                  if state["shapes"].get(n) != want.get(n)), None)
-    need(other is None, f"{ckpt} holds other weights than --model {trainer.cfg.model} under "
-         f"its run_config.json makes ({other}: saved {state['shapes'].get(other)}, here "
-         f"{want.get(other)}): it was saved from another model, or its files were edited.")
+    check_saved_shapes(ckpt, trainer.cfg, model_shapes(trainer.model))
     read_dcp_metadata(ckpt)
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer,
                                               options=TRAINED_ONLY)

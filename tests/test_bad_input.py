@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import cpu_argv, refuse, refuse_last_line
+import simple_rl as rl
+from helpers import copy_checkpoint, cpu_argv, latest, refuse, refuse_last_line
 
 
 # ---------------------------------------------------------------- flags
@@ -155,3 +156,103 @@ def test_17_a_question_that_is_not_text_is_refused(ckpt, tmp_path, capsys, quest
     err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys,
                  datasets=True)
     assert "a question that is not text" in err
+
+
+# ---------------------------------------------------------------- Qwen3.5 checkpoints
+
+
+def edited_q35(q35, tmp_path, change, **kw):
+    """A copy of a tiny Qwen3.5 checkpoint with change(config) applied to its config.json (to
+    its text_config for a vision-language one)."""
+    m = tmp_path / "m"
+    shutil.copytree(q35(**kw), m)
+    raw = json.loads((m / "config.json").read_text())
+    change(raw.get("text_config", raw))
+    (m / "config.json").write_text(json.dumps(raw))
+    return m
+
+
+TURNED = ("must lie in (0, 1] and turn an even number of a head's 32 dims (vLLM turns "
+          "int(head_dim x factor) dims, in pairs).")
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("partial_rotary_factor", 2.0, f"partial_rotary_factor 2.0 {TURNED}"),
+    ("partial_rotary_factor", -0.25, f"partial_rotary_factor -0.25 {TURNED}"),
+    ("partial_rotary_factor", 0.3, f"partial_rotary_factor 0.3 {TURNED}"),  # 9 dims
+    ("partial_rotary_factor", None, f"partial_rotary_factor None {TURNED}"),
+    ("rope_theta", 0, "rope_theta 0 must be a finite number > 0."),
+    ("rope_theta", None, "rope_theta None must be a finite number > 0."),
+    ("rms_norm_eps", -1.0, "rms_norm_eps -1.0 must be a finite number > 0."),
+])
+def test_q35_numbers_that_fail_at_the_first_forward_are_refused(q35, tmp_path, capsys, key,
+                                                                value, words):
+    """Before: a traceback (a factor of None), a traceback or NaN after the engine's start (a
+    factor above 1 or below 0, a theta of 0), or a silent run (9 of 32 dims turned)."""
+    def change(c):
+        (c if key == "rms_norm_eps" else c["rope_parameters"])[key] = value
+
+    m = edited_q35(q35, tmp_path, change)
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert err == f"simple_rl: error: {m / 'config.json'}: {words}"
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_text_model_type_with_a_text_config_is_refused(q35, tmp_path, capsys):
+    """A vision-language Qwen3.5 whose config.json says a text model's model_type: transformers
+    reads its text_config as a dict (before: AttributeError, a traceback)."""
+    m = tmp_path / "m"
+    shutil.copytree(q35(vision=True), m)
+    raw = json.loads((m / "config.json").read_text())
+    raw.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"])
+    (m / "config.json").write_text(json.dumps(raw))
+    err = refuse(cpu_argv(m, tmp_path / "logs") + ["--check"], capsys)
+    assert err == (f"simple_rl: error: {m / 'config.json'}: a 'qwen3_5_text' model has no "
+                   "text_config (a Qwen3.5 with a vision tower says model_type 'qwen3_5' or "
+                   "'qwen3_5_moe'); remove one or the other.")
+
+
+@pytest.mark.parametrize("flag,words", [
+    ("--prefix-caching", "--prefix-caching: a Qwen3.5 runs without vLLM's prefix cache (a "
+     "cached prefix resumes its linear attention from a saved state, a split the trainer does "
+     "not replay); drop the flag."),
+    ("--debug-parity", "--debug-parity: the op-by-op debugger does not follow a Qwen3.5's "
+     "schedule (prompts chunked, generated tokens decoded) yet; drop the flag (every step's "
+     "parity check still compares every token)."),
+])
+def test_check_refuses_the_flags_a_qwen35_run_refuses(q35, tmp_path, capsys, flag, words):
+    """The run refuses them before vLLM starts; --check passed them (exit 0)."""
+    err = refuse(cpu_argv(q35(), tmp_path / "logs") + [flag, "--check"], capsys)
+    assert err == f"simple_rl: error: {words}"
+
+
+def test_a_qwen3_run_resumed_onto_a_qwen35_stops_before_the_engine(saved, q35, tmp_path,
+                                                                   capsys):
+    """--resume of a Qwen3 run with --model a Qwen3.5 (--allow-changed-files: the base changed
+    on purpose): before, the engine started and the restore then refused, and --check passed;
+    now both stop at the checkpoint's shapes, and the run keeps its checkpoint."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    for check in ([], ["--check"]):
+        argv = latest(tmp_path, "--model", q35(), "--allow-changed-files", *check)
+        err = refuse(argv, capsys)
+        assert err == (f"simple_rl: error: {ckpt} holds other weights than --model {q35()} "
+                       "under its run_config.json makes (layers.0.attention.A_log: saved None, "
+                       "here [4]): it was saved from another model, or its files were edited.")
+    assert rl.is_complete(ckpt)
+
+
+def test_a_text_weight_held_twice_is_refused(q35, tmp_path, capsys):
+    """A vision-language Qwen3.5 holding a text weight under model. beside its
+    model.language_model. copy: before, one of the two was trained, silently."""
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "m"
+    shutil.copytree(q35(vision=True), m)
+    state = load_file(m / "model.safetensors")
+    state["model.layers.0.linear_attn.A_log"] = torch.full((4,), 50.0)
+    save_file(state, m / "model.safetensors")
+    err = refuse(cpu_argv(m, tmp_path / "logs") + ["--check"], capsys)
+    assert err == (f"simple_rl: error: {m} holds the text model's "
+                   "model.layers.0.linear_attn.A_log twice (model.language_model.layers.0."
+                   "linear_attn.A_log, model.layers.0.linear_attn.A_log): which one is trained "
+                   "would be chance; keep one.")
