@@ -2681,9 +2681,10 @@ def check_lora(cfg: Config, args) -> None:
     need(c or not linear, f"--lora-targets {','.join(linear)}: these are Qwen3.5's linear "
          f"attention's layers, which a Qwen3 has not; target {', '.join(LORA_TARGETS[:7])}.")
     mlp = set(lora.targets) & {"gate_proj", "up_proj", "down_proj"}
-    need(not (sparse_layers(args) and mlp), f"--lora-targets {','.join(sorted(mlp))}: a "
-         "Qwen3-MoE's MLPs are its experts, which take no adapter here (vLLM's fused-MoE LoRA "
-         "kernels are not the trainer's); target q_proj, k_proj, v_proj, o_proj.")
+    need(not (sparse_layers(args) and mlp), f"--lora-targets {','.join(sorted(mlp))}: an "
+         "MoE model's MLPs are its experts, which take no adapter here (vLLM's fused-MoE LoRA "
+         "kernels are not the trainer's); target its attention: q_proj, k_proj, v_proj, o_proj"
+         f"{', in_proj_qkv, in_proj_z, out_proj' if c else ''}.")
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     widths = dict(q_proj=(args.dim, fused_sizes(args)["attention.wqkv.weight"][0]),
                   k_proj=(args.dim, kv), v_proj=(args.dim, kv),
@@ -2727,7 +2728,8 @@ def check_weight_headers(path: Path, args) -> None:
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
-    for name, first, second in twice[:1]:
+    if twice:
+        name, first, second = twice[0]
         raise ConfigError(f"{path} holds the text model's {name} twice ({first}, {second}): "
                           "which one is trained would be chance; keep one.")
     found = {k: v for k, v in found.items() if not k.endswith(ROPE_BUFFER)}
@@ -2878,7 +2880,8 @@ def check_qwen35_config(raw: dict, file: Path) -> None:
     k = raw.get("linear_num_key_heads", 16)  # transformers' defaults
     v = raw.get("linear_num_value_heads", 32)
     need(type(k) is int and type(v) is int and k >= 1 and v >= 1 and v % k == 0, f"{file}: "
-         f"linear_num_value_heads ({v!r}) must be a multiple of linear_num_key_heads ({k!r}).")
+         f"linear_num_key_heads ({k!r}) must be a whole number >= 1 and "
+         f"linear_num_value_heads ({v!r}) a multiple of it.")
 
 
 def read_qwen3_config(path: Path):
@@ -2922,7 +2925,7 @@ def read_qwen3_config(path: Path):
         hf = AutoConfig.from_pretrained(path)
     except Exception as e:
         text = " ".join(str(e).split())[:300]  # one line, however the library words it
-        raise ConfigError(f"{file} is not a usable Qwen3 config ({type(e).__name__}: "
+        raise ConfigError(f"{file} is not a usable model config ({type(e).__name__}: "
                           f"{text}).") from e
     hf = hf.get_text_config()
     # Qwen3.5's multimodal rope gives text tokens one position in all its sections: 1-D rope

@@ -256,3 +256,17 @@ def test_a_text_weight_held_twice_is_refused(q35, tmp_path, capsys):
                    "model.layers.0.linear_attn.A_log twice (model.language_model.layers.0."
                    "linear_attn.A_log, model.layers.0.linear_attn.A_log): which one is trained "
                    "would be chance; keep one.")
+
+
+@pytest.mark.parametrize("k,v", [(2, 3), (0, 4), (2, "8")])
+def test_q35_linear_heads_that_do_not_share_k_heads_evenly_are_refused(q35, tmp_path, capsys,
+                                                                       k, v):
+    """Each k head serves linear_num_value_heads / linear_num_key_heads v heads: a whole
+    number of them, from at least one k head."""
+    def change(c):
+        c.update(linear_num_key_heads=k, linear_num_value_heads=v)
+
+    m = edited_q35(q35, tmp_path, change)
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert err == (f"simple_rl: error: {m / 'config.json'}: linear_num_key_heads ({k!r}) must "
+                   f"be a whole number >= 1 and linear_num_value_heads ({v!r}) a multiple of it.")
