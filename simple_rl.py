@@ -2251,8 +2251,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
 
     Every check that needs only the config, the checkpoint, the files and the reward runs
     before the GPU is looked for (in one process), the run directory is made and the engine
-    starts. engine_factory(cfg, files, ranks) makes the rollout engine: VLLMEngine by default
-    (tests pass a CPU stand-in).
+    starts; engine_factory(cfg, files, ranks) makes it (VLLMEngine; the tests: a CPU stand-in).
     """
     # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
     # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
@@ -2291,15 +2290,16 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     if device_type == "cuda":
         print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
                "kernels: 1-2 minutes)")
-    engine = engine_factory(cfg, files, ranks)
-    model, ref_model = build_models(cfg, files.args, hf_state, ops, ranks, engine)
-    del hf_state
-    optimizer = make_optimizer(model, cfg)
-    trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task, ranks,
-                      reward_fn=reward_fn, make_env=make_env if cfg.env else None,
-                      inputs=inputs)
-    start = restore_checkpoint(trainer, ckpt) if ckpt else 0
-    engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
+    with starting(device_type, memory):  # out of GPU memory here: one sentence, exit 5
+        engine = engine_factory(cfg, files, ranks)
+        model, ref_model = build_models(cfg, files.args, hf_state, ops, ranks, engine)
+        del hf_state
+        optimizer = make_optimizer(model, cfg)
+        trainer = Trainer(cfg, engine, files.tokenizer, model, ref_model, optimizer, task,
+                          ranks, reward_fn=reward_fn, make_env=make_env if cfg.env else None,
+                          inputs=inputs)
+        start = restore_checkpoint(trainer, ckpt) if ckpt else 0
+        engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
     # 5. Logging: TensorBoard on rank 0, and the run's first lines ("Logging").
     start_logs(trainer, run_dir, ckpt, start, files, memory)
@@ -6540,6 +6540,25 @@ def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
                          EXIT_REWARD) from e
     except torch.OutOfMemoryError as e:
         raise oom_stop(trainer, label, run_dir) from e
+
+
+@contextlib.contextmanager
+def starting(device_type: str, memory: str):
+    """The engine's start and the trainer's build: out of GPU memory there (PyTorch's error, or
+    vLLM's refusal when less memory is free than it asks for) is a stop in one sentence, exit
+    code 5, saying how much of the GPU was free before (another process may hold the rest)."""
+    free = torch.cuda.mem_get_info()[0] if device_type == "cuda" else None
+    try:
+        yield
+    except (torch.OutOfMemoryError, ValueError) as e:
+        said = " ".join(str(e).split())[:240]
+        if isinstance(e, ValueError) and not said.startswith("Free memory on device"):
+            raise
+        before = "" if free is None else f"{free / 2**30:.0f} GiB were free before it and "
+        raise RunStopped(f"out of GPU memory while starting vLLM and the trainer ({said}); "
+                         f"{before}the run needs {memory or 'its estimate'}: free the GPU of "
+                         "other processes, or lower --micro-batch-tokens or --kv-cache-gib.",
+                         EXIT_OOM) from e
 
 
 def step_label(step: int, steps: int) -> str:

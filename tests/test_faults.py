@@ -1,6 +1,8 @@
 """Faults mid-run: a disk that fills, turns read-only or fails a write exits 6 in one sentence,
 the last checkpoint whole and no temporary directory left; a non-finite value stops the run
-(exit 3) before it is applied or saved; a signal after the last step still saves that step.
+(exit 3) before it is applied or saved; out of GPU memory (the engine's start, a wake-up that
+finds its memory taken) exits 5 in one sentence; a signal after the last step still saves that
+step.
 (Ctrl-C and SIGTERM mid-run, and the exact resume after them: test_resume.py.)"""
 
 import errno
@@ -417,6 +419,39 @@ def test_out_of_memory_mid_run_exits_5_naming_the_last_good_checkpoint(ckpt, tmp
     good = tmp_path / "runs" / "m" / "checkpoints" / "step_000001"
     assert err.startswith("simple_rl: out of GPU memory in step 2/4 (estimate ")
     assert "for a GPU the run has to itself" in err and err.endswith(f"checkpoint: {good}.")
+
+
+class NoRoomToStart(TorchEngine):
+    """vLLM's start on a GPU that another process fills: its refusal, or PyTorch's error."""
+
+    error: Exception = None
+
+    def __init__(self, *a, **k):
+        raise NoRoomToStart.error
+
+
+@pytest.mark.parametrize("error,said", [
+    (ValueError("Free memory on device cuda:0 (3.1/139.8 GiB) on startup is less than desired "
+                "GPU memory utilization (0.12, 16.8 GiB). Decrease GPU memory utilization or "
+                "reduce GPU memory used by other processes."), "Free memory on device cuda:0 "),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."),
+     "CUDA out of memory. Tried to allocate 2.00 GiB."),
+])
+def test_out_of_memory_while_starting_exits_5_in_one_sentence(ckpt, tmp_path, capsys, error,
+                                                              said):
+    argv = cpu_argv(ckpt(), tmp_path / "runs", run_name="s")
+    capsys.readouterr()
+    NoRoomToStart.error = error
+    err = one_sentence(capsys, main_cpu(argv, NoRoomToStart), 5)
+    assert err.startswith(f"simple_rl: out of GPU memory while starting vLLM and the trainer "
+                          f"({said}") and err.endswith(", or lower --micro-batch-tokens or "
+                                                       "--kv-cache-gib."), err
+
+
+def test_another_error_while_starting_is_not_called_out_of_memory(ckpt, tmp_path):
+    NoRoomToStart.error = ValueError("max_model_len is larger than the model's")
+    with pytest.raises(ValueError, match="max_model_len"):
+        main_cpu(cpu_argv(ckpt(), tmp_path / "runs", run_name="s"), NoRoomToStart)
 
 
 class SleepingEngine:
