@@ -1518,10 +1518,11 @@ class Episode:
 
 
 # completed: the env scored a turn that ended at a stop id; length: one that hit
-# --max-new-tokens; context: the turn or the tool's message ran into --max-model-len;
+# --max-new-tokens; max_model_len: the turn or the tool's message ran into --max-model-len;
 # max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError;
 # tool_timeout: step or reset ran past --tool-timeout
-EPISODE_ENDS = ("completed", "length", "context", "max_turns", "tool_error", "tool_timeout")
+EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error",
+                "tool_timeout")
 
 
 @dataclass
@@ -1621,13 +1622,13 @@ class Going(NamedTuple):
 def going_on(episodes: list[Episode], messages: dict[int, str], tokenizer,
              cfg: Config) -> list[Going]:
     """The episodes whose tool message leaves room for a token in --max-model-len; the others
-    end as "context"."""
+    end as "max_model_len"."""
     going = []
     for (i, message), ids in zip(messages.items(),
                                  tool_message_ids(tokenizer, list(messages.values()), cfg)):
         request = episodes[i].ids() + ids
         if len(request) + 1 > cfg.max_model_len:  # no room left for a token
-            episodes[i].end("context")
+            episodes[i].end("max_model_len")
         else:
             going.append(Going(i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(request))))
     return going
@@ -1664,7 +1665,8 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     episode.reward = value or 0.0
     if message is None:
         end = episode.turns[-1]
-        episode.end("completed" if end.out.stopped else "context" if end.capped else "length")
+        episode.end("completed" if end.out.stopped else "max_model_len" if end.capped
+                    else "length")
         return None
     episode.tool_calls += 1
     if last:
@@ -5722,7 +5724,7 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("tool calls per episode", "episode/tool_calls_mean"),
             ("episodes ended by a tool error", "episode/tool_error_frac"),
             ("episodes ended by --tool-timeout", "episode/tool_timeout_frac"),
-            ("episodes cut at --max-model-len", "episode/context_frac"),
+            ("episodes cut at --max-model-len", "episode/max_model_len_frac"),
             ("episodes cut at --max-turns", "episode/max_turns_frac"),
             ("tool tokens per episode", "episode/tool_tokens_mean"),
             ("time waiting on the env's calls (s)", "time/tool_s"),

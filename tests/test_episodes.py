@@ -146,7 +146,7 @@ def test_a_model_that_never_stops_calling_ends_at_max_turns_and_tool_messages_pa
     longest = max(len(trainer.task.prompt_ids[i]) for i in chosen)
     trainer.cfg.max_model_len = longest + trainer.cfg.max_new_tokens + 1
     m, _ = rl.rl_step(trainer, 1)
-    assert m["episode/context_frac"] > 0
+    assert m["episode/max_model_len_frac"] > 0
     assert all(len(e.ids()) <= trainer.cfg.max_model_len for e in seen.rollouts[-1].episodes)
     trainer.writer.close()
 
