@@ -1789,7 +1789,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
 
     old_logp (N,) and adv (B,) live on the model's device. n_micro: micro-batches every rank
     runs (FSDP's collectives need the same count on every rank; a rank with fewer runs
-    zero-weight ones); n_tokens: generated tokens over all ranks, the loss's denominator.
+    zero-counted ones); n_tokens: generated tokens over all ranks, the loss's denominator.
     Returns the first update's token sums, global grad norm, logprobs (N,) and experts: what
     the parity check compares. Raises NonFiniteError (on every rank at once) if a logprob,
     the loss or the gradient norm is not finite before an optimizer step, or a weight after it.
@@ -1799,11 +1799,11 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     parts = micro_batch_parts(packed, cfg, n_micro, device)
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
     # rank's part is scaled by the world size (exact when it is a power of two).
-    scale = world_size() / n_tokens
+    per_token = world_size() / n_tokens
     first = None
     for update in range(cfg.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
-        done = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, scale)
+        done = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, per_token)
         # clip on the global norm; every rank agrees that all is finite before stepping (the
         # NaN checks are with the stops, after the story ends)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
@@ -1823,15 +1823,15 @@ class MicroBatch(NamedTuple):
     batch: Packed  # its samples packed on their own, on the model's device
     owned: slice  # its targets' slice of the rank's N
     samples: range  # its samples' range of the rank's B
-    weight: float  # 1, or 0 for a padding micro-batch (it runs FSDP's collectives only)
+    counts: float  # 1, or 0 for a padding micro-batch (it runs FSDP's collectives only)
 
 
 def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
                       device) -> list[MicroBatch]:
-    """The rank's micro-batches, padded to n_micro with zero-weight copies of the first sample."""
-    def part(samples: range, weight: float) -> MicroBatch:
+    """The rank's micro-batches, padded to n_micro with uncounted copies of the first sample."""
+    def part(samples: range, counts: float) -> MicroBatch:
         batch, owned = sub_pack(packed, samples)
-        return MicroBatch(batch.to(device), owned, samples, weight)
+        return MicroBatch(batch.to(device), owned, samples, counts)
 
     parts = [part(g, 1.0) for g in plan_micro_batches(packed, cfg)]
     padding = (n_micro or 0) - len(parts)
@@ -1847,7 +1847,7 @@ class Pass(NamedTuple):
 
 
 def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
-                         cfg: Config, scale: float) -> Pass:
+                         cfg: Config, per_token: float) -> Pass:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
     pass's summed loss, logprobs, token sums and (Qwen3-MoE) the experts it chose."""
     device = old_logp.device
@@ -1858,9 +1858,9 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     routing = torch.empty(len(old_logp), len(sparse), model.args.moe_args.top_k,
                           dtype=torch.int32, device=device) if sparse else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
-        for batch, owned, samples, weight in parts:
+        for batch, owned, samples, counts in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            if routing is not None and weight != 0:  # read before a LoRA reference reruns it
+            if routing is not None and counts:  # read before a LoRA reference reruns it
                 routing[owned] = model.routed_ids(batch)
             adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
@@ -1869,9 +1869,9 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
                 with torch.no_grad():
                     ref_logp, _ = ref_model(batch, cfg.temperature)
                 kl = kl_k3(logp, ref_logp)
-            loss = weight * scale * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
+            loss = counts * per_token * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
             loss.backward()
-            if weight == 0:
+            if not counts:
                 continue  # a padding micro-batch: its collectives ran, its numbers don't count
             loss_total += loss.detach()
             logps[owned] = logp.detach()
