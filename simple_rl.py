@@ -6546,15 +6546,18 @@ def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
 
 @contextlib.contextmanager
 def starting(device_type: str, memory: str):
-    """The engine's start and the trainer's build: out of GPU memory there (PyTorch's error, or
-    vLLM's refusal when less memory is free than it asks for) is a stop in one sentence, exit
-    code 5, saying how much of the GPU was free before (another process may hold the rest)."""
+    """The engine's start and the trainer's build: out of GPU memory there (PyTorch's error, a
+    CUDA call's, or vLLM's refusal when less memory is free than it asks for) is a stop in one
+    sentence, exit code 5, saying how much of the GPU was free before (another process may hold
+    the rest)."""
     free = torch.cuda.mem_get_info()[0] if device_type == "cuda" else None
     try:
         yield
-    except (torch.OutOfMemoryError, ValueError) as e:
+    except (ValueError, RuntimeError) as e:
         said = " ".join(str(e).split())[:240]
-        if isinstance(e, ValueError) and not said.startswith("Free memory on device"):
+        no_memory = isinstance(e, torch.OutOfMemoryError) or "out of memory" in said \
+            or said.startswith("Free memory on device")  # PyTorch's, CUDA's, vLLM's words
+        if isinstance(e, (RunStopped, ConfigError)) or not no_memory:
             raise
         before = "" if free is None else f"{free / 2**30:.0f} GiB were free before it and "
         raise RunStopped(f"out of GPU memory while starting vLLM and the trainer ({said}); "
@@ -6623,10 +6626,12 @@ def after_step(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path,
     """Between two steps: --strict-parity stops at a step with a differing token (RunStopped,
     exit 4), a Ctrl-C or SIGTERM saves and stops, and every --save-every steps a checkpoint."""
     if trainer.cfg.strict_parity and (parity.n_mismatch or parity.routing_mismatch):
-        raise RunStopped(f"--strict-parity: step {step} has {parity.n_mismatch} mismatched "
+        raise RunStopped(f"--strict-parity: {step_label(step, trainer.cfg.steps)} has "
+                         f"{parity.n_mismatch} mismatched "
                          f"tokens and {parity.routing_mismatch} routed to other experts.",
                          EXIT_PARITY)
-    stop_if_asked(stop, trainer, run_dir, source, step + 1, f"after step {step}")
+    stop_if_asked(stop, trainer, run_dir, source, step + 1,
+                  f"after {step_label(step, trainer.cfg.steps)}")
     if trainer.cfg.save_every and (step + 1) % trainer.cfg.save_every == 0:
         print0(f"saving checkpoint step_{step + 1:06d}")
         save_checkpoint(run_dir, trainer, step + 1, source)

@@ -436,6 +436,7 @@ class NoRoomToStart(TorchEngine):
                 "reduce GPU memory used by other processes."), "Free memory on device cuda:0 "),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."),
      "CUDA out of memory. Tried to allocate 2.00 GiB."),
+    (RuntimeError("CUDA error: out of memory"), "CUDA error: out of memory"),  # a CUDA call's
 ])
 def test_out_of_memory_while_starting_exits_5_in_one_sentence(ckpt, tmp_path, capsys, error,
                                                               said):
@@ -449,9 +450,12 @@ def test_out_of_memory_while_starting_exits_5_in_one_sentence(ckpt, tmp_path, ca
 
 
 def test_another_error_while_starting_is_not_called_out_of_memory(ckpt, tmp_path):
-    NoRoomToStart.error = ValueError("max_model_len is larger than the model's")
-    with pytest.raises(ValueError, match="max_model_len"):
-        main_cpu(cpu_argv(ckpt(), tmp_path / "runs", run_name="s"), NoRoomToStart)
+    for error in (ValueError("max_model_len is larger than the model's"),
+                  RuntimeError("CUDA error: an illegal memory access was encountered")):
+        NoRoomToStart.error = error
+        with pytest.raises(type(error)) as raised:
+            main_cpu(cpu_argv(ckpt(), tmp_path / "runs", run_name="s"), NoRoomToStart)
+        assert raised.value is error
 
 
 class SleepingEngine:

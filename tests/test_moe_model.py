@@ -341,7 +341,7 @@ def test_strict_parity_stops_on_a_token_routed_to_other_experts(tmp_path, moe_ck
                     kl_coef=0.0, strict_parity=True)
     assert main_cpu(argv, type("E", (RoutingEngine,), {"corrupt": True})) == rl.EXIT_PARITY
     err = capsys.readouterr().err
-    assert "step 0 has 0 mismatched tokens and 1 routed to other experts" in err
+    assert "step 1/2 has 0 mismatched tokens and 1 routed to other experts" in err
 
 
 def test_the_experts_are_cast_once_and_change_no_bit(moe_ckpt):

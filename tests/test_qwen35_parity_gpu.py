@@ -29,7 +29,7 @@ SHAPE = ("--preset", "qwen3.5-0.8b", "--layers", "4")
 RUN = ("--prompts", "16", "--group", "8", "--steps", "2", "--max-new-tokens", "256",
        "--max-prompt", "220", "--temperature", "1.0")
 # T = 1 in both engine modes; T = 0.7 (the sampler's fp32 tempered logits) with prompts of up to
-# 1000 tokens (15 of fla's chunks)
+# 1000 tokens (16 of fla's 64-token chunks)
 RUNS = {"cuda-graphs": (), "eager": ("--no-cuda-graphs",),
         "t07-long-prompts": ("--temperature", "0.7", "--max-prompt", "1000")}
 
