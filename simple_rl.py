@@ -2720,13 +2720,14 @@ def check_weight_headers(path: Path, args) -> None:
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
+                    text = text_weight_name(key)
+                    if text is None:
+                        continue
+                    if text in keys:
+                        twice.append((text, keys[text], key))
                     piece = f.get_slice(key)
-                    if text_weight_name(key) in keys:
-                        twice.append((text_weight_name(key), keys[text_weight_name(key)], key))
-                    if text_weight_name(key) is not None:
-                        keys[text_weight_name(key)] = key
-                        found[text_weight_name(key)] = (tuple(piece.get_shape()),
-                                                        piece.get_dtype())
+                    keys[text] = key
+                    found[text] = (tuple(piece.get_shape()), piece.get_dtype())
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ConfigError(f"{file} is not a readable safetensors file ({e}); re-download "
                               "or re-save the checkpoint.") from e
@@ -3718,9 +3719,17 @@ def waking():
         try:
             yield
         except RuntimeError as e:
-            if isinstance(e, torch.OutOfMemoryError) or "out of memory" not in str(e):
+            if isinstance(e, torch.OutOfMemoryError) or not out_of_memory(e):
                 raise
             raise torch.OutOfMemoryError(f"waking vLLM's engine: {e}") from e
+
+
+def out_of_memory(e: Exception) -> bool:
+    """The error says the GPU had no room, in PyTorch's, CUDA's or vLLM's words (vLLM refuses
+    to start with less memory free than it asks for)."""
+    said = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in said \
+        or said.startswith("Free memory on device")
 
 
 @contextlib.contextmanager
@@ -6554,11 +6563,9 @@ def starting(device_type: str, memory: str):
     try:
         yield
     except (ValueError, RuntimeError) as e:
-        said = " ".join(str(e).split())[:240]
-        no_memory = isinstance(e, torch.OutOfMemoryError) or "out of memory" in said \
-            or said.startswith("Free memory on device")  # PyTorch's, CUDA's, vLLM's words
-        if isinstance(e, (RunStopped, ConfigError)) or not no_memory:
+        if isinstance(e, (RunStopped, ConfigError)) or not out_of_memory(e):
             raise
+        said = " ".join(str(e).split())[:240]
         before = "" if free is None else f"{free / 2**30:.0f} GiB were free before it and "
         raise RunStopped(f"out of GPU memory while starting vLLM and the trainer ({said}); "
                          f"{before}the run needs {memory or 'its estimate'}: free the GPU of "
