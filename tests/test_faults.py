@@ -462,7 +462,7 @@ class SleepingEngine:
     """What push_weights reads of a VLLMEngine asleep, its wake-up raising `error`."""
 
     def __init__(self, error: Exception):
-        self.asleep, self.wake_bytes, self.lora = True, 0, None
+        self.asleep, self.wake_bytes, self.lora, self.error = True, 0, None, error
         self.llm = self
 
     def wake_up(self, tags):
@@ -475,11 +475,10 @@ def test_an_engine_that_cannot_map_its_memory_back_is_out_of_memory(monkeypatch)
     which stops the run with exit code 5; any other error passes unchanged."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 2**30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    engine = SleepingEngine(None)
-    engine.error = RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:62")
+    engine = SleepingEngine(RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:62"))
     with pytest.raises(torch.OutOfMemoryError, match="waking vLLM's engine: CUDA Error: out of"):
         rl.push_weights(engine, [])
-    engine.error = RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:62")
+    engine = SleepingEngine(RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:62"))
     with pytest.raises(RuntimeError) as other:
         rl.push_weights(engine, [])
     assert other.value is engine.error
