@@ -791,10 +791,10 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
     try:
         if world == 1 or lora:
             # fp32 masters are copies (the KL reference is built from the same state); a LoRA's
-            # base is adopted in the compute dtype, but A_log in fp32, as vLLM keeps it
-            model.load_state_dict({k: v.to(device=device, copy=not base(k), dtype=dtype if base(k)
-                                           and not k.endswith("A_log") else torch.float32)
-                                   for k, v in state.items()}, strict=True, assign=True)
+            # base is adopted as the engine holds it (held_dtype)
+            model.load_state_dict({k: v.to(device=device, copy=not base(k), dtype=held_dtype(
+                k, dtype) if base(k) else torch.float32) for k, v in state.items()},
+                                  strict=True, assign=True)
             for name, p in model.named_parameters():
                 p.requires_grad_(not (frozen or base(name)))
             if world > 1:
@@ -837,9 +837,14 @@ def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, 
     """
     keys = hf_key_map(model.args)
     for name, p in model.named_parameters():
-        dtype = torch.float32 if name.endswith("A_log") else model.dtype  # as vLLM's Qwen3.5
-        yield from to_hf_items(name, full_tensor(p.detach().to(dtype)), model.args, keys,
-                               fused_experts)
+        yield from to_hf_items(name, full_tensor(p.detach().to(held_dtype(name, model.dtype))),
+                               model.args, keys, fused_experts)
+
+
+def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine holds a weight in: the compute dtype, but Gated DeltaNet's A_log in
+    fp32, as vLLM's Qwen3.5 keeps it."""
+    return torch.float32 if name.endswith("A_log") else dtype
 
 
 def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
