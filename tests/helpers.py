@@ -543,41 +543,26 @@ class Killed(BaseException):
     """A stand-in for SIGKILL: nothing of simple_rl's catches it."""
 
 
-def one_line_error(code, capsys) -> str:
-    """The exit code is 2 and stderr's last line is simple_rl's error, without a traceback."""
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2, err
-    assert err.startswith("simple_rl: error: ") and "Traceback" not in err
-    return err
-
-
-def refuse_last_line(argv, capsys) -> str:
-    """Runs main on argv, expects exit 2 with one sentence (stderr's last line: one_line_error)
-    and no engine start."""
-    CountingEngine.made = 0
-    err = one_line_error(main_cpu(argv, CountingEngine), capsys)
-    assert CountingEngine.made == 0, "the engine started before the error"
-    return err
-
-
-def one_sentence(capsys, code: int, want: int, datasets: bool = False) -> str:
-    """The run's stderr is one line, without a traceback, and the exit code is `want`
-    (`datasets`: its progress bars and logs, printed before simple_rl's line, are left out)."""
+def one_sentence(capsys, code: int, want: int, last_line: bool = False) -> str:
+    """The exit code is `want` and stderr is one line of simple_rl's (an error, exit 2: its
+    "simple_rl: error: "), without a traceback (`last_line`: what other libraries printed
+    before it, e.g. datasets' progress bars or torch's warnings, is left out)."""
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
-    if datasets:
+    if last_line:
         err = err[-1:]
     assert code == want, err
-    assert len(err) == 1 and err[0].startswith("simple_rl: "), err
-    assert datasets or "Traceback" not in captured.out + captured.err
+    prefix = "simple_rl: error: " if want == 2 else "simple_rl: "
+    assert len(err) == 1 and err[0].startswith(prefix), err
+    assert "Traceback" not in (err[0] if last_line else captured.out + captured.err)
     return err[0]
 
 
-def refuse(argv, capsys, datasets: bool = False) -> str:
+def refuse(argv, capsys, last_line: bool = False) -> str:
     """main on argv: exit 2 in one sentence, before the engine starts."""
     capsys.readouterr()  # what came before (a checkpoint made for the test) is not the run's
     CountingEngine.made = 0
-    err = one_sentence(capsys, main_cpu(argv, CountingEngine), 2, datasets)
+    err = one_sentence(capsys, main_cpu(argv, CountingEngine), 2, last_line)
     assert CountingEngine.made == 0, "the engine started before the error"
     return err
 

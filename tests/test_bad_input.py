@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import copy_checkpoint, cpu_argv, latest, refuse, refuse_last_line
+from helpers import copy_checkpoint, cpu_argv, latest, refuse
 
 
 # ---------------------------------------------------------------- flags
@@ -32,7 +32,7 @@ from helpers import copy_checkpoint, cpu_argv, latest, refuse, refuse_last_line
 ])
 def test_bad_floats_and_ranges(ckpt, tmp_path, capsys, flag, value, needle):
     given = [flag + value] if value.startswith("=") else [flag, value]
-    assert needle in refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs") + given, capsys)
+    assert needle in refuse(cpu_argv(ckpt(), tmp_path / "logs") + given, capsys, last_line=True)
 
 
 @pytest.mark.parametrize("seed", [2**50, 2**64 - 1, 2**70])
@@ -60,7 +60,7 @@ def test_a_model_dir_without_tokenizer(ckpt, tmp_path, capsys):
     shutil.copytree(ckpt(), tmp_path / "m")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (tmp_path / "m" / name).unlink(missing_ok=True)
-    err = refuse_last_line(cpu_argv(tmp_path / "m", tmp_path / "logs"), capsys)
+    err = refuse(cpu_argv(tmp_path / "m", tmp_path / "logs"), capsys, last_line=True)
     assert "has no tokenizer (tokenizer.json, or vocab.json + merges.txt)" in err
     assert not (tmp_path / "logs").exists()
 
@@ -95,7 +95,7 @@ def test_damaged_weights_fail_before_the_engine_starts(ckpt, tmp_path, capsys, d
         save_file(state, file)
     else:
         (m / "config.json").write_text("{not json")
-    err = refuse_last_line(cpu_argv(m, tmp_path / "logs"), capsys)
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys, last_line=True)
     assert needle in err
     assert not (tmp_path / "logs").exists()  # no run directory for a run that never started
 
@@ -154,7 +154,7 @@ def test_17_a_question_that_is_not_text_is_refused(ckpt, tmp_path, capsys, quest
             {"question": question, "answer": "so #### 5"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = refuse(cpu_argv(ckpt(), tmp_path / "logs", task="gsm8k", data_files=data), capsys,
-                 datasets=True)
+                 last_line=True)
     assert "a question that is not text" in err
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import (copy_checkpoint, edit_json, latest, main_cpu, metrics_rows, one_line_error,
+from helpers import (copy_checkpoint, edit_json, latest, main_cpu, metrics_rows, one_sentence,
                      refuse)
 
 
@@ -36,7 +36,8 @@ def test_crafted_dcp_metadata_is_refused_and_runs_nothing(saved, tmp_path, capsy
     ckpt = copy_checkpoint(saved, tmp_path)
     Boom.marker = tmp_path / "pwned"
     (ckpt / "trainer" / ".metadata").write_bytes(pickle.dumps(Boom()))
-    err = one_line_error(main_cpu(["--resume", str(ckpt), "--steps", "3"]), capsys)
+    err = one_sentence(capsys, main_cpu(["--resume", str(ckpt), "--steps", "3"]), 2,
+                       last_line=True)
     assert "cannot be restored (" in err and "io.open is not allowed in a checkpoint" in err
     assert not Boom.marker.exists()
 
@@ -197,7 +198,8 @@ def test_a_truncated_trainer_shard_is_one_sentence(saved, tmp_path, capsys):
     ckpt = copy_checkpoint(saved, tmp_path)
     shard = ckpt / "trainer" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    err = one_line_error(main_cpu(["--resume", str(ckpt), "--steps", "3"]), capsys)
+    err = one_sentence(capsys, main_cpu(["--resume", str(ckpt), "--steps", "3"]), 2,
+                       last_line=True)
     assert f"{ckpt} cannot be restored" in err and "resume from an earlier checkpoint" in err
 
 
@@ -225,14 +227,15 @@ def test_a_bad_run_config_is_refused(saved, tmp_path, capsys, text, needle):
         config = json.loads((ckpt / "run_config.json").read_text())
         text = json.dumps(dict(config, lr=-1.0))
     (ckpt / "run_config.json").write_text(text)
-    assert needle in one_line_error(main_cpu(["--resume", str(ckpt), "--steps", "3"]), capsys)
+    assert needle in one_sentence(capsys, main_cpu(["--resume", str(ckpt), "--steps", "3"]), 2,
+                                  last_line=True)
 
 
 def test_a_damaged_state_json_is_refused(saved, tmp_path, capsys):
     ckpt = copy_checkpoint(saved, tmp_path)
     (ckpt / "state.json").write_text('{"next_step": "two"}')
-    assert "state.json is damaged" in one_line_error(
-        main_cpu(["--resume", str(ckpt), "--steps", "3"]), capsys)
+    assert "state.json is damaged" in one_sentence(
+        capsys, main_cpu(["--resume", str(ckpt), "--steps", "3"]), 2, last_line=True)
 
 
 # ---------------------------------------------------------------- other Pythons, other stacks

@@ -14,7 +14,7 @@ import pytest
 
 import simple_rl as rl
 from helpers import (LORA, ExactEngine, Killed, TorchEngine, copy_checkpoint, copy_run, cpu_argv,
-                     edit_json, exits, latest, main_cpu, metrics_rows, one_line_error, refuse,
+                     edit_json, exits, latest, main_cpu, metrics_rows, one_sentence, refuse,
                      run_cpu)
 
 
@@ -196,10 +196,12 @@ def test_a_checkpoint_from_another_model_is_refused(saved, ckpt, tmp_path, capsy
     config = json.loads((ckpt_dir / "run_config.json").read_text())
     config["model"] = str(ckpt(layers=3))  # a model with one more layer
     (ckpt_dir / "run_config.json").write_text(json.dumps(config))
-    err = one_line_error(main_cpu(["--resume", str(ckpt_dir), "--steps", "3"]), capsys)
+    err = one_sentence(capsys, main_cpu(["--resume", str(ckpt_dir), "--steps", "3"]), 2,
+                       last_line=True)
     assert "config.json is not what the run read when" in err  # refused before it is read
-    err = one_line_error(main_cpu(["--resume", str(ckpt_dir), "--steps", "3", "--model",
-                                   config["model"], "--allow-changed-files"]), capsys)
+    err = one_sentence(capsys, main_cpu(["--resume", str(ckpt_dir), "--steps", "3", "--model",
+                                         config["model"], "--allow-changed-files"]), 2,
+                       last_line=True)
     assert "was saved from another model" in err
 
 

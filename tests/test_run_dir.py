@@ -13,7 +13,7 @@ import torch
 
 import simple_rl as rl
 from helpers import (TorchEngine, copy_checkpoint, copy_run, cpu_argv, latest, main_cpu,
-                     metrics_rows, one_sentence, refuse, refuse_last_line, run_cpu)
+                     metrics_rows, one_sentence, refuse, run_cpu)
 
 
 def metrics(run_dir):
@@ -33,7 +33,7 @@ def test_run_names_that_escape_the_log_dir_are_refused(ckpt, tmp_path, capsys, n
     (logs / "other" / "keep.txt").write_text("another run")
     argv = cpu_argv(ckpt(), logs, overwrite=True)
     argv += ["--run-name" + name] if name.startswith("=") else ["--run-name", name]
-    err = refuse_last_line(argv, capsys)
+    err = refuse(argv, capsys, last_line=True)
     assert "--run-name" in err and "plain name" in err
     assert (victim / "keep.txt").read_text() == "precious"
     assert (logs / "other" / "keep.txt").read_text() == "another run"
@@ -45,8 +45,8 @@ def test_a_symlinked_run_dir_is_refused(ckpt, tmp_path, capsys):
     (victim / "keep.txt").write_text("precious")
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "link").symlink_to(victim)
-    err = refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs", run_name="link", overwrite=True),
-                           capsys)
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", run_name="link", overwrite=True),
+                 capsys, last_line=True)
     assert "symbolic link" in err and (victim / "keep.txt").read_text() == "precious"
 
 
@@ -128,7 +128,7 @@ def test_overwrite_removes_only_its_run_and_only_after_every_check(ckpt, tmp_pat
     bad = tmp_path / "bad"
     shutil.copytree(ckpt(), bad)
     (bad / "model.safetensors").write_bytes(b"garbage")
-    refuse_last_line(cpu_argv(bad, logs, run_name="mine", overwrite=True), capsys)
+    refuse(cpu_argv(bad, logs, run_name="mine", overwrite=True), capsys, last_line=True)
     assert (logs / "mine" / "notes.txt").read_text() == "mine"
     # all checks pass: the run directory (and nothing else) is replaced
     run_cpu(cpu_argv(ckpt(), logs, steps=1, run_name="mine", overwrite=True))
@@ -152,8 +152,8 @@ def test_a_non_empty_output_dir_is_refused_even_with_overwrite(ckpt, tmp_path, c
     out = tmp_path / "final"
     out.mkdir()
     (out / "model.safetensors").write_text("old")
-    err = refuse_last_line(cpu_argv(ckpt(), tmp_path / "logs", output_dir=out, overwrite=True),
-                           capsys)
+    err = refuse(cpu_argv(ckpt(), tmp_path / "logs", output_dir=out, overwrite=True),
+                 capsys, last_line=True)
     assert "is not empty" in err and (out / "model.safetensors").read_text() == "old"
 
 
