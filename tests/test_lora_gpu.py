@@ -2,8 +2,8 @@
 kernels (lora_shrink, lora_expand) on the engine's own tensors, so every generated token's
 logprob equals vLLM's with the adapter active: at T = 1 and 0.7, eager and CUDA graphs, with the
 KL reference (the adapters off), across resumes and episodes of several turns with the prefix
-cache on. Qwen3-14B's exact shape at the defaults on one GPU; Qwen3-32B's layers, cut, for the
-memory estimate.
+cache on. Qwen3-14B's and Qwen3.5-9B's exact shapes at the defaults on one GPU; Qwen3-32B's and
+Qwen3.5-27B's layers, cut, for the memory estimate.
 
     python tests/test_lora_gpu.py 14b OUT.json     # the 14B run alone, as a script
 """
@@ -149,6 +149,26 @@ def test_qwen3_14b_lora_at_the_defaults_on_one_gpu(tmp_path_factory):
     assert len(r["steps"]) == 5 and r["mismatched"] == 0 and r["tokens"] > 5 * 16_000
     assert r["peak_gib"] <= total and max(r["wake_s"]) < 0.5
     assert max(p - w for p, w in zip(r["push_s"], r["wake_s"])) < 0.05
+    assert abs(r["estimate_gib"] / r["peak_gib"] - 1) <= 0.15, r
+
+
+@pytest.mark.parametrize("preset,layers,flags", [
+    ("qwen3.5-9b", None, ()),
+    # 8 of its 64 layers (the disk holds no 27B), at the micro-batch all 64 pick on an H200
+    ("qwen3.5-27b", 8, ("--micro-batch-tokens", "2048")),
+])
+def test_qwen35_lora_at_published_shapes_within_the_estimate(tmp_path_factory, preset, layers,
+                                                            flags):
+    """Qwen3.5-9B's exact shape and 27B's layers (random weights), LoRA rank 16 on every default
+    target (the Gated DeltaNet's in- and out-projections too) at the defaults, one GPU, 3 steps:
+    every token equal, and the banner's estimate within 15% of the largest step's memory."""
+    _need_gpu_stack()
+    r = big_lora_run(tmp_path_factory.mktemp(preset), preset, layers, "--steps", "3",
+                     "--eval-size", "0", *flags)
+    print(json.dumps({k: v for k, v in r.items() if k != "steps"}))
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert len(r["steps"]) == 3 and r["mismatched"] == 0 and r["tokens"] > 3 * 16_000
+    assert r["peak_gib"] <= total
     assert abs(r["estimate_gib"] / r["peak_gib"] - 1) <= 0.15, r
 
 

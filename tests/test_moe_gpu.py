@@ -2,7 +2,7 @@
 (4 of its 48 layers, random weights), 5 GRPO steps with the weights changing: every generated
 token's logprob bitwise equal to vLLM's and every token's experts the ones vLLM chose, at every
 step; the same on two GPUs (torchrun, FSDP2 shards the experts); a mixed dense/MoE model
-(mlp_only_layers); the parity debugger on MoE layers.
+(mlp_only_layers); the parity debugger on MoE layers; Qwen3.5-35B-A3B's layers.
 
     VLLM_BATCH_INVARIANT=1 python -m pytest tests/test_moe_gpu.py -m gpu -s -x
 
@@ -108,6 +108,18 @@ def test_qwen3_30b_a3b_layers_every_token_and_route_equal(a3b, tmp_path):
     out, rows = simple_rl(tmp_path, a3b, "a3b")
     check_moe_run(out, rows)
     check_memory_estimate(out, rows)
+
+
+def test_qwen35_35b_a3b_layers_every_token_and_route_equal(tmp_path_factory):
+    """Qwen3.5-35B-A3B's layer shape (4 of its 40 layers: three Gated DeltaNet, one gated full
+    attention; 256 experts of 512 rows, 8 a token, a gated shared expert), 5 steps: every token
+    and its experts equal to vLLM's."""
+    _need_gpu_stack()
+    tmp = tmp_path_factory.mktemp("q35a3b")
+    make = [sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp / "ckpt"),
+            "--preset", "qwen3.5-35b-a3b", "--layers", "4", "--device", "cuda"]
+    subprocess.run(make, check=True, env=_env(), timeout=900)
+    check_moe_run(*simple_rl(tmp, tmp / "ckpt", "q35a3b"))
 
 
 def test_qwen3_30b_a3b_layers_on_two_gpus(a3b, tmp_path):
