@@ -82,21 +82,34 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int, gemm: int = 6) -
     GEMMs: g * P_layers * T  +  g * V * d * N_gen  (the head runs at generated positions only;
     g = 6, or 4 for a frozen base: GEMM_FLOPS),
     where a Qwen3-MoE sparse layer's MLP counts its router (d * E) and the k experts a token
-    runs (k * 3 * d * I_moe) in place of the dense 3 * d * I;
-    attention (causal): 6 * n_layers * n_heads * head_dim * sum_b L_b^2.
+    runs (k * 3 * d * I_moe) in place of the dense 3 * d * I (Qwen3.5-MoE: its shared expert
+    and that expert's gate too, 3 * d * S + d); a Qwen3.5's full attention counts its output
+    gate (q's projection is 2 Hq D wide), its Gated DeltaNet layers their projections,
+    d (2 Hk Dk + 3 Hv Dv + 2 Hv) (in: q k v z, b a; out), and their rule as the recurrent form
+    runs it, 3 * 6 Hv Dk Dv a token (q S, k S and the rank-one update, forward and backward;
+    the conv, 4 taps, is left out);
+    attention (causal): 6 * full-attention layers * n_heads * head_dim * sum_b L_b^2.
     """
     import simple_rl as rl
 
     d, hd, hq, hk, inter = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.hidden_dim
-    attn = d * (hq + 2 * hk) * hd + hq * hd * d  # qkv, o
+    c, n_linear = rl.qwen35(args), len(rl.linear_layers(args))
+    n_full = args.n_layers - n_linear
+    attn = d * (hq * (2 if c else 1) + 2 * hk) * hd + hq * hd * d  # q (+ gate), k, v; o
+    mixers = n_full * attn
+    if n_linear:
+        mixers += n_linear * d * (2 * c.k_heads * c.k_dim + 3 * c.v_heads * c.v_dim
+                                  + 2 * c.v_heads)
     n_sparse = len(rl.sparse_layers(args))
     mlp = 3 * d * inter * (args.n_layers - n_sparse)  # gate/up, down
     if n_sparse:
-        m = args.moe_args
-        mlp += n_sparse * (m.top_k * 3 * d * args.moe_inter_dim + d * m.num_experts)
+        m, shared = args.moe_args, getattr(c, "shared_expert_dim", 0)
+        mlp += n_sparse * (m.top_k * 3 * d * args.moe_inter_dim + d * m.num_experts
+                           + (3 * d * shared + d if shared else 0))
     tokens = sum(seq_lens)
-    flops = gemm * (args.n_layers * attn + mlp) * tokens + gemm * args.vocab_size * d * n_generated
-    attention = 6 * args.n_layers * hq * hd * sum(n * n for n in seq_lens)
+    rule = 3 * 6 * n_linear * c.v_heads * c.k_dim * c.v_dim * tokens if n_linear else 0
+    flops = gemm * (mixers + mlp) * tokens + gemm * args.vocab_size * d * n_generated + rule
+    attention = 6 * n_full * hq * hd * sum(n * n for n in seq_lens)
     return float(flops + attention)
 
 
@@ -131,10 +144,12 @@ def plain_kernels():
 def floors(args, samples: int, prompt_len: int, new_tokens: int, update_flops: float,
            world: int = 1) -> dict | None:
     """Seconds each phase would take on one of `world` H200s running every kernel at its
-    datasheet peak, one kernel after another (a dense Qwen3; None for Qwen3-MoE):
+    datasheet peak, one kernel after another (a dense Qwen3 or Qwen3.5; None for an MoE):
 
         decode step t:  max(bf16 weights / HBM, 2 params x samples / FLOP/s)    the GEMMs
                         + samples x (prompt_len + t) x KV bytes a token / HBM  attention
+                        + samples x 2 x Gated DeltaNet state bytes / HBM      (Qwen3.5) read,
+                                                                               written
                         + LOGIT_PASSES x samples x vocab x 4 / HBM             the sampler
         update:         its FLOPs (6 N per token + attention) / FLOP/s
         push:           fp32 masters read + bf16 copy written, 6 params / HBM
@@ -145,10 +160,11 @@ def floors(args, samples: int, prompt_len: int, new_tokens: int, update_flops: f
         return None
     params, per_rank = rl.count_params(args), samples // world
     kv_token = rl.kv_bytes_per_token(args)
+    state = 2 * len(rl.linear_layers(args)) * rl.gdn_state_bytes(args) if rl.qwen35(args) else 0
     gemm = max(2 * params / HBM_BYTES_S, 2 * params * per_rank / PEAK_FLOPS)
     logits = LOGIT_PASSES * per_rank * args.vocab_size * 4 / HBM_BYTES_S
     kv = sum(per_rank * (prompt_len + t) * kv_token for t in range(new_tokens)) / HBM_BYTES_S
-    out = dict(rollout_s=new_tokens * (gemm + logits) + kv,
+    out = dict(rollout_s=new_tokens * (gemm + logits + per_rank * state / HBM_BYTES_S) + kv,
                fwd_bwd_s=update_flops / (PEAK_FLOPS * world), push_s=6 * params / HBM_BYTES_S)
     out["step_s"] = sum(out.values())
     return out

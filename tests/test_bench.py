@@ -52,6 +52,33 @@ def test_qwen3_1p7b_flops_per_token_is_about_6n():
     assert abs(f / 6 - 1.72e9) / 1.72e9 < 0.02  # 1.72B parameters (tied head counted once)
 
 
+def test_qwen35_flops_by_hand():
+    """A Qwen3.5 of 4 layers (3 Gated DeltaNet, 1 gated full attention): attention's quadratic
+    term over its one full layer, the q projection twice as wide (the gate), the linear layers'
+    projections and their rule's 18 Hv Dk Dv a token."""
+    c = SimpleNamespace(layer_types=("linear_attention",) * 3 + ("full_attention",), k_heads=1,
+                        v_heads=2, k_dim=3, v_dim=5)
+    args = SimpleNamespace(dim=4, head_dim=2, n_heads=2, n_kv_heads=1, hidden_dim=8, n_layers=4,
+                           vocab_size=10, qwen35=c)
+    full = 4 * (2 * 2 + 2) * 2 + 2 * 2 * 4  # q and gate, k, v 48; o 16
+    linear = 4 * (2 * 1 * 3 + 3 * 2 * 5 + 2 * 2)  # q k v z and b a in, out: 160
+    per_token = full + 3 * linear + 4 * 3 * 4 * 8  # + 4 MLPs
+    rule = 18 * 3 * 2 * 3 * 5  # 3 layers, 2 v heads
+    want = 6 * per_token * 12 + rule * 12 + 6 * 10 * 4 * 6 + 6 * 1 * 2 * 2 * (25 + 49)
+    assert bench_rl.flops_per_step(args, [5, 7], 6) == want
+
+
+def test_qwen35_4b_flops_per_token_are_about_6n():
+    """Qwen3.5-4B's exact shape: one token's training FLOPs are 6x its parameters (the tied
+    head counted once; the norms, conv taps and gates' few parameters aside) plus the rule's."""
+    from test_qwen35_memory import qwen35_args
+
+    args = qwen35_args("qwen3.5-4b")
+    rule = 18 * 24 * 32 * 128 * 128  # 24 Gated DeltaNet layers
+    f = bench_rl.flops_per_step(args, [1], 1) - rule
+    assert abs(f / 6 / rl.count_params(args) - 1) < 0.01
+
+
 def test_plain_attention_matches_reference():
     import batch_invariant_backward as bib
 
@@ -506,6 +533,26 @@ def test_harness_runs_the_moe_row_on_cpu(tmp_path):
     assert type(user).__name__ == "Qwen3MoeForCausalLM" and not user.config.output_router_logits
     text = bench_rl.table([a, d])
     assert "MoE (a): update " in text and "experts: bitwise reference, user transformers " in text
+
+
+def test_harness_runs_a_qwen35_row_on_cpu(tmp_path):
+    """Designs a and d on a tiny Qwen3.5 (stand-in engine): (d) trains transformers'
+    Qwen3_5ForCausalLM; both count the Gated DeltaNet layers' FLOPs."""
+    from helpers import make_qwen35_checkpoint
+
+    ckpt = make_qwen35_checkpoint(tmp_path / "q35")
+    kw = dict(steps=1, warmup=1, prompts_n=2, group=2, prompt_len=6, new_tokens=4,
+              micro_batch_tokens=64, engine_factory=TorchEngine, device_type="cpu")
+    a, d = (bench_rl.measure(design, str(ckpt), **kw) for design in "ad")
+    args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt))
+    for r in (a, d):
+        assert r["trained_tokens"] == 4 * (6 + 4) and r["fwd_bwd_s"] > 0 and r["mfu"] > 0
+        assert r["flops"] == bench_rl.flops_per_step(args, [10] * 4, r["generated_tokens"])
+    cfg = rl.Config(model=str(ckpt), num_prompts=2, group_size=2, max_new_tokens=4,
+                    max_model_len=11, micro_batch_tokens=64, dtype="float32")
+    user = bench_rl.HFTrainer(ckpt, cfg, torch.device("cpu")).model
+    assert type(user).__name__ == "Qwen3_5ForCausalLM"
+    assert a["floor"]["rollout_s"] > 0 and d["floor"] == a["floor"]
 
 
 TINY_LAYER = ["--device", "cpu", "--dim", "64", "--experts", "8", "--top-k", "2",
