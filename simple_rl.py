@@ -656,8 +656,10 @@ def weights_cast_once(model: Qwen3):
     whose `compute_weights` are, computes with it instead of casting its master in the
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
-    Nothing to do under FSDP2 (the all-gather casts; Qwen3.5's Gated DeltaNet layers, gathered
-    in fp32, cast in their forward) or when the masters are the compute dtype.
+    No such casts under FSDP2 (the all-gather casts; Qwen3.5's Gated DeltaNet layers, gathered
+    in fp32, cast in their forward) or when the masters are the compute dtype. LoRA's casts
+    are refreshed on entry in every case: bound to the engine's adapter slot, this is what
+    writes the engine's adapter (kept, never None: they are the engine's tensors).
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
@@ -1224,7 +1226,8 @@ class Packed:
     gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
     targets: torch.Tensor  # (N,) the generated tokens
     sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
-    prefill: torch.Tensor  # (B,) how many first tokens of each sample vLLM prefilled: P_b
+    prefill: torch.Tensor  # (B,) P_b, the tokens before sample b's first generated one: what
+    # vLLM prefilled where a sample is one turn (a Qwen3.5's, the replay's schedule)
 
     def to(self, device) -> "Packed":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -1535,8 +1538,8 @@ EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error
 
 @dataclass
 class Rollout:
-    """A step's episodes as the trainer packs them (episodes_rollout): sample b is its first
-    prompt, then everything after it, the model's turns and the tools' messages."""
+    """A step's episodes as the trainer packs them (episodes_rollout): sample b is episode b's
+    first prompt followed by everything after it (the model's turns, the tools' messages)."""
     prompts: list[list[int]]  # each episode's first prompt (a problem's, G times)
     completions: list[list[int]]  # everything after it
     generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
@@ -2211,7 +2214,8 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 
 def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
-    """Steps start..steps-1 with periodic checkpoints; the final HF checkpoint and its sha256.
+    """Steps start..steps-1 with periodic checkpoints; the final export (an HF checkpoint, or
+    under LoRA a PEFT adapter unless --export merged) and its sha256.
     Its logs, stops and checkpoints are plumbing: "Logging", "Stops", "Checkpoints & resume".
 
     Ctrl-C or SIGTERM lets the current step (or the last eval, or the export) finish, saves a
@@ -5483,8 +5487,9 @@ EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES,  # what an
 
 
 def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
-    """The final HF checkpoint, written to a fresh temp dir and renamed into place; it replaces
-    only this run's own earlier export. Returns the weights' sha256."""
+    """The final export (an HF checkpoint; under LoRA by default a PEFT adapter), written to a
+    fresh temp dir and renamed into place; it replaces only this run's own earlier export.
+    Returns the weights' sha256."""
     out = export_dir(trainer.cfg, run_dir)
     merged = trainer.cfg.lora_rank and trainer.cfg.export == "merged"
     hf_state = {k: v.cpu() for k, v in merged_weights(trainer.model)} if merged \
