@@ -995,10 +995,11 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args,
 # ==========================================================================
 # Rollout: vLLM engine, sampling, packing
 # ==========================================================================
-# VLLMEngine.__init__ first patches two vLLM functions in this process (see "vLLM patches",
-# after the story ends): fused add+RMSNorm is padded to 256 rows, so every batch size
-# normalises alike; and on Hopper the linear layers run on cuBLASLt, the trainer's GEMM, whose
-# bits equal vLLM's Triton matmul. Sampling needs no patch: vLLM's sampler draws a token's
+# VLLMEngine.__init__ first patches vLLM in this process (see "vLLM patches", after the story
+# ends): fused add+RMSNorm is padded to 256 rows, so every batch size normalises alike; on
+# Hopper the linear layers run on cuBLASLt, the trainer's GEMM, whose bits equal vLLM's Triton
+# matmul; a Qwen3.5's Gated DeltaNet is let into batch-invariant mode
+# (prepare_qwen35_engine). Sampling needs no patch: vLLM's sampler draws a token's
 # noise from a hash of (request seed, position, token id), so a sample depends on its seed
 # alone, not on the batch it was drawn in.
 
