@@ -6164,7 +6164,7 @@ def memory_estimate(cfg: Config, args, world: int,
     head's bf16 logits and their gradient on the generated rows, one sparse layer's backward or
     one Gated DeltaNet layer's (`gdn_backward_bytes`), whichever is largest (the head's are
     freed first); engine: bf16 weights + KV cache, released while the trainer runs when it
-    sleeps. `trained_rows` bounds the rows from the prompts' lengths.
+    sleeps. `trained_rows` bounds the rows from the prompts' lengths (see late_gradients too).
     """
     n = count_params(args)
     per_token_layer = token_layer_bytes(args)
@@ -6191,6 +6191,9 @@ def memory_estimate(cfg: Config, args, world: int,
         + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
+    grads = 0 if a else late_gradients(cfg, world, prompts, turns, n)
+    est["trainer state"] -= grads
+    est["activations"] = max(est["activations"], grads)
     if cfg.kl_coef > 0:
         est["reference model"] = 4 * n / world
     if a:  # the reference is the base (adapters off); the engine's weights never sleep
@@ -6201,12 +6204,24 @@ def memory_estimate(cfg: Config, args, world: int,
     rollout_phase = 12 * (a or n) / world + sum(v for k, v in est.items() if k.startswith(
         ("engine", "base"))) + est.get("reference model", 0)
     e = expert_params(args)  # their bytes in each phase get no slack (see MEMORY_SLACK)
-    train_exact = e * (16 / world + (2 if world == 1 else 0))  # + the bf16 casts on one GPU
+    train_exact = e * ((12 if grads else 16) / world + (2 if world == 1 else 0))  # + bf16 casts
     rollout_exact = e * (12 / world + 2)  # masters and AdamW state + the engine's bf16 copy
     s = 1 if a else MEMORY_SLACK  # LoRA: no slack (see MEMORY_SLACK)
     est["peak"] = max(s * (train_phase - train_exact) + train_exact,
                       s * (rollout_phase - rollout_exact) + rollout_exact) + MEMORY_FIXED
     return est
+
+
+def late_gradients(cfg: Config, world: int, prompts: tuple[int, int], turns: int,
+                   n: int) -> float:
+    """The fp32 gradients' bytes, 4 n / world for n parameters, where a step's samples always
+    fit one micro-batch, else 0. Then the backward makes the gradients as it frees the
+    activations, and the estimate counts the larger of the two, not their sum (the sum was
+    1.30x the GPU's use at Qwen3-30B-A3B's 4 layers and one micro-batch of 32768 tokens, 58.3
+    GiB; results/h200_vllm034/). A second micro-batch's activations meet the first's gradients."""
+    _, sample = episode_bounds(cfg, prompts)
+    one = samples_per_rank(cfg, world) * turns * sample <= cfg.micro_batch_tokens
+    return 4 * n / world if one else 0
 
 
 def auto_micro_batch(cfg: Config, args, world: int, total: float,
