@@ -1023,7 +1023,7 @@ class Engine:
     that go on; `first_turn` is a step's first turn."""
 
     cfg: Config
-    moe = False
+    returns_routes = False  # vLLM returns the experts each token chose (Qwen3-MoE)
     lora_tensors: dict | None = None  # LoRA: the adapter slot's tensors, by vLLM's layer name
 
     def base_weights(self, args) -> dict[str, torch.Tensor] | None:
@@ -1079,7 +1079,7 @@ class VLLMEngine(Engine):
         # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
         # the routing-parity check, and only with its prefix cache on (it keeps the routes of
         # the cached blocks beside them): under --no-prefix-caching only tokens are checked.
-        self.moe = bool(sparse_layers(files.args)) and cfg.prefix_caching
+        self.returns_routes = bool(sparse_layers(files.args)) and cfg.prefix_caching
         graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
         # What makes vLLM's numbers the trainer's: its kernels (patched above), its logprobs, the
         # attention backend, and no compiler.
@@ -1087,7 +1087,7 @@ class VLLMEngine(Engine):
             dtype=cfg.dtype,
             seed=cfg.seed,
             logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
-            enable_return_routed_experts=self.moe,
+            enable_return_routed_experts=self.returns_routes,
             attention_backend="FLASH_ATTN",
             # Schedule step t + 1 while the GPU runs step t: the same kernels on the same rows.
             async_scheduling=True,
@@ -1136,7 +1136,7 @@ class VLLMEngine(Engine):
             self.llm.reset_prefix_cache()
         return [[Completion(list(c.token_ids), completion_logprobs(c), c.finish_reason == "stop",
                             generated_routing(c.routed_experts, len(p), len(c.token_ids))
-                            if self.moe else None)
+                            if self.returns_routes else None)
                  for c in sorted(o.outputs, key=lambda c: c.index)]
                 for p, o in zip(prompts, outs)]
 
@@ -1687,7 +1687,7 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     return message
 
 
-def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
+def episodes_rollout(episodes: list[Episode], sparse: bool) -> Rollout:
     """The episodes as the trainer packs them: the first turn's prompt, then the rest (the
     model's turns and the tools' ids, marked in `generated`), vLLM's logprobs of the model's."""
     completions, generated, routed = [], [], []
@@ -1705,7 +1705,7 @@ def episodes_rollout(episodes: list[Episode], moe: bool) -> Rollout:
         generated=generated,
         logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
         stopped=[e.status == "completed" for e in episodes],
-        routed=routed if moe else None,
+        routed=routed if sparse else None,
         episodes=episodes,
     )
 
@@ -6831,7 +6831,7 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     names = trace_names(model.args.n_layers, sparse_layers(model.args))
     episode, calls, starts, cached = traced_episode(engine.llm, {v: k for k, v in names},
                                                     play_one)
-    rollout = episodes_rollout([episode], moe=False)
+    rollout = episodes_rollout([episode], sparse=False)
     full = pack(rollout.prompts, rollout.completions, rollout.generated)
     # vLLM never feeds the last sampled token: drop it from the trainer's input too
     fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],

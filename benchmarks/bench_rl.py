@@ -208,7 +208,7 @@ def user_engine_class():
 
             self.cfg = rl.dataclasses.replace(cfg, engine_sleep=False)  # TRL's default
             self.eos_ids, self.asleep = files.eos_ids, False
-            self.moe = False  # no routed experts asked for: users' stacks do not compare them
+            self.returns_routes = False  # users' stacks do not compare routed experts
             samples = rl.samples_per_rank(cfg, ranks.world)
             self.llm = LLM(
                 model=str(files.path),
@@ -518,20 +518,20 @@ class Recording:
 
     def first_turn(self, prompts, indices, step):
         outs = self.engine.first_turn(prompts, indices, step)
-        self.last = first_turns(prompts, outs, self.engine.moe)
+        self.last = first_turns(prompts, outs, self.engine.returns_routes)
         return outs
 
     def __getattr__(self, name):  # sleep, push, greedy, llm: the engine's own
         return getattr(self.engine, name)
 
 
-def first_turns(prompts, outs, moe: bool):
+def first_turns(prompts, outs, routes: bool):
     """A step's first turn (Engine.first_turn's completions) as simple_rl's trainer packs it: one
     episode of one turn per sample, with no env."""
     import simple_rl as rl
 
     episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
-    return rl.episodes_rollout(episodes, moe)
+    return rl.episodes_rollout(episodes, routes)
 
 
 def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
@@ -571,7 +571,8 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
     sync(dev)
     t0 = time.perf_counter()
     mine_prompts = [prompts[i] for i in mine]
-    ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, step), engine.moe)
+    ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, step),
+                     engine.returns_routes)
     sync(dev)
     peak = device_used_gib(ranks)
     t1 = time.perf_counter()
@@ -690,7 +691,8 @@ def profile_train_step(
     with profile(activities=activities) as rollout_prof:
         t0 = time.perf_counter()
         mine_prompts = [prompts[i] for i in mine]
-        ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, 10_000), engine.moe)
+        ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, 10_000),
+                         engine.returns_routes)
         sync(ranks.device)
         rollout_s = time.perf_counter() - t0
     engine.sleep()

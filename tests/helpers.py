@@ -319,7 +319,7 @@ def first_turns(engine, prompts, indices, step) -> rl.Rollout:
     with no env (nothing scores them); `stopped`: the turn ended at a stop id."""
     outs = engine.first_turn(prompts, indices, step)
     episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
-    rollout = rl.episodes_rollout(episodes, engine.moe)
+    rollout = rl.episodes_rollout(episodes, engine.returns_routes)
     rollout.stopped = [c.stopped for cs in outs for c in cs]
     return rollout
 

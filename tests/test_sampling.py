@@ -46,7 +46,7 @@ def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
         TokensPrompt=dict, SamplingParams=lambda **k: k))
     engine = object.__new__(rl.VLLMEngine)  # no engine start: only rollout's own code runs
-    engine.cfg, engine.eos_ids, engine.moe, engine.llm = rl.Config(), [0], False, LLM()
+    engine.cfg, engine.eos_ids, engine.returns_routes, engine.llm = rl.Config(), [0], False, LLM()
     with pytest.raises(RuntimeError, match="engine died"):
         engine.first_turn([[1, 2], [3]], [0, 1], 0)
     assert seen == [(2, False)] and gc.isenabled()
@@ -115,7 +115,7 @@ def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
         TokensPrompt=dict, SamplingParams=lambda **k: k))
     engine = object.__new__(rl.VLLMEngine)
-    engine.cfg, engine.eos_ids, engine.moe = rl.Config(group_size=2), [0], False
+    engine.cfg, engine.eos_ids, engine.returns_routes = rl.Config(group_size=2), [0], False
     engine.llm = LLM()
     outs = engine.first_turn([[1, 2], [3]], [0, 1], 0)
     samples = [c for cs in outs for c in cs]
