@@ -392,7 +392,8 @@ class SiluAndMul(nn.Module):
 
 class Attention(nn.Module):
     """Qwen3.5's (`gated`) projects a gate beside each q head (a head's q rows, then its gate's),
-    scales the head's output by sigmoid(gate) and turns the head's first rotary_dim dims only."""
+    scales the head's output by sigmoid(gate) and turns the head's first rotary_dim dims only;
+    its q and k norms are Gemma's, as every Qwen3.5 norm is (RMSNorm's `gemma`)."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -402,8 +403,8 @@ class Attention(nn.Module):
         self.gated = qwen35(args) is not None
         self.sizes = fused_sizes(args)["attention.wqkv.weight"]
         self.wqkv = Linear(args.dim, sum(self.sizes), ops)  # vLLM's qkv_proj = [q; k; v]
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, self.gated)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, self.gated)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, gemma=self.gated)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, gemma=self.gated)
         self.attn = FlashAttention(args.head_dim**-0.5, ops)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, ops)
         self.ops = ops
@@ -575,9 +576,9 @@ class Block(nn.Module):
                  linear: bool = False):
         super().__init__()
         gemma = qwen35(args) is not None
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma=gemma)
         self.attention = (GatedDeltaNet if linear else Attention)(args, ops, dtype)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma=gemma)
         self.sparse = sparse
         if sparse:
             self.moe = MoE(args, ops)
@@ -606,7 +607,8 @@ class Qwen3(nn.Module):
         sparse, linear = sparse_layers(args), linear_layers(args)
         self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse, i in linear)
                                     for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, qwen35(args) is not None)
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype,
+                            gemma=qwen35(args) is not None)
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
         self.rope: torch.Tensor | None = None  # (max_seq_len, rotary dims) cos|sin: init_rope
@@ -1069,11 +1071,15 @@ class VLLMEngine(Engine):
         # LoRA: one adapter slot on the layers of --lora-targets; the trainer adopts the base
         # weights and binds its adapter casts to the slot (no second copy)
         self.lora = lora_spec(cfg, files.args)
+        # A Qwen3.5 runs without the prefix cache: a cached prefix resumes its linear attention
+        # from a saved state, a split the trainer does not replay (check_qwen35_engine).
+        cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching
+                                             and qwen35(files.args) is None)
         # The plumbing's part, after the story ("vLLM patches"): two vLLM ops routed through
-        # the trainer's kernels, a Qwen3.5's schedule made one the trainer replays, the
-        # engine's memory, LoRA's slot: the config it runs, LLM's arguments, a wake-up's bytes.
-        cfg, plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
-        self.cfg = cfg
+        # the trainer's kernels, a Qwen3.5's Gated DeltaNet let into batch-invariant mode and
+        # its schedule made one the trainer replays, the engine's memory, LoRA's slot: LLM's
+        # arguments and the bytes a wake-up maps again.
+        plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
         self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
         # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
@@ -3704,19 +3710,20 @@ def shard_model(model: Qwen3, dtype) -> None:
 
 
 def engine_setup(cfg: Config, args, ranks: Ranks,
-                 lora: LoRASpec | None) -> tuple[Config, dict, int]:
+                 lora: LoRASpec | None) -> tuple[dict, int]:
     """What VLLMEngine takes from the plumbing, before vLLM starts: two vLLM ops routed through
     the trainer's kernels (below), a Qwen3.5's settings ("Qwen3.5 on vLLM"), the engine's sizes
-    ("Memory estimate") and LoRA's slot (engine_lora_args). Returns the config the engine runs,
-    LLM's arguments for all of it, and the bytes a sleeping engine maps again for a push."""
+    ("Memory estimate") and LoRA's slot (engine_lora_args). Returns LLM's arguments for all of
+    it and the bytes a sleeping engine maps again for a push."""
     route_vllm_add_rms_norm_through_padded_rows()
     route_vllm_linear_through_cublaslt()
     qwen = qwen35(args) is not None
-    cfg = prepare_qwen35_engine(cfg) if qwen else cfg
+    if qwen:
+        prepare_qwen35_engine()
     sizes, wake_bytes = engine_memory(cfg, args, ranks, lora is not None)
     parts = [sizes, engine_lora_args(lora) if lora else {}, QWEN35_ENGINE_ARGS if qwen else {}]
     assert sum(map(len, parts)) == len(set().union(*parts)), "two parts set one argument"
-    return cfg, {k: v for part in parts for k, v in part.items()}, wake_bytes
+    return {k: v for part in parts for k, v in part.items()}, wake_bytes
 
 
 
@@ -3910,11 +3917,11 @@ PACKED_DECODE = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"  # "1": a second decod
 GDN_NORM_ROWS_PER_BLOCK = 1
 
 
-def prepare_qwen35_engine(cfg: Config) -> Config:
+def prepare_qwen35_engine() -> None:
     """In the engine's process, before its Qwen3.5 is built: let vLLM run Gated DeltaNet in
     batch-invariant mode (its backend declines by default: the two forms above), send every
     decode token through the one recurrent kernel the trainer replays, and pin the gated
-    norm's rows per block. Returns the config the engine runs: no prefix caching."""
+    norm's rows per block (the engine runs without the prefix cache: VLLMEngine)."""
     from vllm.models.qwen3_5.nvidia.ops import fused_gdn_gated_norm
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
 
@@ -3924,7 +3931,6 @@ def prepare_qwen35_engine(cfg: Config) -> Config:
     os.environ[PACKED_DECODE] = "0"
     GDNAttentionBackend.supports_batch_invariance = classmethod(lambda cls: True)
     fused_gdn_gated_norm.calc_rows_per_block = lambda n_rows, device: GDN_NORM_ROWS_PER_BLOCK
-    return dataclasses.replace(cfg, prefix_caching=False)
 
 
 def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:

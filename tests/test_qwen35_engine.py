@@ -117,7 +117,7 @@ def test_packed_decode_set_to_one_is_refused(q35, monkeypatch):
     with pytest.raises(rl.ConfigError, match=r"^VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=1 gives "
                        r"a Qwen3.5's decode steps a kernel the trainer does not replay; unset it "
                        r"or set VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0\.$"):
-        rl.prepare_qwen35_engine(rl.Config())
+        rl.prepare_qwen35_engine()
     assert seen["backend"].supports_batch_invariance() is False  # nothing patched
 
 
