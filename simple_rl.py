@@ -2150,7 +2150,8 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
 
 
 def push_policy(trainer: Trainer) -> float:
-    """The push; returns the seconds within it that woke the engine (0 if it was awake)."""
+    """The push; returns the seconds within it that woke the engine (0 if it was awake). Under
+    LoRA, policy_weights' refresh of the adapter's casts writes the engine's slot: the push."""
     wake_s = trainer.engine.push(policy_weights(trainer.model))
     if trainer.ranks.device.type == "cuda":
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
