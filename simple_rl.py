@@ -573,11 +573,11 @@ class Block(nn.Module):
     names)."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype, sparse: bool = False,
-                 linear: bool = False):
+                 gdn: bool = False):
         super().__init__()
         gemma = qwen35(args) is not None
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma=gemma)
-        self.attention = (GatedDeltaNet if linear else Attention)(args, ops, dtype)
+        self.attention = (GatedDeltaNet if gdn else Attention)(args, ops, dtype)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma=gemma)
         self.sparse = sparse
         if sparse:
@@ -604,8 +604,8 @@ class Qwen3(nn.Module):
         self.ops = ops
         self.dtype = dtype
         self.tok_embeddings = Embedding(args.vocab_size, args.dim, dtype)
-        sparse, linear = sparse_layers(args), linear_layers(args)
-        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse, i in linear)
+        sparse, gdn = sparse_layers(args), gdn_layers(args)
+        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse, i in gdn)
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype,
                             gemma=qwen35(args) is not None)
@@ -2129,7 +2129,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
     (the update, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
     # a sample an episode, or a turn for Qwen3.5 (pack_rollout); episode[s]: sample s's
-    packed, episode = pack_rollout(rollout, by_turn=bool(linear_layers(trainer.model.args)))
+    packed, episode = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         update = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
@@ -2698,8 +2698,8 @@ def check_lora(cfg: Config, args) -> None:
     if lora is None:
         return
     c = qwen35(args)
-    linear = [t for t in lora.targets if t in LORA_TARGETS[7:]]
-    need(c or not linear, f"--lora-targets {','.join(linear)}: these are Qwen3.5's linear "
+    gdn = [t for t in lora.targets if t in LORA_TARGETS[7:]]
+    need(c or not gdn, f"--lora-targets {','.join(gdn)}: these are Qwen3.5's linear "
          f"attention's layers, which a Qwen3 has not; target {', '.join(LORA_TARGETS[:7])}.")
     mlp = set(lora.targets) & {"gate_proj", "up_proj", "down_proj"}
     need(not (sparse_layers(args) and mlp), f"--lora-targets {','.join(sorted(mlp))}: an "
@@ -2822,7 +2822,7 @@ def qwen35(args) -> Qwen35Args | None:
     return getattr(args, "qwen35", None)
 
 
-def linear_layers(args) -> tuple[int, ...]:
+def gdn_layers(args) -> tuple[int, ...]:
     """The layers whose token mixer is linear attention (Gated DeltaNet): Qwen3.5's three in
     four; Qwen3 has none."""
     c = qwen35(args)
@@ -2832,10 +2832,10 @@ def linear_layers(args) -> tuple[int, ...]:
 def fused_in_layer(fused: str, i: int, args) -> bool:
     """Whether layer i holds the fused projection `fused` (a FUSED key): its token mixer's
     (softmax or linear attention) and its MLP's (dense, or a sparse layer's shared expert)."""
-    linear, sparse = i in linear_layers(args), i in sparse_layers(args)
+    gdn, sparse = i in gdn_layers(args), i in sparse_layers(args)
     shared = sparse and getattr(qwen35(args), "shared_expert_dim", 0) > 0
-    return {"attention.wqkv.weight": not linear, "attention.in_proj_qkvz.weight": linear,
-            "attention.in_proj_ba.weight": linear, "feed_forward.w13.weight": not sparse,
+    return {"attention.wqkv.weight": not gdn, "attention.in_proj_qkvz.weight": gdn,
+            "attention.in_proj_ba.weight": gdn, "feed_forward.w13.weight": not sparse,
             "moe.shared_expert.w13.weight": shared}[fused]
 
 
@@ -6037,7 +6037,7 @@ def lora_params(cfg: Config, args) -> int:
 
 def samples_an_episode(cfg: Config, args) -> int:
     """The update's samples an episode at most: 1, or a Qwen3.5's --max-turns (pack_rollout)."""
-    return cfg.max_turns if cfg.env and linear_layers(args) else 1
+    return cfg.max_turns if cfg.env and gdn_layers(args) else 1
 
 
 def trained_rows(cfg: Config, world: int, prompts: tuple[int, int],
@@ -6118,10 +6118,10 @@ def token_layer_bytes(args) -> float:
     (q = Hq D, kv = Hkv D). The Qwen3 terms are those measured (results/h200_memory/); Qwen3.5's
     are counted alike, and a block's saved tensors on CPU come under them (test_qwen35_memory)."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    c, sparse, linear = qwen35(args), sparse_layers(args), linear_layers(args)
+    c, sparse, gdn = qwen35(args), sparse_layers(args), gdn_layers(args)
     total = 0
     for i in range(args.n_layers):
-        if i in linear:
+        if i in gdn:
             mixer = 4 * c.k_heads * c.k_dim + 5 * c.v_heads * c.v_dim + 2 * c.v_heads
         else:
             mixer = 2 * q + 4 * kv + (3 * q if c else 0)
@@ -6149,7 +6149,7 @@ def gdn_backward_bytes(args, padded: int) -> int:
     per v head and 2 Hk Dk. The conv's (bib.CausalConv1dFn) holds 4 x 6 (2 Hk Dk + Hv Dv) a row
     (5.6 measured), the gated norm's backward about 8 Hv Dv fp32 values a token: less at
     Qwen3.5's shapes. 0 without Gated DeltaNet."""
-    if not linear_layers(args):
+    if not gdn_layers(args):
         return 0
     c = qwen35(args)
     C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
@@ -6294,7 +6294,7 @@ def check_memory(cfg: Config, args, ranks: Ranks, prompts: tuple[int, int] = ANY
 def kv_bytes_per_token(args) -> int:
     """2 (K and V) x softmax-attention layers x kv heads x head_dim x 2 (bf16); a Qwen3.5's
     Gated DeltaNet layers hold a state per sequence instead (`gdn_state_bytes`)."""
-    return 2 * (args.n_layers - len(linear_layers(args))) * args.n_kv_heads * args.head_dim * 2
+    return 2 * (args.n_layers - len(gdn_layers(args))) * args.n_kv_heads * args.head_dim * 2
 
 
 def kv_cache_bytes(cfg: Config, args, world: int) -> int:
@@ -6351,7 +6351,7 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
     tokens") should be b, and its block count (the scheduler's block pool) what these bytes
     give. (A Qwen3.5 without full attention has no page to align to: this gives it up to 64 A
     bytes a layer more than it needs.)"""
-    n_gdn = len(linear_layers(args))
+    n_gdn = len(gdn_layers(args))
     n_full = args.n_layers - n_gdn
     A = 2 * args.n_kv_heads * args.head_dim * 2
     b = VLLM_BLOCK_TOKENS * -(-gdn_state_bytes(args) // (VLLM_BLOCK_TOKENS * A))  # tokens

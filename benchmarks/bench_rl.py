@@ -93,7 +93,7 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int, gemm: int = 6) -
     import simple_rl as rl
 
     d, hd, hq, hk, inter = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.hidden_dim
-    c, n_linear = rl.qwen35(args), len(rl.linear_layers(args))
+    c, n_linear = rl.qwen35(args), len(rl.gdn_layers(args))
     n_full = args.n_layers - n_linear
     attn = d * (hq * (2 if c else 1) + 2 * hk) * hd + hq * hd * d  # q (+ gate), k, v; o
     mixers = n_full * attn
@@ -160,7 +160,7 @@ def floors(args, samples: int, prompt_len: int, new_tokens: int, update_flops: f
         return None
     params, per_rank = rl.count_params(args), samples // world
     kv_token = rl.kv_bytes_per_token(args)
-    state = 2 * len(rl.linear_layers(args)) * rl.gdn_state_bytes(args) if rl.qwen35(args) else 0
+    state = 2 * len(rl.gdn_layers(args)) * rl.gdn_state_bytes(args) if rl.qwen35(args) else 0
     gemm = max(2 * params / HBM_BYTES_S, 2 * params * per_rank / PEAK_FLOPS)
     logits = LOGIT_PASSES * per_rank * args.vocab_size * 4 / HBM_BYTES_S
     kv = sum(per_rank * (prompt_len + t) * kv_token for t in range(new_tokens)) / HBM_BYTES_S

@@ -386,7 +386,7 @@ class ExactEngine(TorchEngine):
         of the episodes as they stand."""
         episodes = [rl.Episode(None, [rl.Turn(ctx if k else p, c) for k, (ctx, c) in
                                       enumerate(turns)]) for p, turns in self.episodes]
-        by_turn = bool(rl.linear_layers(self.model.args))  # packed as the trainer packs them
+        by_turn = bool(rl.gdn_layers(self.model.args))  # packed as the trainer packs them
         packed, episode = rl.pack_rollout(rl.episodes_rollout(episodes, False), by_turn)
         logprobs = torch.empty(len(packed.targets))  # (N,)
         routed = []

@@ -96,7 +96,7 @@ def test_kv_cache_of_qwen35_4b_is_full_attention_kv_and_gdn_states_in_vllms_bloc
       a sequence of 1024 tokens: ceil(1024 / 576) = 2 blocks + 3 (one a GDN group) = 5
       128 samples (the defaults: 16 prompts x 8): (128 x 5 + 1 null block) blocks."""
     args = qwen35_args()
-    assert rl.linear_layers(args) == tuple(i for i in range(32) if i % 4 != 3)
+    assert rl.gdn_layers(args) == tuple(i for i in range(32) if i % 4 != 3)
     assert rl.kv_bytes_per_token(args) == 32768
     assert rl.gdn_state_bytes(args) == 49152 + 2097152 == 2146304
     block = 8 * 576 * 4096
@@ -213,7 +213,7 @@ def test_a_qwen35_block_saves_about_what_its_formula_counts_as_qwen3s_does():
     assert 0.8 < share <= 1
     args = qwen35_args(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512,
                        k_heads=2, v_heads=4, k_dim=32, v_dim=32, vocab=512)
-    assert rl.linear_layers(args) == (0, 1, 2)
+    assert rl.gdn_layers(args) == (0, 1, 2)
     gdn = rl.token_layer_bytes(SimpleNamespace(**{**vars(args), "n_layers": 1}))
     full = SimpleNamespace(**vars(args))
     full.qwen35 = rl.dataclasses.replace(args.qwen35, layer_types=("full_attention",) * 4)

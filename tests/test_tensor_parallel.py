@@ -127,7 +127,7 @@ def test_vocab_parallel_embedding_changes_only_the_sign_of_zero(rank_sums):
     assert not torch.equal(bits(ranks), bits(lookup))  # rows 3 and 71 held -0.0
 
 
-def test_row_parallel_gradient_is_a_linear_layers():
+def test_row_parallel_gradient_is_a_gdn_layers():
     """d/dx and d/dW of sum_r x_r W_r^T (roundings as identity): gy W and gy^T x, through
     LinearFn with the emulated forward, as autograd computes them through the emulation."""
     x, w = case(6, 96, 40)
