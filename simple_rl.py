@@ -491,7 +491,7 @@ class Router(nn.Module):
 
 class TopK(nn.Module):
     """p = softmax(z) in fp32; the k largest p per token, renormalised to sum 1 if asked
-    (norm_topk_prob): (weights (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
+    (norm_topk_prob): (gates (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
 
     `ids` keeps the last call's choice (T, k), which the routing-parity forward reads.
     """
@@ -504,15 +504,15 @@ class TopK(nn.Module):
         self.ids: torch.Tensor | None = None
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
+        gates, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
         self.ids = ids.detach()
-        return weights, ids
+        return gates, ids
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in vLLM's FusedMoE layout: w13 (E, 2I, dim) = [gate; up] rows per
-    expert, w2 (E, dim, I). y_t = sum_j weights_tj * w2[e] (silu(g) * u), [g; u] = w13[e] x_t,
-    e = ids_tj."""
+    expert, w2 (E, dim, I). y_t = sum_j gates_tj * w2[e] (silu(g) * u), [g; u] = w13[e] x_t,
+    e = ids_tj (gates: the router's top-k probabilities)."""
 
     def __init__(self, n_experts: int, dim: int, inter: int, ops: bib.Kernels):
         super().__init__()
@@ -526,9 +526,9 @@ class GroupedExperts(nn.Module):
         with torch.no_grad():
             return self.w13.to(dtype), self.w2.to(dtype)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # casts the fp32 masters to x's dtype (unless given their casts); their gradient is fp32
-        return self.ops.moe_experts(x, self.w13, self.w2, weights, ids,
+        return self.ops.moe_experts(x, self.w13, self.w2, gates, ids,
                                     self.compute_weights)  # (T, dim)
 
 
@@ -548,8 +548,8 @@ class MoE(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
-        y = self.experts(x, weights, ids)  # (T, dim)
+        gates, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
+        y = self.experts(x, gates, ids)  # (T, dim)
         if self.shared_expert is not None:
             y = y + self.ops.sigmoid_gate_mul(self.shared_expert(x), self.shared_expert_gate(x))
         return y
