@@ -1551,7 +1551,7 @@ class Rollout:
     completions: list[list[int]]  # everything after it
     generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
-    stopped: list[bool]  # the episode completed: its env scored a turn that ended at a stop id
+    completed: list[bool]  # the episode completed: its env scored a turn that ended at a stop id
     # Qwen3-MoE: per sample, the experts vLLM chose for its generated tokens (Completion.routed,
     # the turns concatenated), or None where the engine returned none; None for a dense model
     routed: list[torch.Tensor | None] | None
@@ -1710,7 +1710,7 @@ def episodes_rollout(episodes: list[Episode], sparse: bool) -> Rollout:
         completions=completions,
         generated=generated,
         logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
-        stopped=[e.status == "completed" for e in episodes],
+        completed=[e.status == "completed" for e in episodes],
         routed=routed if sparse else None,
         episodes=episodes,
     )
@@ -5844,13 +5844,13 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
                "determinism/routing_tokens": parity.routing_tokens} if parity.routed else {}
     lengths = generated_lengths(rollout)
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
-                   rollout.stopped[j * G:(j + 1) * G],
+                   rollout.completed[j * G:(j + 1) * G],
                    [episode_row(e) for e in rollout.episodes[j * G:(j + 1) * G]] if cfg.env
                    else []) for j in range(n_prompts)]
     every = in_prompt_order(all_gather_objects(per_prompt))
     all_rewards = torch.tensor([r for rs, _, _, _ in every for r in rs])
     lens = torch.tensor([n for _, ns, _, _ in every for n in ns], dtype=torch.float32)
-    stopped = [s for _, _, ss, _ in every for s in ss]
+    completed = [s for _, _, ss, _ in every for s in ss]
     rows = [row for *_, rs in every for row in rs]
     return {
         "loss": pg + cfg.kl_coef * kl - cfg.entropy_coef * ent, "pg_loss": pg,
@@ -5859,7 +5859,7 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
         "grad_norm": float(grad_norm),
         "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
         "completion_len_mean": lens.mean().item(),
-        "completion_stopped_frac": sum(stopped) / len(stopped),
+        "completion_stopped_frac": sum(completed) / len(completed),
         "determinism/mismatched_tokens": parity.n_mismatch, "determinism/tokens": parity.n_tokens,
         "determinism/max_abs_diff": parity.max_abs_diff,
         "time/rollout_s": times[0], "time/train_s": times[1], "time/push_s": times[2],

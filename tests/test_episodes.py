@@ -162,7 +162,7 @@ def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, m
     m, _ = rl.rl_step(trainer, 0)
     ro = seen.rollouts[-1]
     assert ro.prompts == want.prompts and ro.completions == want.completions
-    assert torch.equal(ro.logprobs, want.logprobs) and ro.stopped == want.stopped
+    assert torch.equal(ro.logprobs, want.logprobs) and ro.completed == want.completed
     a = rl.pack(ro.prompts, ro.completions, ro.generated)
     b = rl.pack(want.prompts, want.completions)
     for f in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "sample"):
