@@ -1819,19 +1819,19 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     # rank's part is scaled by the world size (exact when it is a power of two).
     per_token = world_size() / n_tokens
     first = None
-    for update in range(cfg.updates_per_batch):
+    for k in range(cfg.updates_per_batch):  # the k-th pass over the rollout
         optimizer.zero_grad(set_to_none=True)
-        done = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, per_token)
+        this_pass = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, per_token)
         # clip on the global norm; every rank agrees that all is finite before stepping (the
         # NaN checks are with the stops, after the story ends)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        check_finite(done.logprobs, done.loss, norm, packed, update, cfg.updates_per_batch)
+        check_finite(this_pass.logprobs, this_pass.loss, norm, packed, k, cfg.updates_per_batch)
         if first is None:
-            first = Update(done.sums, norm.detach(), done.logprobs, done.routing)
+            first = Update(this_pass.sums, norm.detach(), this_pass.logprobs, this_pass.routing)
         optimizer.step()
         if not weights_finite(model, device):
-            raise NonFiniteError("weights after the optimizer step", [], update,
+            raise NonFiniteError("weights after the optimizer step", [], k,
                                  cfg.updates_per_batch)
     optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the rollout's until next step
     return first
