@@ -1954,12 +1954,12 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
 
 def parity_over_ranks(p: Parity, device) -> Parity:
     """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
-    counts = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch, p.routing_tokens,
+    totals = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch, p.routing_tokens,
                                       p.routing_mismatch], device=device))
     # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
     worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
                        dist.ReduceOp.MAX)
-    n_tokens, n_mismatch, routing_tokens, routing_mismatch = counts.tolist()
+    n_tokens, n_mismatch, routing_tokens, routing_mismatch = totals.tolist()
     return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.routed, routing_tokens,
                   routing_mismatch)
 
