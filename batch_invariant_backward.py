@@ -1446,23 +1446,82 @@ def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     return torch.cat(out, dim=2)[:, :, :L], S
 
 
+def chunk_rows(cu_seqlens: Tensor, chunk: int = GDN_CHUNK) -> tuple[Tensor, list[int]]:
+    """Every sequence of a packed batch cut into its own chunks of `chunk` rows, the chunks in
+    the order the rule carries its states: every sequence's first chunk, then every second one,
+    ..., sequences with more chunks first (so those still going are always a leading run).
+    Returns (rows (N, C) int64: each chunk's packed row, T past its sequence's end; counts: the
+    chunks at each position, non-increasing). N = sum_b ceil(L_b / C): no sequence is padded
+    beyond its last chunk. E.g. lengths (130, 10), C = 64: rows [0..63], [130..139, T...],
+    [64..127], [128, 129, T...]; counts [2, 1, 1]."""
+    starts = cu_seqlens[:-1].long().cpu()
+    lengths = cu_seqlens[1:].long().cpu() - starts
+    n = -(-lengths // chunk)  # (B,) chunks of each sequence
+    order = torch.argsort(n, descending=True, stable=True)
+    counts = (n[None, :] > torch.arange(int(n.max()) if len(n) else 0)[:, None]).sum(1)  # (J,)
+    j = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (N,) each chunk's position
+    r = torch.arange(len(j)) - torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])[j]
+    b = order[r]  # (N,) each chunk's sequence
+    offset = j[:, None] * chunk + torch.arange(chunk)[None]  # (N, C) within the sequence
+    T = int(cu_seqlens[-1])
+    rows = torch.where(offset < lengths[b][:, None], starts[b][:, None] + offset, T)
+    return rows.to(cu_seqlens.device), counts.tolist()
+
+
+def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                            cu_seqlens: Tensor, scale: float | None = None,
+                            chunk: int = GDN_CHUNK) -> Tensor:
+    """gated_delta_rule_chunked over a packed batch, every sequence from a zero state, without
+    padding the sequences to the longest: each is cut into its own chunks (`chunk_rows`; its
+    last one padded with tokens of g = beta = 0 and k = 0, which leave the state as it is),
+    every chunk's in-chunk terms are computed at once, and the states are carried position by
+    position over the sequences still going. The same math as the chunked form, chunk for
+    chunk. q, k (T, H, Dk), v (T, H, Dv), g, beta (T, H) -> o (T, H, Dv) in q's dtype."""
+    T, H, Dk = k.shape
+    scale = Dk**-0.5 if scale is None else scale
+    rows, counts = chunk_rows(cu_seqlens, chunk)  # (N, C)
+
+    def chunked(x):  # (T, H, ...) -> (N, H, C, ...), zeros past each sequence's end
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]  # (N, C, H, ...)
+        return x.transpose(1, 2)
+
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    c = g.cumsum(-1)  # (N, H, C)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    A = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (N, H, C, C), j <= i
+    solve = functools.partial(torch.linalg.solve_triangular, A, upper=False,
+                              unitriangular=True)  # reads A below the diagonal only: I + A
+    U = solve(beta[..., None] * v)  # (N, H, C, Dv)
+    W = solve((beta * c.exp())[..., None] * k)  # (N, H, C, Dk)
+    QK = (q @ k.transpose(-1, -2)) * decay  # (N, H, C, C)
+    S = q.new_zeros(counts[0] if counts else 0, H, Dk, v.shape[-1])  # the going sequences'
+    out, at = [], 0
+    for n in counts:  # chunks at this position: the first n sequences' (they are going)
+        now = slice(at, at + n)
+        S, cn = S[:n], c[now][..., None]  # (n, H, Dk, Dv), (n, H, C, 1)
+        E = U[now] - W[now] @ S  # (n, H, C, Dv)
+        out.append(scale * ((q[now] * cn.exp()) @ S + QK[now] @ E))
+        S = cn[:, :, -1:].exp() * S + ((cn[:, :, -1:] - cn).exp() * k[now]).transpose(-1, -2) @ E
+        at += n
+    o = torch.cat(out).transpose(1, 2).flatten(0, 1)  # (N C, H, Dv) in rows' order
+    keep = rows.flatten() < T
+    return o.new_zeros(T, H, o.shape[-1]).index_copy(0, rows.flatten()[keep], o[keep])
+
+
 def ref_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                          dt_bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                          prefill: Tensor | None = None) -> Tensor:
     """Qwen3.5's linear attention over a packed batch, every sequence from a zero state: q and
     k L2-normalised, g and beta from gdn_gates, each k head serving Hv / Hk v heads (v head h
-    reads k head h // (Hv / Hk)), the chunked rule, in fp32. `prefill` (vLLM's schedule) is
-    not needed: each form computes the same rule, so each sequence runs in one.
-    q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv) -> o (T, Hv, Dv) in v's dtype."""
+    reads k head h // (Hv / Hk)), the chunked rule in each sequence's own chunks
+    (gated_delta_rule_varlen), in fp32. `prefill` (vLLM's schedule) is not needed: each form
+    computes the same rule, so each sequence runs in one; nor is max_seqlen (nothing is padded
+    to it). q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv) -> o (T, Hv, Dv) in v's dtype."""
     group = v.shape[1] // k.shape[1]
-    qp, valid = _pad(l2_normalize(_wide(q)), cu_seqlens, max_seqlen)  # (B, Hk, L, Dk)
-    kp, _ = _pad(l2_normalize(_wide(k)), cu_seqlens, max_seqlen)
-    vp, _ = _pad(_wide(v), cu_seqlens, max_seqlen)  # (B, Hv, L, Dv)
-    g, beta = (_pad(x[..., None], cu_seqlens, max_seqlen)[0][..., 0]
-               for x in gdn_gates(a, b, A_log, dt_bias))  # (B, Hv, L) each, 0 past the end
-    o, _ = gated_delta_rule_chunked(qp.repeat_interleave(group, dim=1),
-                                    kp.repeat_interleave(group, dim=1), vp, g, beta)
-    return _unpad(o, valid).to(v.dtype)  # (T, Hv, Dv)
+    q, k = (l2_normalize(_wide(x)).repeat_interleave(group, dim=1) for x in (q, k))  # (T, Hv, Dk)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)  # (T, Hv) each
+    return gated_delta_rule_varlen(q, k, _wide(v), g, beta, cu_seqlens).to(v.dtype)
 
 
 def ref_prefill_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -1565,7 +1624,8 @@ class GatedDeltaRuleFn(torch.autograd.Function):
     Backpropagating through the chunked form is the derivative of
         S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,  o_t = scale S_t^T q_t
     in the adjoint states dS_t, run backward in time (as fla's chunk backward does in fused
-    kernels: a faster backward is future work; this one holds (B, H, L, D) fp32 tensors)."""
+    kernels: a faster backward is future work; this one holds fp32 tensors of every sample's
+    rows in whole chunks, not padded to the longest sample)."""
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu_seqlens, max_seqlen, prefill, fwd):

@@ -6067,15 +6067,15 @@ def episode_bounds(cfg: Config, prompts: tuple[int, int]) -> tuple[int, int]:
 
 def padded_rows(cfg: Config, world: int, prompts: tuple[int, int], turns: int = 1) -> int:
     """Rows of one Gated DeltaNet layer's fp32 recomputation in the backward: bib's
-    GatedDeltaRuleFn pads a micro-batch's B samples to the longest, L, then to whole chunks of
-    C = bib.GDN_CHUNK tokens: B round_up(L, C) rows, with T the micro-batch's (`trained_rows`)
+    gated_delta_rule_varlen cuts each of a micro-batch's B samples into whole chunks of
+    C = bib.GDN_CHUNK tokens, sum_b round_up(L_b, C) <= min(T + B (C - 1), B round_up(L, C))
+    rows, with T the micro-batch's (`trained_rows`)
         B <= min(samples per rank, T // P_min),   L <= min(T, the longest sample),
-    as every sample holds its prompt. Beside one long sample, many short ones pad to its length:
-    up to the rank's samples x the longest, however small T."""
+    as every sample holds its prompt."""
     rows, _ = trained_rows(cfg, world, prompts, turns)
     _, sample = episode_bounds(cfg, prompts)
-    n = min(samples_per_rank(cfg, world) * turns, rows // prompts[0])
-    return n * -(-min(rows, sample) // bib.GDN_CHUNK) * bib.GDN_CHUNK
+    n, C = min(samples_per_rank(cfg, world) * turns, rows // prompts[0]), bib.GDN_CHUNK
+    return min(rows + n * (C - 1), n * -(-min(rows, sample) // C) * C)
 
 
 def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
@@ -6138,22 +6138,22 @@ def token_layer_bytes(args) -> float:
 
 def gdn_backward_bytes(args, padded: int) -> int:
     """Peak bytes of one Gated DeltaNet layer's backward, over `padded` rows (`padded_rows`):
-    the rule's fp32 recomputation (bib.GatedDeltaRuleFn: autograd through the chunked form)
-    holds, per row,
-        4 (Hv (8 Dk + 6 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)        (C = bib.GDN_CHUNK)
-    per v head: q and k repeated to it, their decayed chunks and W (Dk each), v, U, E, the
-    chunks' outputs and their concatenation (Dv each), six C-wide chunk matrices a row (decay,
-    k k^T, beta k k^T, A, q k^T, masked), the state entering each chunk (Dk Dv / C a row, twice
-    that in one-chunk samples), then the gradients the backward adds; per k head the fp32 q and
-    k. Measured on CPU (tests/test_qwen35_memory.py): 7.3 Dk + 5.4 Dv + 8.1 C + 1.1 Dk Dv / C
-    per v head and 2 Hk Dk. The conv's (bib.CausalConv1dFn) holds 4 x 6 (2 Hk Dk + Hv Dv) a row
-    (5.6 measured), the gated norm's backward about 8 Hv Dv fp32 values a token: less at
-    Qwen3.5's shapes. 0 without Gated DeltaNet."""
+    the rule's fp32 recomputation (bib.GatedDeltaRuleFn: autograd through the chunked form,
+    gated_delta_rule_varlen) holds, per row,
+        4 (Hv (9 Dk + 7 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)        (C = bib.GDN_CHUNK)
+    per v head: q and k repeated to it, gathered into chunks, their decayed chunks and W (Dk
+    each), v gathered, U, E, the chunks' outputs and their concatenation (Dv each), six C-wide
+    chunk matrices a row (decay, k k^T, beta k k^T, A, q k^T, masked), the state entering each
+    chunk (Dk Dv / C a row, twice that in one-chunk samples), then the gradients the backward
+    adds; per k head the fp32 q and k. Its peak measured on CPU lies at 0.85-1.0 of this
+    (tests/test_qwen35_memory.py). The conv's (bib.CausalConv1dFn) holds 4 x 6 (2 Hk Dk + Hv
+    Dv) a row (5.6 measured), the gated norm's backward about 8 Hv Dv fp32 values a token: less
+    at Qwen3.5's shapes. 0 without Gated DeltaNet."""
     if not gdn_layers(args):
         return 0
     c = qwen35(args)
     C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
-    rule = Hv * (8 * Dk + 6 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk
+    rule = Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk
     return 4 * padded * max(rule, 6 * (2 * Hk * Dk + Hv * Dv))
 
 

@@ -6,7 +6,7 @@ simple_rl's trainer runs it, against fla's chunked kernels alone:
 simple_rl: `bib.GatedDeltaRuleFn` on vLLM's kernels in the engine's schedule (each sample's
 prompt through the chunked rule vLLM ships, its generated tokens through the recurrent decode
 kernel), its backward the autograd of the fp32 reference (`ref_gated_delta_rule`) over every
-sample padded to the longest. fla: `chunk_gated_delta_rule` from flash-linear-attention (what
+sample in its own chunks. fla: `chunk_gated_delta_rule` from flash-linear-attention (what
 transformers' Qwen3.5 calls when fla is installed), its gates, beta and L2 norms in its kernels,
 forward and its own chunked backward. Qwen3.5-4B's shape by default (16 k heads and 32 v heads
 of 128), B samples of --prompt + --completion tokens, at each B of --samples, bf16 inputs.

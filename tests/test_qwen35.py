@@ -105,6 +105,16 @@ def test_chunked_gradients_match_float64_recurrent_autograd():
         torch.testing.assert_close(b, w, atol=1e-12 * scale, rtol=0, msg=name)
 
 
+def test_chunk_rows_cut_each_sequence_alone_longest_first():
+    """Lengths 10 and 130 at C = 64: the 130 first at every position (it goes on longest), the
+    10 padded to one chunk only (the packed batch's 140 rows as 4 chunks, not 2 x 3)."""
+    rows, counts = bib.chunk_rows(torch.tensor([0, 10, 140], dtype=torch.int32), chunk=64)
+    T = 140
+    want = [list(range(10, 74)), list(range(10)) + [T] * 54, list(range(74, 138)),
+            [138, 139] + [T] * 62]
+    assert rows.tolist() == want and counts == [2, 1, 1]
+
+
 def test_packed_rule_runs_each_sequence_from_zero_with_shared_k_heads():
     """ref_gated_delta_rule over a packed batch (lengths 1, 70, 130; 2 k heads, 4 v heads):
     each sequence equals the float64 recurrence run alone from a zero state on its L2-normalised
