@@ -155,7 +155,7 @@ def test_qwen3_14b_lora_at_the_defaults_on_one_gpu(tmp_path_factory):
 @pytest.mark.parametrize("preset,layers,flags", [
     ("qwen3.5-9b", None, ()),
     # 8 of its 64 layers (the disk holds no 27B), at the micro-batch all 64 pick on an H200
-    ("qwen3.5-27b", 8, ("--micro-batch-tokens", "2048")),
+    ("qwen3.5-27b", 8, ("--micro-batch-tokens", "4096")),
 ])
 def test_qwen35_lora_at_published_shapes_within_the_estimate(tmp_path_factory, preset, layers,
                                                             flags):
