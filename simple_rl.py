@@ -2,7 +2,7 @@
 
 One file, the RL story first, in data-flow order:
 
-    config -> model -> load & convert -> rollout -> reward -> advantages & loss
+    config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
            -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
 
 then, after one banner, the plumbing: validation, files, errors, ranks, vLLM patches, LoRA's
@@ -258,11 +258,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Model: Qwen3 (and Qwen3.5, Qwen3-MoE) computing exactly what vLLM computes
 # ==========================================================================
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
-# Parameters are fp32 masters; a forward casts them to the compute dtype, so the bf16 weights
-# it computes with are exactly those pushed into vLLM. A linear layer's kernel makes that cast
-# itself, so its weight gradient leaves the GEMM in fp32 with no cast pass. An update casts the
-# weights once for all its micro-batches (`weights_cast_once`). Under FSDP2 the all-gather
-# already produced the bf16 cast (Qwen3.5's Gated DeltaNet layers: fp32, cast in the forward).
+# Parameters are fp32 masters (LoRA's frozen base: the engine's own bf16 tensors); a forward
+# casts them to the compute dtype, so the bf16 weights it computes with are exactly vLLM's. A
+# linear layer's kernel makes that cast itself, so its weight gradient leaves the GEMM in fp32
+# with no cast pass. An update casts the weights once for all its micro-batches
+# (`weights_cast_once`). Under FSDP2 the all-gather already produced the bf16 cast (Qwen3.5's
+# Gated DeltaNet layers: fp32, cast in the forward).
 
 
 class Embedding(nn.Module):
@@ -433,9 +434,12 @@ class GatedDeltaNet(nn.Module):
         o = gated_delta_rule(q, k, v; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
         y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
     conv1d is causal and depthwise, K taps, over each sequence from zeros; the rule carries a
-    state per head through each sequence: as vLLM, a sample's prompt in chunks (its prefill),
-    then its completion token by token (its decode steps; batch.prefill says where). Each turn
-    of an episode is a sample of its own (pack_rollout): vLLM prefilled its whole request."""
+    state per head through each sequence as vLLM ran it: a sample's whole prompt in one call
+    of the rule's chunked form (its prefill; batch.prefill says where it ends), then its
+    completion token by token in the recurrent form (its decode steps): the two forms differ in
+    their bits. The engine is held to that schedule (QWEN35_ENGINE_ARGS, check_qwen35_engine):
+    no chunked prefill, no prefix cache, no preemption. Each turn of an episode is a sample of
+    its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -604,8 +608,8 @@ class Qwen3(nn.Module):
         self.ops = ops
         self.dtype = dtype
         self.tok_embeddings = Embedding(args.vocab_size, args.dim, dtype)
-        sparse, gdn = sparse_layers(args), gdn_layers(args)
-        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse, i in gdn)
+        sparse_at, gdn_at = sparse_layers(args), gdn_layers(args)
+        self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse_at, i in gdn_at)
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype,
                             gemma=qwen35(args) is not None)
@@ -659,7 +663,7 @@ def weights_cast_once(model: Qwen3):
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
     No such casts under FSDP2 (the all-gather casts; Qwen3.5's Gated DeltaNet layers, gathered
-    in fp32, cast in their forward) or when the masters are the compute dtype. LoRA's casts
+    in fp32, cast in their forward) or when the compute dtype is fp32. LoRA's casts
     are refreshed on entry in every case: bound to the engine's adapter slot, this is what
     writes the engine's adapter (kept, never None: they are the engine's tensors).
     """
@@ -1510,7 +1514,7 @@ class CalcEnv(RewardEnv):
 
 @dataclass
 class Turn:
-    context: list[int]  # the ids fed before it: the prompt (turn 1), else the tool's message
+    context: list[int]  # the ids added before it: the prompt (turn 1), else the tool's message
     out: Completion  # what the model generated
     capped: bool = False  # its token limit was what --max-model-len left, not --max-new-tokens
 
@@ -1546,7 +1550,8 @@ EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error
 @dataclass
 class Rollout:
     """A step's episodes as the trainer packs them (episodes_rollout): sample b is episode b's
-    first prompt followed by everything after it (the model's turns, the tools' messages)."""
+    first prompt followed by everything after it (the model's turns, the tools' messages);
+    pack_rollout cuts a Qwen3.5's into a sample a turn (each its episode's advantage)."""
     prompts: list[list[int]]  # each episode's first prompt (a problem's, G times)
     completions: list[list[int]]  # everything after it
     generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
@@ -1805,12 +1810,13 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
                n_micro: int | None = None, n_tokens: int | None = None) -> Update:
     """`updates_per_batch` optimizer steps over all micro-batches of this rank's samples.
 
-    old_logp (N,) and adv (B,) live on the model's device. n_micro: micro-batches every rank
-    runs (FSDP's collectives need the same count on every rank; a rank with fewer runs
-    zero-counted ones); n_tokens: generated tokens over all ranks, the loss's denominator.
-    Returns the first update's token sums, global grad norm, logprobs (N,) and experts: what
-    the parity check compares. Raises NonFiniteError (on every rank at once) if a logprob,
-    the loss or the gradient norm is not finite before an optimizer step, or a weight after it.
+    old_logp (N,) and adv (B,) (a packed sample's: its episode's) live on the model's device.
+    n_micro: micro-batches every rank runs (FSDP's collectives need the same count on every
+    rank; a rank with fewer runs zero-counted ones); n_tokens: generated tokens over all
+    ranks, the loss's denominator. Returns the first update's token sums, global grad norm,
+    logprobs (N,) and experts: what the parity check compares. Raises NonFiniteError (on every
+    rank at once) if a logprob, the loss or the gradient norm is not finite before an optimizer
+    step, or a weight after it.
     """
     device = old_logp.device
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
@@ -1872,9 +1878,9 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     loss_total = torch.zeros((), device=device)
     logps = torch.empty(len(old_logp), dtype=torch.float32, device=device)  # (N,)
     sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
-    sparse = sparse_layers(model.args)
-    routing = torch.empty(len(old_logp), len(sparse), model.args.moe_args.top_k,
-                          dtype=torch.int32, device=device) if sparse else None
+    sparse_at = sparse_layers(model.args)
+    routing = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
+                          dtype=torch.int32, device=device) if sparse_at else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, samples, counts in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
@@ -1910,7 +1916,7 @@ class Parity:
     n_mismatch: int
     max_abs_diff: float
     table: str
-    routed: bool = False  # vLLM returned the experts it chose: the counts below are meaningful
+    routes_checked: bool = False  # vLLM returned the experts it chose: the counts below count
     routing_tokens: int = 0  # generated tokens whose experts vLLM returned and we compared
     routing_mismatch: int = 0  # of those, tokens where any sparse layer chose other experts
 
@@ -1927,10 +1933,10 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
     if not kept:
         return 0, 0
     ours = trainer_ids.cpu().split(lengths)
-    mine = torch.cat([ours[b] for b in kept]).long().sort(dim=-1).values  # (N', sparse, k)
-    theirs = torch.cat([engine_routed[b] for b in kept])[:, list(layers)]
-    theirs = theirs.long().sort(dim=-1).values  # (N', sparse layers, k)
-    return len(mine), int((theirs != mine).flatten(1).any(dim=1).sum())
+    trainer = torch.cat([ours[b] for b in kept]).long().sort(dim=-1).values  # (N', sparse, k)
+    engine = torch.cat([engine_routed[b] for b in kept])[:, list(layers)]
+    engine = engine.long().sort(dim=-1).values  # (N', sparse layers, k)
+    return len(trainer), int((engine != trainer).flatten(1).any(dim=1).sum())
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
@@ -1960,13 +1966,13 @@ def parity_over_ranks(p: Parity, device) -> Parity:
     worst = all_reduce(torch.tensor([p.max_abs_diff], device=device).nan_to_num(math.inf),
                        dist.ReduceOp.MAX)
     n_tokens, n_mismatch, routing_tokens, routing_mismatch = totals.tolist()
-    return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.routed, routing_tokens,
+    return Parity(n_tokens, n_mismatch, worst.item(), p.table, p.routes_checked, routing_tokens,
                   routing_mismatch)
 
 
 def parity_line(p: Parity) -> str:
     routing = (f" | routing: {p.routing_mismatch}/{p.routing_tokens} tokens chose other "
-               "experts" if p.routed else "")
+               "experts" if p.routes_checked else "")
     return (f"parity: identical={'yes' if p.n_mismatch == 0 else 'no'} | {p.n_mismatch}/"
             f"{p.n_tokens} tokens differ | max |delta| {p.max_abs_diff:.3g}{routing}")
 
@@ -1977,7 +1983,7 @@ def parity_line(p: Parity) -> str:
 
 
 def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Hand the bf16 weights the trainer computes with to vLLM's own loader, inside the engine.
+    """Hand the weights the trainer computes with (bf16; A_log fp32) to vLLM's own loader.
 
     The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
     sleeping engine gets its weight memory back first and its KV cache after; then the prefix
@@ -2141,11 +2147,11 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
     parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
-    sparse = sparse_layers(trainer.model.args)
-    if sparse and rollout.routed and any(r is not None for r in rollout.routed):
-        parity.routed = True  # (a Qwen3.5-MoE's engine returns none: its prefix cache is off)
+    sparse_at = sparse_layers(trainer.model.args)
+    if sparse_at and rollout.routed and any(r is not None for r in rollout.routed):
+        parity.routes_checked = True  # (none from a Qwen3.5-MoE's engine: no prefix cache)
         parity.routing_tokens, parity.routing_mismatch = routing_report(
-            rollout.routed, update.routing, generated_lengths(rollout), sparse)
+            rollout.routed, update.routing, generated_lengths(rollout), sparse_at)
     return update, n_tokens, parity_over_ranks(parity, device)
 
 
@@ -2180,11 +2186,11 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     mine = my_prompts(len(task.eval_problems), trainer.ranks)
     t0 = time.perf_counter()
     with failing_together(trainer, lambda i: f"held-out problem {mine[i]}"):
-        played = greedy_episodes(trainer, mine)
-    rewards = torch.tensor([e.reward for e in played], dtype=torch.float32)
+        episodes = greedy_episodes(trainer, mine)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     sums = torch.tensor([rewards.sum().item(), rewards.square().sum().item(),
-                         sum(e.generated_tokens() for e in played),
-                         sum(e.tool_calls > 0 for e in played)], dtype=torch.float64,
+                         sum(e.generated_tokens() for e in episodes),
+                         sum(e.tool_calls > 0 for e in episodes)], dtype=torch.float64,
                         device=trainer.ranks.device)
     n = len(task.eval_problems)
     total, squares, length, calls = (all_reduce(sums) / n).tolist()
@@ -3942,7 +3948,7 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
          "Qwen3.5 runs without vLLM's prefix cache (a cached prefix resumes its linear "
          "attention from a saved state, a split the trainer does not replay); drop the flag.")
     need(not cfg.debug_parity, "--debug-parity: the op-by-op debugger does not follow a "
-         "Qwen3.5's schedule (prompts chunked, generated tokens decoded) yet; drop the flag "
+         "Qwen3.5's schedule (a prompt prefilled whole, then a step a token) yet; drop the flag "
          "(every step's parity check still compares every token).")
 
 
@@ -4074,8 +4080,8 @@ def lora_spec(cfg: Config, args) -> LoRASpec | None:
 
 def named_targets(text: str) -> tuple[str, ...]:
     """--lora-targets as the set it names, in LORA_TARGETS' order ('v_proj, q_proj,q_proj' is
-    q_proj,v_proj; all is Qwen3's seven: a resume compares with it, and lora_spec adds a
-    Qwen3.5's three of linear attention)."""
+    q_proj,v_proj; `all`, which validate takes only alone, is Qwen3's seven here: a resume
+    compares with it, and lora_spec reads `all` by the model)."""
     names = {t.strip() for t in text.split(",")}
     return tuple(t for t in LORA_TARGETS if t in names or "all" in names and t in
                  LORA_TARGETS[:7])
@@ -5841,7 +5847,7 @@ def step_metrics(cfg: Config, rollout: Rollout, rewards: torch.Tensor, n_prompts
     G = cfg.group_size
     pg, kl, ent, ratio, clipped = all_reduce(sums).div(max(n_tokens, 1)).tolist()
     routing = {"determinism/routing_mismatch": parity.routing_mismatch,
-               "determinism/routing_tokens": parity.routing_tokens} if parity.routed else {}
+               "determinism/routing_tokens": parity.routing_tokens} if parity.routes_checked else {}
     lengths = generated_lengths(rollout)
     per_prompt = [(rewards[j * G:(j + 1) * G].tolist(), lengths[j * G:(j + 1) * G],
                    rollout.completed[j * G:(j + 1) * G],

@@ -217,7 +217,7 @@ def test_a_text_model_type_with_a_text_config_is_refused(q35, tmp_path, capsys):
      "cached prefix resumes its linear attention from a saved state, a split the trainer does "
      "not replay); drop the flag."),
     ("--debug-parity", "--debug-parity: the op-by-op debugger does not follow a Qwen3.5's "
-     "schedule (prompts chunked, generated tokens decoded) yet; drop the flag (every step's "
+     "schedule (a prompt prefilled whole, then a step a token) yet; drop the flag (every step's "
      "parity check still compares every token)."),
 ])
 def test_check_refuses_the_flags_a_qwen35_run_refuses(q35, tmp_path, capsys, flag, words):

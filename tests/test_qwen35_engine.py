@@ -153,8 +153,8 @@ def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35,
     args = model_args(path)
     rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)  # episodes: each turn replayed
     with pytest.raises(rl.ConfigError, match=r"^--debug-parity: the op-by-op debugger does not "
-                       r"follow a Qwen3\.5's schedule \(prompts chunked, generated tokens "
-                       r"decoded\) yet; drop the flag \(every step's parity check still compares "
+                       r"follow a Qwen3\.5's schedule \(a prompt prefilled whole, then a step "
+                       r"a token\) yet; drop the flag \(every step's parity check still compares "
                        r"every token\)\.$"):
         rl.check_qwen35_engine(rl.Config(debug_parity=True), set(), args)
     rl.check_qwen35_engine(rl.Config(), set(), args)  # prefix caching on by default: turned off
