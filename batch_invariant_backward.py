@@ -1361,15 +1361,19 @@ GDN_CHUNK = 64  # tokens a chunk, as fla's chunked kernels (its FLA_CHUNK_SIZE)
 L2NORM_EPS = 1e-6  # q and k are normalised as x / sqrt(sum x^2 + eps)
 
 
-def ref_causal_conv1d(x: Tensor, w: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+def ref_causal_conv1d(x: Tensor, w: Tensor, cu_seqlens: Tensor, max_seqlen: int = 0) -> Tensor:
     """y_t = silu(sum_j w[:, j] * x_{t-K+1+j}), channel by channel, over each sequence of the
     packed batch (x_s = 0 before a sequence's first token: no state comes in), in fp32.
-    x (T, C), w (C, K) -> (T, C) in x's dtype."""
-    K = w.shape[1]
-    xp, valid = _pad(_wide(x)[:, None], cu_seqlens, max_seqlen)  # (B, 1, L, C)
-    xp = F.pad(xp[:, 0].transpose(1, 2), (K - 1, 0))  # (B, C, K - 1 + L): the zeros before
-    y = F.conv1d(xp, _wide(w)[:, None], groups=w.shape[0])  # (B, C, L)
-    return _unpad(F.silu(y).transpose(1, 2)[:, None], valid)[:, 0].to(x.dtype)  # (T, C)
+    x (T, C), w (C, K) -> (T, C) in x's dtype. Not padded to the longest sequence: each gets
+    its own K - 1 zero rows before it, and one grouped conv runs over all T + B (K - 1) rows
+    (a window never reaches past its own zeros). max_seqlen: unused (the ops' signature)."""
+    K, B = w.shape[1], len(cu_seqlens) - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(B, device=x.device), lens)  # (T,)
+    rows = torch.arange(x.shape[0], device=x.device) + (seq + 1) * (K - 1)  # after its zeros
+    xp = _wide(x).new_zeros(x.shape[0] + B * (K - 1), x.shape[1]).index_copy(0, rows, _wide(x))
+    y = F.conv1d(xp.T[None], _wide(w)[:, None], groups=w.shape[0])[0]  # (C, T + (B - 1)(K - 1))
+    return F.silu(y[:, rows - (K - 1)]).T.to(x.dtype)  # (T, C)
 
 
 def l2_normalize(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:

@@ -6152,15 +6152,16 @@ def gdn_backward_bytes(args, padded: int) -> int:
     chunk matrices a row (decay, k k^T, beta k k^T, A, q k^T, masked), the state entering each
     chunk (Dk Dv / C a row, twice that in one-chunk samples), then the gradients the backward
     adds; per k head the fp32 q and k. Its peak measured on CPU lies at 0.85-1.0 of this
-    (tests/test_qwen35_memory.py). The conv's (bib.CausalConv1dFn) holds 4 x 6 (2 Hk Dk + Hv
-    Dv) a row (5.6 measured), the gated norm's backward about 8 Hv Dv fp32 values a token: less
-    at Qwen3.5's shapes. 0 without Gated DeltaNet."""
+    (tests/test_qwen35_memory.py). The conv's (bib.CausalConv1dFn, over T + B (K - 1) rows: its
+    zeros before each sample) holds 4 x 7 (2 Hk Dk + Hv Dv) a row (6.3-6.5 measured), the gated
+    norm's backward about 8 Hv Dv fp32 values a token: less at Qwen3.5's shapes. 0 without
+    Gated DeltaNet."""
     if not gdn_layers(args):
         return 0
     c = qwen35(args)
     C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
     rule = Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk
-    return 4 * padded * max(rule, 6 * (2 * Hk * Dk + Hv * Dv))
+    return 4 * padded * max(rule, 7 * (2 * Hk * Dk + Hv * Dv))
 
 
 def memory_estimate(cfg: Config, args, world: int,

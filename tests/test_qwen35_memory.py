@@ -266,6 +266,29 @@ def test_gdn_backward_peak_is_at_most_its_bound(Hk, Hv, Dk, Dv, lengths):
     assert 0.8 * bound < peak <= bound, (peak, bound)
 
 
+@pytest.mark.parametrize("Hk, Hv, D, lengths", [
+    (2, 4, 32, [256]), (2, 4, 128, [256] + [8] * 31), (16, 32, 128, [64]), (2, 4, 64, [1, 1, 130]),
+])
+def test_conv_backward_peak_is_at_most_its_bound(Hk, Hv, D, lengths):
+    """CausalConv1dFn's backward (the conv recomputed in fp32, each sample after its own K - 1
+    zeros, then differentiated) at its peak on CPU: 80 to 100% of 4 x 7 channels a row over
+    T + B (K - 1) rows (measured 6.3-6.5), and within gdn_backward_bytes over the padded rows:
+    one long sample beside 31 short ones is not padded to the longest."""
+    gen = torch.Generator().manual_seed(0)
+    T, B, C = sum(lengths), len(lengths), (2 * Hk + Hv) * D
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.randn(T, C, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(C, 4, generator=gen).requires_grad_()
+    y = bib.CausalConv1dFn.apply(x, w, cu, max(lengths), bib.reference_forwards().causal_conv1d)
+    gy = torch.randn(y.shape, generator=gen).bfloat16()
+    peak = peak_bytes(lambda: torch.autograd.grad(y, (x, w), gy))
+    assert 0.8 * 4 * 7 * C * (T + 3 * B) < peak <= 4 * 7 * C * (T + 3 * B), peak
+    shape = rl.Qwen35Args(layer_types=("linear_attention",), k_heads=Hk, v_heads=Hv, k_dim=D,
+                          v_dim=D, conv_kernel=4, rotary_dim=0)
+    padded = sum(-(-n // 64) * 64 for n in lengths)
+    assert peak <= rl.gdn_backward_bytes(SimpleNamespace(qwen35=shape), padded)
+
+
 def test_padded_rows_bound_what_the_gdn_backward_pads():
     """Each sample in whole 64-token chunks: at most 63 rows more a sample than the micro-batch
     holds, and no more than its samples padded to the longest. With short prompts every sample
