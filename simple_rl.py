@@ -1698,9 +1698,10 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     return message
 
 
-def episodes_rollout(episodes: list[Episode], sparse: bool) -> Rollout:
+def episodes_rollout(episodes: list[Episode], routes: bool) -> Rollout:
     """The episodes as the trainer packs them: the first turn's prompt, then the rest (the
-    model's turns and the tools' ids, marked in `generated`), vLLM's logprobs of the model's."""
+    model's turns and the tools' ids, marked in `generated`), vLLM's logprobs of the model's;
+    routes: the engine returned each token's experts (Engine.returns_routes)."""
     completions, generated, routed = [], [], []
     for e in episodes:
         parts = [(turn.context if k else [], turn.out.ids) for k, turn in enumerate(e.turns)]
@@ -1716,7 +1717,7 @@ def episodes_rollout(episodes: list[Episode], sparse: bool) -> Rollout:
         generated=generated,
         logprobs=torch.tensor(logprobs, dtype=torch.float32),  # Python floats hold fp32 exactly
         completed=[e.status == "completed" for e in episodes],
-        routed=routed if sparse else None,
+        routed=routed if routes else None,
         episodes=episodes,
     )
 
@@ -2100,7 +2101,7 @@ def roll_out(trainer: Trainer, step: int, mine: list[int],
     waited = play(trainer.engine, trainer.tokenizer, cfg, episodes,
                   lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
                   cfg.temperature)
-    return episodes_rollout(episodes, bool(sparse_layers(trainer.model.args))), waited
+    return episodes_rollout(episodes, trainer.engine.returns_routes), waited
 
 
 def rewards_and_advantages(trainer: Trainer,
@@ -2147,11 +2148,11 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
     parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
-    sparse_at = sparse_layers(trainer.model.args)
-    if sparse_at and rollout.routed and any(r is not None for r in rollout.routed):
-        parity.routes_checked = True  # (none from a Qwen3.5-MoE's engine: no prefix cache)
+    if rollout.routed is not None:  # (none from a Qwen3.5-MoE's engine: no prefix cache)
+        parity.routes_checked = True
         parity.routing_tokens, parity.routing_mismatch = routing_report(
-            rollout.routed, update.routing, generated_lengths(rollout), sparse_at)
+            rollout.routed, update.routing, generated_lengths(rollout),
+            sparse_layers(trainer.model.args))
     return update, n_tokens, parity_over_ranks(parity, device)
 
 
@@ -5632,8 +5633,8 @@ def open_logs(trainer: Trainer, run_dir: Path, resumed_at: int | None) -> None:
     with writing(run_dir):
         trainer.writer = SummaryWriter(str(run_dir), purge_step=resumed_at)
         trainer.writer.add_text("config", json.dumps(dataclasses.asdict(trainer.cfg), indent=2))
-        moe = bool(sparse_layers(trainer.model.args))
-        trainer.writer.add_custom_scalars(tensorboard_layout(moe, bool(trainer.cfg.env)))
+        trainer.writer.add_custom_scalars(tensorboard_layout(trainer.engine.returns_routes,
+                                                             bool(trainer.cfg.env)))
     if resumed_at is not None:
         purge_after(run_dir / "metrics.jsonl", resumed_at)
 
@@ -5705,10 +5706,10 @@ def lora_line(cfg: Config, args) -> str:
             f"{lora_params(cfg, args) / 1e6:.2f}M params trained, the base frozen")
 
 
-def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
+def tensorboard_layout(routes: bool = False, tools: bool = False) -> dict:
     """The Custom Scalars dashboard: the signals to act on first, one series per chart
-    (TensorBoard draws a chart's series in one colour, with no legend), then the details; for
-    Qwen3-MoE also the tokens whose experts differ from vLLM's.
+    (TensorBoard draws a chart's series in one colour, with no legend), then the details; where
+    vLLM returns experts (routes) also the tokens whose experts differ from vLLM's.
 
     TensorBoard reads a Multiline chart's tag as a regular expression matched at the start of
     each tag, so each is anchored: `determinism/mismatched_tokens` alone, not `..._total` too.
@@ -5747,7 +5748,7 @@ def tensorboard_layout(moe: bool = False, tools: bool = False) -> dict:
             ("grad norm", "grad_norm"),
         ),
     }
-    if moe:
+    if routes:
         layout["simple_rl"].update(charts(("tokens routed to other experts (must stay 0)",
                                            "determinism/routing_mismatch")))
     if tools:  # --env: episodes of several turns
@@ -6095,16 +6096,17 @@ def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
 
 # Measured on H200s (results/h200_memory/): the GPU's use peaks in the rollout, when the awake
 # engine sits beside the blocks the trainer's allocator keeps cached from its update: 1.16x the
-# terms below at 1.7B (24576 tokens a micro-batch), 1.08x at 4B (8192), 1.05x at Qwen3-30B-A3B's
-# 4 layers. The slack covers that cache and the allocator's fragmentation, which grow with the
-# activations; the experts' fp32 masters, gradients, AdamW state, bf16 casts and the engine's
-# bf16 copy, a few large tensors made once, get none (their 4 layers: 76 GiB estimated against
-# 69.3 in use; 101 with the slack on them). Dense 8B on two GPUs is the known low one: 124.5
-# against 132 in use. Under LoRA nothing gets slack: the push empties the trainer's cache before
-# the KV cache maps again, and the allocator grows its segments in place (see the top of this
-# file). Measured (results/h200_lora_memory/): Qwen3-14B 123.9 GiB in use against 138.1 at
-# 12288 tokens a micro-batch (1.11x), 92.2 against 103.1 at 8192 (1.12x); Qwen3-32B's layers
-# cut to 16 of 64: 36.9 against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x).
+# terms below at 1.7B (24576 tokens a micro-batch), 1.08x at 4B (8192), 1.05x at Qwen3-30B-A3B's 4
+# layers. The slack covers that cache and the allocator's fragmentation, which grow with the
+# activations; the experts' fp32 masters, gradients, AdamW state, bf16 casts and the engine's bf16
+# copy, a few large tensors made once, get none (their 4 layers on vLLM 0.26: 76 GiB estimated
+# against 69.3 in use, 101 with the slack on them; on 0.34, 58.3 in use against 65.5 with the
+# gradients counted as late_gradients says). Dense 8B on two GPUs is the known low one: 124.5
+# against 132 in use. Under LoRA nothing gets slack: the push empties the trainer's cache before the
+# KV cache maps again, and the allocator grows its segments in place (see the top of this file).
+# Measured (results/h200_lora_memory/): Qwen3-14B 123.9 GiB in use against 138.1 at 12288 tokens a
+# micro-batch (1.11x), 92.2 against 103.1 at 8192 (1.12x); Qwen3-32B's layers cut to 16 of 64: 36.9
+# against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x).
 MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
 ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 
@@ -6171,7 +6173,8 @@ def memory_estimate(cfg: Config, args, world: int,
     train and rollout the sums of each phase's holders, x the experts' bytes in them (which
     get no slack s; under LoRA nothing does: see MEMORY_SLACK).
 
-    trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks;
+    trainer state: fp32 master + gradient + AdamW m, v = 16 B/param, sharded over the ranks
+    (12: the gradients counted with the activations, where they meet only one micro-batch's);
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
     blocks at a time and the root (embeddings, head) whole, with its bf16 and fp32 gradients;
     activations: what the backward keeps per token and layer (`token_layer_bytes`), plus the
@@ -6195,19 +6198,24 @@ def memory_estimate(cfg: Config, args, world: int,
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
     a = lora_params(cfg, args)  # LoRA: the trained parameters; the base is the engine's
+    # a layer's backward at its peak: a sparse layer's or a Gated DeltaNet layer's
+    transient = max(moe_transient, gdn_backward_bytes(args, padded_rows(cfg, world, prompts,
+                                                                          turns)))
     est = {
         "trainer state": 16 * (a or n) / world,
         "bf16 weights": 2 * a if a else 2 * n if world == 1 else gathered,
-        # the head's logits and their gradient are freed before a sparse layer's backward
+        # the head's logits and their gradient are freed before a layer's backward
         "activations": rows * args.n_layers * per_token_layer
-        + max(generated * args.vocab_size * 4, moe_transient,
-              gdn_backward_bytes(args, padded_rows(cfg, world, prompts, turns)))
+        + max(generated * args.vocab_size * 4, transient)
         + bib.LOGPROB_ROWS * args.vocab_size * 4,
         "engine": 2 * n + kv_cache_bytes(cfg, args, world),
     }
     grads = 0 if a else late_gradients(cfg, world, prompts, turns, n)
-    est["trainer state"] -= grads
-    est["activations"] = max(est["activations"], grads)
+    if grads:  # the top layer's backward holds every activation and the head's gradient; the
+        # bottom one's, every gradient, its own activations and its transient
+        est["trainer state"] -= grads
+        est["activations"] = max(est["activations"] + 4 * args.vocab_size * args.dim / world,
+                                 grads + rows * per_token_layer + transient)
     if cfg.kl_coef > 0:
         est["reference model"] = 4 * n / world
     if a:  # the reference is the base (adapters off); the engine's weights never sleep
@@ -6230,9 +6238,10 @@ def late_gradients(cfg: Config, world: int, prompts: tuple[int, int], turns: int
                    n: int) -> float:
     """The fp32 gradients' bytes, 4 n / world for n parameters, where a step's samples always
     fit one micro-batch, else 0. Then the backward makes the gradients as it frees the
-    activations, and the estimate counts the larger of the two, not their sum (the sum was
-    1.30x the GPU's use at Qwen3-30B-A3B's 4 layers and one micro-batch of 32768 tokens, 58.3
-    GiB; results/h200_vllm034/). A second micro-batch's activations meet the first's gradients."""
+    activations, layer by layer from the top, and memory_estimate counts the larger of its two
+    ends, not the sum of both (the sum was 1.30x the GPU's use at Qwen3-30B-A3B's 4 layers and
+    one micro-batch of 32768 tokens, 58.3 GiB; results/h200_vllm034/). A second micro-batch's
+    activations meet the first's gradients."""
     _, sample = episode_bounds(cfg, prompts)
     one = samples_per_rank(cfg, world) * turns * sample <= cfg.micro_batch_tokens
     return 4 * n / world if one else 0
@@ -6845,7 +6854,7 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
     names = trace_names(model.args.n_layers, sparse_layers(model.args))
     episode, calls, starts, cached = traced_episode(engine.llm, {v: k for k, v in names},
                                                     play_one)
-    rollout = episodes_rollout([episode], sparse=False)
+    rollout = episodes_rollout([episode], routes=False)
     full = pack(rollout.prompts, rollout.completions, rollout.generated)
     # vLLM never feeds the last sampled token: drop it from the trainer's input too
     fed = dataclasses.replace(full, tokens=full.tokens[:-1], positions=full.positions[:-1],

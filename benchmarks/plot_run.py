@@ -45,7 +45,7 @@ def charts() -> list[tuple[str, str, list[str]]]:
     left out). kind "Multiline": one tag regex; "Margin": the value, lower and upper tags."""
     import simple_rl as rl
 
-    layout = rl.tensorboard_layout(moe=True)["simple_rl"]
+    layout = rl.tensorboard_layout(routes=True)["simple_rl"]
     return [(title, kind, tags) for title, (kind, tags) in layout.items()]
 
 

@@ -352,6 +352,10 @@ class ExactEngine(TorchEngine):
 
     episodes = None  # the step's: [first prompt, [(context ids, Completion) per turn]]
 
+    @property
+    def returns_routes(self) -> bool:  # as vLLM's with its prefix cache on: an MoE's experts
+        return bool(self.files and rl.sparse_layers(self.files.args))
+
     def first_turn(self, prompts, indices, step):
         self.episodes = None
         outs = super().first_turn(prompts, indices, step)

@@ -191,7 +191,7 @@ def test_every_dashboard_chart_draws_exactly_one_logged_tag(resumed_run):
     acc = EventAccumulator(str(resumed_run), size_guidance={"scalars": 0})
     acc.Reload()
     logged = acc.Tags()["scalars"] + NOT_ON_CPU
-    layout = rl.tensorboard_layout(moe=True)
+    layout = rl.tensorboard_layout(routes=True)
     for title, (kind, tags) in [c for group in layout.values() for c in group.items()]:
         if kind == "Margin":
             pattern = "|".join(f"({re.escape(t)})" for t in tags)

@@ -515,7 +515,7 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
     episode = rl.Episode(rl.RewardEnv(), [rl.Turn(c, rl.Completion(ids, [], True))
                                           for c, ids in script])
     names = rl.trace_names(model.args.n_layers)
-    rollout = rl.episodes_rollout([episode], sparse=False)
+    rollout = rl.episodes_rollout([episode], routes=False)
     packed = rl.pack(rollout.prompts, rollout.completions, rollout.generated)
     fed = rl.pack([episode.ids()[:-1]], [[]])
     with rl.recording(model, {n: n for n, _ in names}) as calls, torch.no_grad():
