@@ -1483,7 +1483,8 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     chunk. q, k (T, H, Dk), v (T, H, Dv), g, beta (T, H) -> o (T, H, Dv) in q's dtype."""
     T, H, Dk = k.shape
     scale = Dk**-0.5 if scale is None else scale
-    rows, counts = chunk_rows(cu_seqlens, chunk)  # (N, C)
+    rows, counts = chunk_rows(cu_seqlens, chunk)  # (N, C); row T: the zero row added below
+    assert int(cu_seqlens[-1]) == T, "the sequences must cover every row"
 
     def chunked(x):  # (T, H, ...) -> (N, H, C, ...), zeros past each sequence's end
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]  # (N, C, H, ...)

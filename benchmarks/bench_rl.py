@@ -93,12 +93,12 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int, gemm: int = 6) -
     import simple_rl as rl
 
     d, hd, hq, hk, inter = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.hidden_dim
-    c, n_linear = rl.qwen35(args), len(rl.gdn_layers(args))
-    n_full = args.n_layers - n_linear
+    c, n_gdn = rl.qwen35(args), len(rl.gdn_layers(args))
+    n_full = args.n_layers - n_gdn
     attn = d * (hq * (2 if c else 1) + 2 * hk) * hd + hq * hd * d  # q (+ gate), k, v; o
     mixers = n_full * attn
-    if n_linear:
-        mixers += n_linear * d * (2 * c.k_heads * c.k_dim + 3 * c.v_heads * c.v_dim
+    if n_gdn:
+        mixers += n_gdn * d * (2 * c.k_heads * c.k_dim + 3 * c.v_heads * c.v_dim
                                   + 2 * c.v_heads)
     n_sparse = len(rl.sparse_layers(args))
     mlp = 3 * d * inter * (args.n_layers - n_sparse)  # gate/up, down
@@ -107,7 +107,7 @@ def flops_per_step(args, seq_lens: list[int], n_generated: int, gemm: int = 6) -
         mlp += n_sparse * (m.top_k * 3 * d * args.moe_inter_dim + d * m.num_experts
                            + (3 * d * shared + d if shared else 0))
     tokens = sum(seq_lens)
-    rule = 3 * 6 * n_linear * c.v_heads * c.k_dim * c.v_dim * tokens if n_linear else 0
+    rule = 3 * 6 * n_gdn * c.v_heads * c.k_dim * c.v_dim * tokens if n_gdn else 0
     flops = gemm * (mixers + mlp) * tokens + gemm * args.vocab_size * d * n_generated + rule
     attention = 6 * n_full * hq * hd * sum(n * n for n in seq_lens)
     return float(flops + attention)
