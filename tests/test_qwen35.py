@@ -469,6 +469,44 @@ def test_a_qwen35_lora_keeps_A_log_in_fp32_as_vllm_does(q35):
     assert not params[f"layers.{layer}.attention.A_log"].requires_grad
 
 
+def test_lora_slices_are_peft_modules_and_tile_each_layer(q35):
+    """Each adapted layer's output slices (vLLM's LoRA slices) are one a PEFT module name of
+    LORA_LAYERS and together its whole output: Qwen3.5's in_proj_ba is b's Hv rows then a's Hv,
+    in_proj_qkvz q, k, v and z."""
+    args, hf = load(q35())
+    state = rl.hf_to_trainer(hf, args)
+    sizes = rl.lora_slice_sizes(args)
+    assert sizes["attention.in_proj_ba"] == [4, 4]  # 4 v heads
+    assert set(sizes) == set(rl.LORA_LAYERS)
+    for path, rows in sizes.items():
+        assert len(rows) == len(rl.LORA_LAYERS[path][1]), path
+        weight = next(v for k, v in state.items() if k.endswith(f"{path}.weight"))
+        assert sum(rows) == weight.shape[0], path
+
+
+def test_a_bf16_qwen35_gates_with_dt_bias_in_bf16_and_A_log_in_fp32(q35):
+    """As vLLM holds them: the rule's kernels get dt_bias in the compute dtype (the engine
+    stores it in bf16) and A_log in fp32; fp32 tests cannot tell the two casts apart."""
+    args, hf = load(q35())
+    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(),
+                           torch.bfloat16, "cpu")
+    seen = []
+    rule = model.ops.gated_delta_rule
+
+    def spy(q, k, v, a, b, A_log, dt_bias, *rest):
+        seen.append((A_log.dtype, dt_bias.dtype, q.dtype))
+        return rule(q, k, v, a, b, A_log, dt_bias, *rest)
+
+    model.ops = rl.dataclasses.replace(model.ops, gated_delta_rule=spy)
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = model.ops
+    batch = rl.pack([[1, 2, 3]], [[4, 5]])
+    with torch.no_grad():
+        model(batch, 1.0)
+    assert seen and set(seen) == {(torch.float32, torch.bfloat16, torch.bfloat16)}
+
+
 def test_a_vllm_without_the_lora_layers_the_trainer_binds_is_refused_in_one_sentence(q35):
     """vLLM versions differ in how they lay out a Qwen3.5's projections under LoRA (one
     in_proj_qkvz, or in_proj_qkv beside in_proj_z): slots under other names are refused."""

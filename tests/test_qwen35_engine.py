@@ -291,6 +291,49 @@ def test_a_qwen35s_episodes_are_packed_a_turn_a_sample_with_its_whole_request():
     assert whole.targets.tolist() == [3, 5, 6, 8, 11, 12] and whole.prefill.tolist() == [2, 1]
 
 
+def worked_episodes(routed=None) -> list:
+    """The worked example's episodes: 0 of one turn, 1 of three; routed[k]: turn k's experts."""
+    routed = routed or [None] * 4
+
+    def turn(ctx, ids, r):
+        return rl.Turn(ctx, rl.Completion(ids, [0.0] * len(ids), True, r))
+
+    return [rl.Episode(None, [turn([1, 2], [3], routed[0])]),
+            rl.Episode(None, [turn([4], [5, 6], routed[1]), turn([7], [8], routed[2]),
+                              turn([9, 10], [11, 12], routed[3])])]
+
+
+def test_an_episodes_routes_are_its_turns_or_none_where_a_turn_has_none():
+    """With routes (vLLM returned experts): an episode's are its turns' concatenated, (C, L, k);
+    None where any turn has none (as generated_routing gives for a turn it cannot place)."""
+    r = [torch.full((n, 2, 1), t) for t, n in enumerate([1, 2, 1, 2])]
+    rollout = rl.episodes_rollout(worked_episodes(r), routes=True)
+    assert rollout.routed[0].tolist() == r[0].tolist()
+    assert torch.equal(rollout.routed[1], torch.cat(r[1:]))
+    rollout = rl.episodes_rollout(worked_episodes([r[0], r[1], None, r[3]]), routes=True)
+    assert rollout.routed[0] is not None and rollout.routed[1] is None
+    assert rl.episodes_rollout(worked_episodes(r), routes=False).routed is None
+
+
+def test_a_non_finite_update_of_a_qwen35_names_episodes_and_prompts_not_turns(q35, monkeypatch):
+    """By turn, packed sample 3 is turn 3 of episode 1: a non-finite error in it names episode
+    1 and its prompt (mine[1 // G]), not sample 3 (there are two episodes)."""
+    args = rl.model_args_from_hf(rl.read_qwen3_config(q35()))
+
+    def poisoned(*_, **__):
+        raise rl.NonFiniteError("loss", [3], 0, 1)
+
+    monkeypatch.setattr(rl, "train_step", poisoned)
+    cfg = rl.Config(group_size=2, micro_batch_tokens=64)
+    trainer = types.SimpleNamespace(cfg=cfg, ranks=rl.Ranks(0, 1, torch.device("cpu")),
+                                    model=types.SimpleNamespace(args=args), ref_model=None,
+                                    optimizer=None)
+    rollout = rl.episodes_rollout(worked_episodes(), routes=False)
+    with pytest.raises(rl.NonFiniteError) as e:
+        rl.update_with_parity(trainer, rollout, torch.zeros(2), step=4, mine=[7])
+    assert (e.value.samples, e.value.prompts, e.value.step) == ([1], [7], 4)
+
+
 def test_a_qwen35_plays_episodes_of_several_turns_every_token_equal(q35, tmp_path):
     """Two steps on the stand-in engine, episodes of 1-3 turns (tool messages between them):
     the run's plumbing with a sample a turn (its requests, each with its episode's advantage),

@@ -290,6 +290,45 @@ def test_conv_backward_peak_is_at_most_its_bound(Hk, Hv, D, lengths):
     assert peak <= rl.gdn_backward_bytes(SimpleNamespace(qwen35=shape), padded)
 
 
+def test_one_micro_batch_counts_the_larger_end_of_the_backward():
+    """One micro-batch a step (2 samples of 32 + 16 tokens, 48 < 4096): the gradients are
+    counted with the activations, as the larger of the backward's two ends. Qwen3.5-4B with a
+    tiny batch: the bottom end (every fp32 gradient, one layer's activations, one Gated DeltaNet
+    layer's backward) is the larger; the top end (every activation, the head's gradient) at a
+    batch of 32768 tokens."""
+    args = qwen35_args()
+    n = rl.count_params(args)
+    small = rl.Config(num_prompts=1, group_size=2, max_new_tokens=16, max_model_len=64,
+                      micro_batch_tokens=4096)
+    est = rl.memory_estimate(small, args, 1, (32, 32))
+    rows, _ = rl.trained_rows(small, 1, (32, 32))
+    bottom = 4 * n + rows * rl.token_layer_bytes(args) + rl.gdn_backward_bytes(
+        args, rl.padded_rows(small, 1, (32, 32)))
+    assert rl.late_gradients(small, 1, (32, 32), 1, n) == 4 * n
+    assert est["activations"] == bottom and est["trainer state"] == 12 * n
+    large = rl.Config(num_prompts=16, group_size=8, max_new_tokens=128, max_model_len=256,
+                      micro_batch_tokens=32768)
+    est = rl.memory_estimate(large, args, 1, (100, 128))
+    plain = rl.memory_estimate(rl.dataclasses.replace(large, micro_batch_tokens=16384), args, 1,
+                               (100, 128))  # two micro-batches: the gradients apart
+    rows, _ = rl.trained_rows(large, 1, (100, 128))
+    assert est["activations"] > 4 * n + rows * rl.token_layer_bytes(args) + rl.gdn_backward_bytes(
+        args, rl.padded_rows(large, 1, (100, 128)))  # the top end is the larger
+    assert est["trainer state"] == 12 * n and plain["trainer state"] == 16 * n
+
+
+def test_a_step_that_fills_its_micro_batch_exactly_is_one_micro_batch():
+    """late_gradients' test is micro_batches' own: samples that add up to the budget exactly
+    fit one micro-batch, one token more makes two."""
+    cfg = rl.Config(num_prompts=4, group_size=2, max_new_tokens=32, max_model_len=64,
+                    micro_batch_tokens=8 * 64)  # 8 samples of up to 32 + 32 tokens
+    assert rl.late_gradients(cfg, 1, (32, 32), 1, 10) == 40
+    assert len(rl.micro_batches([64] * 8, cfg.micro_batch_tokens)) == 1
+    fuller = rl.dataclasses.replace(cfg, micro_batch_tokens=8 * 64 - 1)
+    assert rl.late_gradients(fuller, 1, (32, 32), 1, 10) == 0
+    assert len(rl.micro_batches([64] * 8, fuller.micro_batch_tokens)) == 2
+
+
 def test_padded_rows_bound_what_the_gdn_backward_pads():
     """Each sample in whole 64-token chunks: at most 63 rows more a sample than the micro-batch
     holds, and no more than its samples padded to the longest. With short prompts every sample

@@ -142,14 +142,17 @@ def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, 
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
 
 
-def test_an_overflowing_group_names_its_largest_reward_not_its_first_sample():
-    """Two rewards of 3e38 overflow their group's fp32 mean: every advantage of the group is
-    non-finite, and the sample named is the first 3e38 (sample 5), not the group's first (4)."""
+@pytest.mark.parametrize("big, last", [(3e38, -1.0), (-3e38, 1.0)])
+def test_an_overflowing_group_names_its_largest_reward_not_its_first_sample(big, last):
+    """Two rewards of +-3e38 overflow their group's fp32 mean: every advantage of the group is
+    non-finite, and the sample named is the first of them (sample 5), not the group's first (4)
+    nor, for -3e38, its largest signed value (1.0: the magnitude counts)."""
     cfg = rl.Config(group_size=4)
-    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 3e38, 3e38, -1.0])
+    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, big, big, last])
     with pytest.raises(rl.RewardError) as e:
         rl.finite_advantages(rewards, cfg, lambda i: f"completion {i}")
-    assert str(e.value) == "returned 3e+38, so large that its group's advantages are not finite"
+    assert str(e.value) == (f"returned {big:.3g}, so large that its group's advantages are not "
+                            "finite")
     assert (e.value.sample, e.value.completion) == (5, "completion 5")
 
 
