@@ -1230,6 +1230,8 @@ def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
 
 @dataclass
 class Packed:
+    """Samples back to back. A sample b is an episode (Rollout's b), or a Qwen3.5's turn
+    (pack_rollout says whose episode); in a micro-batch (sub_pack), b counts from its first."""
     tokens: torch.Tensor  # (T,) prompt + completion of every sample, back to back
     positions: torch.Tensor  # (T,) position within its sample
     cu_seqlens: torch.Tensor  # (B+1,) int32 sample boundaries
