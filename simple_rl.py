@@ -6180,29 +6180,19 @@ def memory_estimate(cfg: Config, args, world: int,
     bf16 weights: one process casts every weight (kept for the backward); FSDP gathers two
     blocks at a time and the root (embeddings, head) whole, with its bf16 and fp32 gradients;
     activations: what the backward keeps per token and layer (`token_layer_bytes`), plus the
-    head's bf16 logits and their gradient on the generated rows, one sparse layer's backward or
-    one Gated DeltaNet layer's (`gdn_backward_bytes`), whichever is largest (the head's are
-    freed first); engine: bf16 weights + KV cache, released while the trainer runs when it
-    sleeps. `trained_rows` bounds the rows from the prompts' lengths (see late_gradients too).
+    head's bf16 logits and their gradient on the generated rows or one layer's backward
+    (`layer_backward_bytes`), whichever is larger (the head's are freed first); engine: bf16
+    weights + KV cache, released while the trainer runs when it sleeps. `trained_rows` bounds
+    the rows from the prompts' lengths (see late_gradients too).
     """
     n = count_params(args)
     per_token_layer = token_layer_bytes(args)
-    n_sparse = len(sparse_layers(args))
-    moe_transient = 0
     turns = samples_an_episode(cfg, args)
     rows, generated = trained_rows(cfg, world, prompts, turns)
-    if n_sparse:  # the experts' inner activations are recomputed by the backward
-        m = args.moe_args
-        # one layer's grouped backward at its peak: h, a, W2^T g (fp32), dh and dx per slot,
-        # the fp32 sum of dx per token (measured at Qwen3-30B-A3B's shape: 15.5 KiB a slot)
-        moe_transient = rows * (m.top_k * (14 * args.moe_inter_dim + 2 * args.dim)
-                                + 4 * args.dim)
+    transient = layer_backward_bytes(cfg, args, world, prompts, turns)
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
     a = lora_params(cfg, args)  # LoRA: the trained parameters; the base is the engine's
-    # a layer's backward at its peak: a sparse layer's or a Gated DeltaNet layer's
-    transient = max(moe_transient, gdn_backward_bytes(args, padded_rows(cfg, world, prompts,
-                                                                          turns)))
     est = {
         "trainer state": 16 * (a or n) / world,
         "bf16 weights": 2 * a if a else 2 * n if world == 1 else gathered,
@@ -6234,6 +6224,19 @@ def memory_estimate(cfg: Config, args, world: int,
     est["peak"] = max(s * (train_phase - train_exact) + train_exact,
                       s * (rollout_phase - rollout_exact) + rollout_exact) + MEMORY_FIXED
     return est
+
+
+def layer_backward_bytes(cfg: Config, args, world: int, prompts: tuple[int, int],
+                         turns: int) -> float:
+    """Peak bytes one layer's backward makes beyond what the forward kept: a sparse layer's
+    grouped experts recompute their inner activations (h, a, W2^T g in fp32, dh and dx a slot,
+    the fp32 sum of dx a token: 15.5 KiB a slot measured at Qwen3-30B-A3B's shape), a Gated
+    DeltaNet layer its rule and conv in fp32 (`gdn_backward_bytes`); the larger of the two."""
+    moe = 0
+    if sparse_layers(args):
+        m, (rows, _) = args.moe_args, trained_rows(cfg, world, prompts, turns)
+        moe = rows * (m.top_k * (14 * args.moe_inter_dim + 2 * args.dim) + 4 * args.dim)
+    return max(moe, gdn_backward_bytes(args, padded_rows(cfg, world, prompts, turns)))
 
 
 def late_gradients(cfg: Config, world: int, prompts: tuple[int, int], turns: int,
