@@ -68,6 +68,7 @@ def test_cli_parses_types_booleans_and_records_what_was_given():
     (["--group-size", "1"], "--group-size must be at least 2"),
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--max-new-tokens", "2000", "--max-model-len", "1024"], "leaves no room for a prompt"),
+    (["--max-new-tokens", "1024", "--max-model-len", "1024"], "leaves no room for a prompt"),
     (["--micro-batch-tokens", "100"], "must hold one full sequence"),
     (["--kernels", "fast"], "argument --kernels: invalid choice: 'fast'"),
     (["--dtype", "float16"], "argument --dtype: invalid choice"),

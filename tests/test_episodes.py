@@ -151,6 +151,19 @@ def test_a_model_that_never_stops_calling_ends_at_max_turns_and_tool_messages_pa
     trainer.writer.close()
 
 
+def test_a_tool_message_that_leaves_no_room_for_a_token_ends_the_episode(monkeypatch):
+    """--max-model-len 10: episodes of 8 ids; a message of 2 ids fills the context (no token
+    left: the episode ends as max_model_len), one of 1 leaves a turn of 1 token."""
+    monkeypatch.setattr(rl, "tool_message_ids",
+                        lambda tokenizer, messages, cfg: [[9] * int(m) for m in messages])
+    cfg = rl.Config(max_model_len=10, max_new_tokens=4)
+    episodes = [rl.Episode(None, [rl.Turn([1] * 5, rl.Completion([2] * 3, [0.0] * 3, True))])
+                for _ in range(2)]
+    going = rl.going_on(episodes, {0: "2", 1: "1"}, None, cfg)
+    assert [(g.episode, g.max_tokens) for g in going] == [(1, 1)]
+    assert episodes[0].status == "max_model_len" and episodes[1].status == "running"
+
+
 def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, monkeypatch):
     """Without --env a step trains on exactly what the engine's rollout samples, as before
     episodes: the same samples, logprobs, stops and Packed."""

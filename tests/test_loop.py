@@ -1,7 +1,9 @@
 """The training loop end to end on CPU: stand-in engine, reference kernels, TensorBoard tags."""
 
+import math
 import time
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -40,6 +42,9 @@ def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
         assert m["time/engine_wake_s"] == 0.02 <= m["time/push_s"]  # and this within the push
         assert parity.max_abs_diff < 1e-4  # the CPU stand-in is close, not bitwise
         assert m["kl_div"] >= 0 and m["entropy"] > 0 and 0 <= m["ratio_clipped_frac"] <= 1
+        cfg = trainer.cfg  # the logged loss is the objective's terms (both coefficients > 0)
+        assert m["loss"] == pytest.approx(m["pg_loss"] + cfg.kl_coef * m["kl_div"]
+                                          - cfg.entropy_coef * m["entropy"], rel=1e-5, abs=1e-7)
     assert trainer.engine.sleeps == 2  # the engine slept through each update
     w1 = trainer.model.layers[0].attention.wqkv.weight.detach()
     assert not torch.equal(w0, w1)  # the entropy bonus moves the weights
@@ -57,6 +62,27 @@ def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
     assert per_layer == {f"weight_delta/{n}/{k}" for n in layers
                          for k in ("magnitude", "relative_change")}  # per layer, not per tensor
     assert acc.Scalars("weight_delta/layers.0/magnitude")[0].value > 0
+
+
+def test_the_held_out_accuracy_has_the_binomial_interval(ckpt, tmp_path, monkeypatch):
+    """One of the n held-out problems solved: accuracy p = 1/n, its 95% interval
+    100 (p +- 1.96 sqrt(p (1 - p) / n)) in percent."""
+    trainer, _ = make_trainer(ckpt(), tmp_path)
+    n = len(trainer.task.eval_problems)
+
+    def one_solved(trainer, mine):
+        episodes = [rl.Episode(None, [rl.Turn([1], rl.Completion([2], [0.0], True))])
+                    for _ in mine]
+        episodes[0].reward = 1.0
+        return episodes
+
+    monkeypatch.setattr(rl, "greedy_episodes", one_solved)
+    m = rl.evaluate(trainer, 0)
+    p = 1 / n
+    half = 1.96 * math.sqrt(p * (1 - p) / n)
+    assert m["eval/accuracy"] == pytest.approx(p)
+    assert m["eval/accuracy_low_pct"] == pytest.approx(100 * (p - half))
+    assert m["eval/accuracy_high_pct"] == pytest.approx(100 * (p + half))
 
 
 def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path):

@@ -142,17 +142,19 @@ def test_2_a_reward_that_exits_or_overflows_is_a_reward_failure(ckpt, tmp_path, 
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("big, last", [(3e38, -1.0), (-3e38, 1.0)])
-def test_an_overflowing_group_names_its_largest_reward_not_its_first_sample(big, last):
-    """Two rewards of +-3e38 overflow their group's fp32 mean: every advantage of the group is
-    non-finite, and the sample named is the first of them (sample 5), not the group's first (4)
-    nor, for -3e38, its largest signed value (1.0: the magnitude counts)."""
+@pytest.mark.parametrize("group", [(0.0, 3e38, 3e38, -1.0), (0.0, -3e38, -3e38, 1.0),
+                                   (0.0, 3.3e38, -3e38, 2e38)])
+def test_an_overflowing_group_names_its_largest_reward_not_its_first_sample(group):
+    """Rewards of +-3e38 overflow their group's fp32 mean (or, mixed, r - mean while the std
+    stays finite: only some advantages are not finite): the sample named is the group's largest
+    in magnitude (sample 5), not the group's first (4), nor its largest signed value (1.0), nor
+    the first non-finite advantage's (sample 6 in the last)."""
     cfg = rl.Config(group_size=4)
-    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, big, big, last])
+    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0, *group])
     with pytest.raises(rl.RewardError) as e:
         rl.finite_advantages(rewards, cfg, lambda i: f"completion {i}")
-    assert str(e.value) == (f"returned {big:.3g}, so large that its group's advantages are not "
-                            "finite")
+    assert str(e.value) == (f"returned {group[1]:.3g}, so large that its group's advantages are "
+                            "not finite")
     assert (e.value.sample, e.value.completion) == (5, "completion 5")
 
 
