@@ -270,3 +270,15 @@ def test_q35_linear_heads_that_do_not_share_k_heads_evenly_are_refused(q35, tmp_
     err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
     assert err == (f"simple_rl: error: {m / 'config.json'}: linear_num_key_heads ({k!r}) must "
                    f"be a whole number >= 1 and linear_num_value_heads ({v!r}) a multiple of it.")
+
+
+def test_an_infinite_rms_norm_eps_is_refused(ckpt, tmp_path):
+    """check_config_numbers: rms_norm_eps must be finite (inf would zero every norm's output)."""
+    import json
+
+    path = tmp_path / "m"
+    shutil.copytree(ckpt(), path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": float("inf")}))
+    with pytest.raises(rl.ConfigError, match="rms_norm_eps inf must be a finite number > 0"):
+        rl.read_qwen3_config(path)

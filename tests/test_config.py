@@ -289,3 +289,20 @@ def test_an_older_vllm_is_refused_with_the_command_that_installs_the_right_one(m
                            r"requirements.txt` \(vllm==0.34.0, torch==2.14.0"):
             rl.prepare_environment(rl.Config())
     assert not rl.version_at_least("dev", 0, 34) and rl.version_at_least("1.0", 0, 34)
+
+
+@pytest.mark.parametrize("gib, hint", [(120, "--micro-batch-tokens 2048 (about 109 GiB)"),
+                                       (105, "--micro-batch-tokens 1024 (about 101 GiB)")])
+def test_check_memory_suggests_the_largest_micro_batch_that_fits(monkeypatch, gib, hint):
+    """Qwen3-8B on two GPUs at 16384 tokens (~218 GiB): the hint is the largest halving that
+    fits (2048 at 120 GiB), down to one sequence (at 105 GiB only --max-model-len's 1024)."""
+    from types import SimpleNamespace
+
+    q8 = SimpleNamespace(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                         hidden_dim=12288, vocab_size=151936, enable_weight_tying=False)
+    props = SimpleNamespace(total_memory=gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    with pytest.raises(rl.ConfigError) as err:
+        rl.check_memory(rl.Config(micro_batch_tokens=16384), q8,
+                        rl.Ranks(0, 2, torch.device("cpu")))
+    assert f"run with {hint}" in str(err.value)

@@ -105,3 +105,22 @@ def test_saved_config_names_the_saved_dtype(ckpt, tmp_path):
     args, hf = load(path)
     rl.save_hf_checkpoint(tmp_path / "o", {k: v.bfloat16() for k, v in hf.items()}, path)
     assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_rotary_inv_freq_buffers_in_the_files_are_not_weights(ckpt, tmp_path):
+    """A checkpoint that stores rotary_emb.inv_freq (older exports do) passes the header check
+    and converts to the same trainer tensors as without it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m"
+    shutil.copytree(ckpt(), path)
+    st = load_file(path / "model.safetensors")
+    st["model.layers.0.self_attn.rotary_emb.inv_freq"] = 1e6 ** -(torch.arange(64) / 64)
+    save_file(st, path / "model.safetensors", metadata={"format": "pt"})
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    rl.check_weight_headers(path, args)  # no ConfigError
+    ours = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
+    plain = rl.hf_to_trainer(rl.load_hf_state_dict(ckpt()), args)
+    assert sorted(ours) == sorted(plain)

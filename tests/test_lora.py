@@ -5,6 +5,7 @@ memory estimate, the refusals, and its checkpoints: adapters only, crafted field
 file, a killed export cleaned at the next start."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -486,3 +487,41 @@ def test_11_the_adapter_names_the_hub_id_as_its_base(ckpt, tmp_path, monkeypatch
     for where in ("final", "checkpoints/step_000002/model"):
         config = json.loads((tmp_path / "h" / where / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == "Org/tiny-qwen3"
+
+
+def adapted(args, targets):
+    with torch.device("meta"):
+        model = rl.Qwen3(args, bib.reference_kernels(), torch.float32)
+        rl.add_lora(model, rl.LoRASpec(8, 16.0, targets))
+    return model
+
+
+def test_lora_init_draws_a_within_one_over_sqrt_of_the_input_width(ckpt):
+    """lora_init is PEFT's: A ~ U(-1/sqrt(K), 1/sqrt(K)), K the layer's input width; B = 0."""
+    args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt()))
+    init = rl.lora_init(adapted(args, ("q_proj", "o_proj", "down_proj")), 0)
+    for name, K in (("layers.0.attention.wqkv.lora.a.0", 256),  # dim
+                    ("layers.0.attention.wo.lora.a.0", 512),  # 4 heads x 128
+                    ("layers.1.feed_forward.w2.lora.a.0", 512)):  # intermediate_size
+        a = init[name]
+        assert a.shape == (8, K)
+        assert 0.9 / math.sqrt(K) < a.abs().max() <= 1 / math.sqrt(K), name
+    assert torch.equal(init["layers.0.attention.wqkv.lora.a.1"], torch.zeros(8, 256))  # k_proj
+    assert all(not b.any() for k, b in init.items() if ".b." in k)
+
+
+def test_a_lora_rank_equal_to_a_layers_width_is_accepted(ckpt):
+    """check_lora refuses a rank above a layer's width, not one equal to it: k_proj is 256 wide
+    (2 kv heads x 128, from dim 256), so rank 256 passes and 320 names it."""
+    args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt()))
+    rl.check_lora(rl.Config(lora_rank=256, lora_targets="k_proj,v_proj"), args)
+    with pytest.raises(rl.ConfigError, match=r"--lora-rank 320 exceeds the width of "
+                                             r"k_proj \(256\), v_proj \(256\)"):
+        rl.check_lora(rl.Config(lora_rank=320, lora_targets="k_proj,v_proj"), args)
+
+
+def test_lora_alpha_may_be_exactly_the_largest_scale_times_r():
+    """validate_lora: alpha / r may be at most MAX_LORA_SCALE: equal passes, above is refused."""
+    rl.validate_lora(rl.Config(lora_rank=8, lora_alpha=8 * rl.MAX_LORA_SCALE))
+    with pytest.raises(rl.ConfigError, match="alpha / r may be at most 1024"):
+        rl.validate_lora(rl.Config(lora_rank=8, lora_alpha=8 * rl.MAX_LORA_SCALE + 1))

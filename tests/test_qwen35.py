@@ -521,3 +521,27 @@ def test_a_vllm_without_the_lora_layers_the_trainer_binds_is_refused_in_one_sent
     with pytest.raises(rl.ConfigError, match=r"vLLM's model has no LoRA layer model\.layers\."
                        r"\d+\.linear_attn\.in_proj_qkvz \(nor \d+ more"):
         rl.bind_lora(model, slots)
+
+
+def test_lora_init_leaves_an_untargeted_in_proj_z_at_zero(q35):
+    """--lora-targets in_proj_qkv: in_proj_qkvz's z slice (its own A, group 1) starts at A = 0,
+    so it stays untrained; the shared q, k, v A is drawn."""
+    from test_lora import adapted
+
+    args = rl.model_args_from_hf(rl.read_qwen3_config(q35()))
+    model = adapted(args, ("in_proj_qkv",))
+    assert model.layers[0].attention.in_proj_qkvz.lora.groups == (0, 0, 0, 1)
+    init = rl.lora_init(model, 0)
+    assert init["layers.0.attention.in_proj_qkvz.lora.a.0"].abs().max() > 0.1
+    assert torch.equal(init["layers.0.attention.in_proj_qkvz.lora.a.1"], torch.zeros(8, 64))
+
+
+def test_in_proj_qkvz_lora_slices_are_q_k_v_z_when_k_and_v_widths_differ(q35):
+    """lora_slice_sizes: in_proj_qkvz's slices are [k, k, v, v] rows (vLLM's q, k, v, z); the
+    tiny Qwen3.5 has k = v (32), so here v_heads 8 makes v = 64 (as Qwen3.5-4B: 2048 vs 4096)."""
+    args = rl.model_args_from_hf(rl.read_qwen3_config(q35()))
+    args.qwen35 = rl.dataclasses.replace(args.qwen35, v_heads=8)  # k = 2 x 16, v = 8 x 8
+    sizes = rl.lora_slice_sizes(args)
+    assert sizes["attention.in_proj_qkvz"] == [32, 32, 64, 64]
+    assert sizes["attention.in_proj_ba"] == [8, 8]
+    assert rl.fused_sizes(args)["attention.in_proj_qkvz.weight"] == [128, 64]

@@ -279,3 +279,33 @@ def test_1_a_checkpoint_naming_other_data_is_refused_before_it_is_read(saved, tm
     err = refuse(latest(tmp_path), capsys)
     assert f"{data} is not what the run read when {ckpt} was saved" in err
     assert "pass --data-files to name the files to use" in err
+
+
+def test_a_reward_drawing_from_pythons_seeded_random_resumes_bit_exact(ckpt, tmp_path):
+    """restore_checkpoint sets Python's (and torch's) RNG to the saved state: a reward that draws
+    from `random` (seeded by the run) gives a resumed run the uninterrupted run's weights."""
+    from helpers import cpu_argv, run_cpu
+
+    mine = tmp_path / "noisy.py"
+    mine.write_text("import random\n\n\ndef f(completion, answer):\n    return random.random()\n")
+    flags = dict(reward=f"{mine}:f", eval_size=0)
+    whole = run_cpu(cpu_argv(ckpt(), tmp_path / "a", steps=4, run_name="r", **flags))
+    part = run_cpu(cpu_argv(ckpt(), tmp_path / "b", steps=2, run_name="r", **flags))
+    assert part != whole
+    saved = tmp_path / "b" / "r" / "checkpoints" / "step_000002"
+    assert run_cpu(["--resume", str(saved), "--steps", "4", "--reward", f"{mine}:f"]) == whole
+
+
+def test_a_resume_reads_the_model_its_command_line_names(saved, ckpt, tmp_path):
+    """--model on a resume (its files the recorded ones: a moved model) is the model the resumed
+    run reads and records, not the checkpoint's path."""
+    import json
+
+    from helpers import copy_checkpoint, latest, main_cpu
+
+    copy_checkpoint(saved, tmp_path)
+    moved = tmp_path / "moved"
+    shutil.copytree(ckpt(), moved)
+    assert main_cpu(latest(tmp_path, "--steps", 4, "--model", moved)) == 0
+    new = tmp_path / "runs" / "r" / "checkpoints" / "step_000004" / "run_config.json"
+    assert json.loads(new.read_text())["model"] == str(moved)

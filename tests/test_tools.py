@@ -400,3 +400,35 @@ def test_a_one_turn_reward_is_called_in_the_main_thread_as_before(ckpt, tmp_path
                     "    return float(len(completion) % 2)\n")
     assert main_cpu(cpu_argv(ckpt(), tmp_path / "runs", reward=f"{path}:main_only",
                              steps=1)) == 0  # signal.alarm, say, works in the main thread only
+
+
+class Partial(rl.Env):
+    """A tool message with a value beside it (end_turn keeps it as the episode's reward so far)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def step(self, completion):
+        return "the tool's answer", self.value
+
+
+def test_a_value_beside_a_tool_message_is_checked_finite_too():
+    """env_step checks a reward given with a tool message as it checks a final one."""
+    assert rl.env_step(Partial(0.25), "text", 3) == ("the tool's answer", 0.25)
+    assert rl.env_step(Partial(None), "text", 3) == ("the tool's answer", None)
+    for bad in (float("nan"), "0.5"):
+        with pytest.raises(rl.RewardError, match="not a finite number in fp32"):
+            rl.env_step(Partial(bad), "text", 3)
+
+
+@pytest.mark.parametrize("error, status", [(rl.ToolError("no such person"), "tool_error"),
+                                           (rl.ToolTimeout("late"), "tool_timeout")])
+def test_a_tool_failure_after_a_partial_reward_ends_the_episode_at_zero(error, status):
+    """end_turn: a ToolError or ToolTimeout ends the episode with reward 0, whatever value an
+    earlier tool message carried."""
+    e = rl.Episode(Partial(0.5), [rl.Turn([1, 2], rl.Completion([3, 4], [-0.1, -0.2], True))])
+    assert rl.end_turn(e, rl.Called(("look it up", 0.5), 0.1), last=False) == "look it up"
+    assert (e.reward, e.tool_calls) == (0.5, 1)
+    assert rl.end_turn(e, rl.Called(error, 0.2), last=False) is None
+    assert (e.status, e.reward) == (status, 0.0)
+    assert abs(e.tool_s - 0.3) < 1e-12
