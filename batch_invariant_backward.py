@@ -1430,36 +1430,53 @@ def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     pad = -L % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, chunk)) for x in (g, beta))  # (B, H, N, C)
-    c = g.cumsum(-1)  # (B, H, N, C)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    A = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C), j <= i
-    solve = functools.partial(torch.linalg.solve_triangular, A, upper=False,
-                              unitriangular=True)  # reads A below the diagonal only: I + A
-    U = solve(beta[..., None] * v)  # (B, H, N, C, Dv)
-    W = solve((beta * c.exp())[..., None] * k)  # (B, H, N, C, Dk)
-    QK = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
+    c, U, W, QK = chunk_terms(q, k, v, g, beta)  # (B, H, N, C, ...)
     S = q.new_zeros(B, H, Dk, v.shape[-1]) if state is None else state.to(q.dtype)
     out = []
     for n in range(q.shape[2]):
-        E = U[:, :, n] - W[:, :, n] @ S  # (B, H, C, Dv)
-        cn = c[:, :, n, :, None]  # (B, H, C, 1)
-        out.append(scale * ((q[:, :, n] * cn.exp()) @ S + QK[:, :, n] @ E))
-        S = cn[:, :, -1:].exp() * S + ((cn[:, :, -1:] - cn).exp() * k[:, :, n]).transpose(
-            -1, -2) @ E
+        o, S = carry_chunk(S, q[:, :, n], k[:, :, n], c[:, :, n], U[:, :, n], W[:, :, n],
+                           QK[:, :, n], scale)
+        out.append(o)
     return torch.cat(out, dim=2)[:, :, :L], S
 
 
-def chunk_rows(cu_seqlens: Tensor, chunk: int = GDN_CHUNK) -> tuple[Tensor, list[int]]:
+def chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
+    """The chunked rule's in-chunk terms (gated_delta_rule_chunked's c, U, W and (Q K^T) * M),
+    every chunk at once: q, k (..., C, Dk), v (..., C, Dv), g, beta (..., C)."""
+    C = g.shape[-1]
+    c = g.cumsum(-1)  # (..., C)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    A = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (..., C, C), j <= i
+    solve = functools.partial(torch.linalg.solve_triangular, A, upper=False,
+                              unitriangular=True)  # reads A below the diagonal only: I + A
+    U = solve(beta[..., None] * v)  # (..., C, Dv)
+    W = solve((beta * c.exp())[..., None] * k)  # (..., C, Dk)
+    return c, U, W, (q @ k.transpose(-1, -2)) * decay
+
+
+def carry_chunk(S: Tensor, q: Tensor, k: Tensor, c: Tensor, U: Tensor, W: Tensor, QK: Tensor,
+                scale: float) -> tuple[Tensor, Tensor]:
+    """One chunk entered with state S (..., Dk, Dv): its output (..., C, Dv) and the state it
+    leaves, O and S_C of gated_delta_rule_chunked's docstring."""
+    c = c[..., None]  # (..., C, 1)
+    E = U - W @ S  # (..., C, Dv)
+    o = scale * ((q * c.exp()) @ S + QK @ E)
+    return o, c[..., -1:, :].exp() * S + ((c[..., -1:, :] - c).exp() * k).transpose(-1, -2) @ E
+
+
+def chunk_rows(cu_seqlens: Tensor, chunk: int = GDN_CHUNK,
+               total: int | None = None) -> tuple[Tensor, list[int]]:
     """Every sequence of a packed batch cut into its own chunks of `chunk` rows, the chunks in
     the order the rule carries its states: every sequence's first chunk, then every second one,
     ..., sequences with more chunks first (so those still going are always a leading run).
     Returns (rows (N, C) int64: each chunk's packed row, T past its sequence's end; counts: the
     chunks at each position, non-increasing). N = sum_b ceil(L_b / C): no sequence is padded
     beyond its last chunk. E.g. lengths (130, 10), C = 64: rows [0..63], [130..139, T...],
-    [64..127], [128, 129, T...]; counts [2, 1, 1]."""
-    starts = cu_seqlens[:-1].long().cpu()
-    lengths = cu_seqlens[1:].long().cpu() - starts
+    [64..127], [128, 129, T...]; counts [2, 1, 1]. total: the packed rows, which the sequences
+    must end at (row T stands for padding)."""
+    cu = cu_seqlens.long().cpu()  # one host sync
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     n = -(-lengths // chunk)  # (B,) chunks of each sequence
     order = torch.argsort(n, descending=True, stable=True)
     counts = (n[None, :] > torch.arange(int(n.max()) if len(n) else 0)[:, None]).sum(1)  # (J,)
@@ -1467,7 +1484,8 @@ def chunk_rows(cu_seqlens: Tensor, chunk: int = GDN_CHUNK) -> tuple[Tensor, list
     r = torch.arange(len(j)) - torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])[j]
     b = order[r]  # (N,) each chunk's sequence
     offset = j[:, None] * chunk + torch.arange(chunk)[None]  # (N, C) within the sequence
-    T = int(cu_seqlens[-1])
+    T = int(cu[-1])
+    assert total is None or total == T, "the sequences must cover every row"
     rows = torch.where(offset < lengths[b][:, None], starts[b][:, None] + offset, T)
     return rows.to(cu_seqlens.device), counts.tolist()
 
@@ -1483,31 +1501,20 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     chunk. q, k (T, H, Dk), v (T, H, Dv), g, beta (T, H) -> o (T, H, Dv) in q's dtype."""
     T, H, Dk = k.shape
     scale = Dk**-0.5 if scale is None else scale
-    rows, counts = chunk_rows(cu_seqlens, chunk)  # (N, C); row T: the zero row added below
-    assert int(cu_seqlens[-1]) == T, "the sequences must cover every row"
+    rows, counts = chunk_rows(cu_seqlens, chunk, T)  # (N, C); row T: the zero row added below
 
     def chunked(x):  # (T, H, ...) -> (N, H, C, ...), zeros past each sequence's end
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows]  # (N, C, H, ...)
         return x.transpose(1, 2)
 
     q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
-    c = g.cumsum(-1)  # (N, H, C)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    A = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (N, H, C, C), j <= i
-    solve = functools.partial(torch.linalg.solve_triangular, A, upper=False,
-                              unitriangular=True)  # reads A below the diagonal only: I + A
-    U = solve(beta[..., None] * v)  # (N, H, C, Dv)
-    W = solve((beta * c.exp())[..., None] * k)  # (N, H, C, Dk)
-    QK = (q @ k.transpose(-1, -2)) * decay  # (N, H, C, C)
+    c, U, W, QK = chunk_terms(q, k, v, g, beta)  # (N, H, C, ...)
     S = q.new_zeros(counts[0] if counts else 0, H, Dk, v.shape[-1])  # the going sequences'
     out, at = [], 0
     for n in counts:  # chunks at this position: the first n sequences' (they are going)
         now = slice(at, at + n)
-        S, cn = S[:n], c[now][..., None]  # (n, H, Dk, Dv), (n, H, C, 1)
-        E = U[now] - W[now] @ S  # (n, H, C, Dv)
-        out.append(scale * ((q[now] * cn.exp()) @ S + QK[now] @ E))
-        S = cn[:, :, -1:].exp() * S + ((cn[:, :, -1:] - cn).exp() * k[now]).transpose(-1, -2) @ E
+        o, S = carry_chunk(S[:n], q[now], k[now], c[now], U[now], W[now], QK[now], scale)
+        out.append(o)
         at += n
     o = torch.cat(out).transpose(1, 2).flatten(0, 1)  # (N C, H, Dv) in rows' order
     keep = rows.flatten() < T
