@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -172,18 +173,24 @@ def test_world_larger_than_the_prompts_is_refused(ckpt, tmp_path, monkeypatch, c
     assert "4 ranks but --num-prompts 2: every rank needs at least one prompt" in err
 
 
-def test_memory_estimate_and_the_advice_it_gives(monkeypatch):
-    from types import SimpleNamespace
+QWEN3_8B = types.SimpleNamespace(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                                 hidden_dim=12288, vocab_size=151936, enable_weight_tying=False)
 
-    qwen3_8b = SimpleNamespace(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
-                               hidden_dim=12288, vocab_size=151936, enable_weight_tying=False)
+
+def gpu_of(monkeypatch, gib: float) -> None:
+    """check_memory sees a GPU of `gib` GiB."""
+    props = types.SimpleNamespace(total_memory=gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+
+def test_memory_estimate_and_the_advice_it_gives(monkeypatch):
+    qwen3_8b = QWEN3_8B
     assert abs(rl.count_params(qwen3_8b) / 8.19e9 - 1) < 0.01
     cfg = rl.Config(micro_batch_tokens=4096)
     one, two = rl.memory_estimate(cfg, qwen3_8b, 1), rl.memory_estimate(cfg, qwen3_8b, 2)
     assert one["trainer state"] == 2 * two["trainer state"] and one["peak"] > 140 * 2**30
     assert two["peak"] < 130 * 2**30  # fits an H200 (measured on two: see README)
-    props = SimpleNamespace(total_memory=143 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gpu_of(monkeypatch, 143)
     with pytest.raises(rl.ConfigError) as err:
         rl.check_memory(cfg, qwen3_8b, rl.Ranks(0, 1, torch.device("cpu")))
     assert "a model of 8.19B parameters needs about" in str(err.value)  # any architecture
@@ -296,13 +303,8 @@ def test_an_older_vllm_is_refused_with_the_command_that_installs_the_right_one(m
 def test_check_memory_suggests_the_largest_micro_batch_that_fits(monkeypatch, gib, hint):
     """Qwen3-8B on two GPUs at 16384 tokens (~218 GiB): the hint is the largest halving that
     fits (2048 at 120 GiB), down to one sequence (at 105 GiB only --max-model-len's 1024)."""
-    from types import SimpleNamespace
-
-    q8 = SimpleNamespace(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
-                         hidden_dim=12288, vocab_size=151936, enable_weight_tying=False)
-    props = SimpleNamespace(total_memory=gib * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gpu_of(monkeypatch, gib)
     with pytest.raises(rl.ConfigError) as err:
-        rl.check_memory(rl.Config(micro_batch_tokens=16384), q8,
+        rl.check_memory(rl.Config(micro_batch_tokens=16384), QWEN3_8B,
                         rl.Ranks(0, 2, torch.device("cpu")))
     assert f"run with {hint}" in str(err.value)

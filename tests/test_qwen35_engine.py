@@ -270,18 +270,25 @@ def test_packed_holds_each_samples_prefill_length():
     assert spans == [(3, 5), (6, 9)]  # the rows vLLM decoded, one a step
 
 
+def worked_episodes(routed=None) -> list:
+    """The worked example's episodes: 0 of one turn, 1 of three; routed[k]: turn k's experts."""
+    routed = routed or [None] * 4
+
+    def turn(ctx, ids, r):
+        return rl.Turn(ctx, rl.Completion(ids, [0.0] * len(ids), True, r))
+
+    return [rl.Episode(None, [turn([1, 2], [3], routed[0])]),
+            rl.Episode(None, [turn([4], [5, 6], routed[1]), turn([7], [8], routed[2]),
+                              turn([9, 10], [11, 12], routed[3])])]
+
+
 def test_a_qwen35s_episodes_are_packed_a_turn_a_sample_with_its_whole_request():
     """Worked example: episode 0 of one turn (prompt [1, 2], out [3]); episode 1 of three (prompt
     [4], out [5, 6]; tool [7], out [8]; tool [9, 10], out [11, 12]). By turn, each turn is a
     sample prompted with its request as vLLM got it (every earlier turn and tool message), all
     of it prefilled; the targets are the outs in the order of the engine's logprobs. Not by
     turn (Qwen3): an episode a sample, the tools' ids context, not targets."""
-    def turn(ctx, ids):
-        return rl.Turn(ctx, rl.Completion(ids, [0.0] * len(ids), True))
-
-    episodes = [rl.Episode(None, [turn([1, 2], [3])]),
-                rl.Episode(None, [turn([4], [5, 6]), turn([7], [8]), turn([9, 10], [11, 12])])]
-    rollout = rl.episodes_rollout(episodes, False)
+    rollout = rl.episodes_rollout(worked_episodes(), False)
     p, episode = rl.pack_rollout(rollout, by_turn=True)
     assert episode.tolist() == [0, 1, 1, 1]
     assert p.cu_seqlens.tolist() == [0, 3, 6, 11, 20]
@@ -293,18 +300,6 @@ def test_a_qwen35s_episodes_are_packed_a_turn_a_sample_with_its_whole_request():
     whole, episode = rl.pack_rollout(rollout, by_turn=False)
     assert episode.tolist() == [0, 1] and whole.cu_seqlens.tolist() == [0, 3, 12]
     assert whole.targets.tolist() == [3, 5, 6, 8, 11, 12] and whole.prefill.tolist() == [2, 1]
-
-
-def worked_episodes(routed=None) -> list:
-    """The worked example's episodes: 0 of one turn, 1 of three; routed[k]: turn k's experts."""
-    routed = routed or [None] * 4
-
-    def turn(ctx, ids, r):
-        return rl.Turn(ctx, rl.Completion(ids, [0.0] * len(ids), True, r))
-
-    return [rl.Episode(None, [turn([1, 2], [3], routed[0])]),
-            rl.Episode(None, [turn([4], [5, 6], routed[1]), turn([7], [8], routed[2]),
-                              turn([9, 10], [11, 12], routed[3])])]
 
 
 def test_an_episodes_routes_are_its_turns_or_none_where_a_turn_has_none():
