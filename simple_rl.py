@@ -2913,6 +2913,9 @@ def check_qwen35_config(raw: dict, file: Path) -> None:
     need(type(k) is int and type(v) is int and k >= 1 and v >= 1 and v % k == 0, f"{file}: "
          f"linear_num_key_heads ({k!r}) must be a whole number >= 1 and "
          f"linear_num_value_heads ({v!r}) a multiple of it.")
+    width = raw.get("linear_conv_kernel_dim", 4)
+    need(type(width) is int and 2 <= width <= 7, f"{file}: linear_conv_kernel_dim {width!r} "
+         "must be a whole number from 2 to 7 (the widths vLLM's causal conv kernels run).")
 
 
 def read_qwen3_config(path: Path):
@@ -2944,6 +2947,7 @@ def read_qwen3_config(path: Path):
         raw = raw.get("text_config")
         need(isinstance(raw, dict), f"{file}: a Qwen3.5 with a vision tower needs its "
              "text_config (a JSON object).")
+    check_sizes(raw, file)
     if "Moe" in kind:
         check_moe_config(raw, file, shared="3_5" in kind)
     if "3_5" in kind:
@@ -2966,6 +2970,20 @@ def read_qwen3_config(path: Path):
          f"{path}: only silu MLPs, bias-free attention and default RoPE are supported.")
     check_config_numbers(hf, file)
     return hf
+
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
+         "shared_expert_intermediate_size", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def check_sizes(raw: dict, file: Path) -> None:
+    """Every size config.json gives is a whole number >= 1 (a negative one made a traceback in
+    the shape checks; transformers takes any number)."""
+    for key in SIZES:
+        n = raw.get(key)
+        need(n is None or (type(n) is int and n >= 1), f"{file}: {key} {n!r} must be a whole "
+             "number >= 1.")
 
 
 def finite_number(x) -> bool:
@@ -3124,8 +3142,12 @@ def tool_stop_ids(tokenizer, stops: str) -> list[int]:
     return ids
 
 
+A_LOG_MAX = math.log(torch.finfo(torch.float32).max)  # 88.72: exp above it overflows fp32
+
+
 def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite."""
+    """All tensors of a (possibly sharded) safetensors checkpoint, on CPU, checked finite (A_log
+    below the value whose exp overflows)."""
     from safetensors.torch import load_file
 
     state = {}
@@ -3138,6 +3160,9 @@ def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     need(not bad, f"{path}: {', '.join(bad[:3])} hold NaN or Inf values; training from them "
          "would be meaningless.")
+    bad = [k for k, v in state.items() if k.endswith("A_log") and v.float().max() > A_LOG_MAX]
+    need(not bad, f"{path}: {', '.join(bad[:3])} hold values above {A_LOG_MAX:.2f}, where "
+         "exp(A_log), the decay's rate, overflows fp32 (NaN at the first step).")
     return state
 
 

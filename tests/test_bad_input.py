@@ -272,6 +272,48 @@ def test_q35_linear_heads_that_do_not_share_k_heads_evenly_are_refused(q35, tmp_
                    f"be a whole number >= 1 and linear_num_value_heads ({v!r}) a multiple of it.")
 
 
+@pytest.mark.parametrize("key,value", [
+    ("linear_key_head_dim", -16), ("linear_value_head_dim", 0), ("hidden_size", -1),
+    ("vocab_size", -1), ("intermediate_size", 2.5), ("head_dim", -32),
+])
+def test_q35_sizes_below_one_are_refused(q35, tmp_path, capsys, key, value):
+    """Before: a traceback from the weight headers' shape check (a negative size), or a sentence
+    that blamed partial_rotary_factor (a negative head_dim)."""
+    m = edited_q35(q35, tmp_path, lambda c: c.update({key: value}))
+    err = refuse(cpu_argv(m, tmp_path / "logs") + ["--check"], capsys)
+    assert err == (f"simple_rl: error: {m / 'config.json'}: {key} {value!r} must be a whole "
+                   "number >= 1.")
+
+
+@pytest.mark.parametrize("width", [1, 8, 0, "4"])
+def test_q35_conv_widths_vllm_cannot_run_are_refused(q35, tmp_path, capsys, width):
+    """vLLM's causal conv kernels run widths 2 to 7 (Qwen3.5's is 4): before, a width of 0 with
+    matching conv weights passed --check and failed at the first forward (an IndexError), and 1
+    or 8 would have failed in vLLM after its start."""
+    m = edited_q35(q35, tmp_path, lambda c: c.update(linear_conv_kernel_dim=width))
+    err = refuse(cpu_argv(m, tmp_path / "logs") + ["--check"], capsys)
+    assert err == (f"simple_rl: error: {m / 'config.json'}: linear_conv_kernel_dim {width!r} "
+                   "must be a whole number from 2 to 7 (the widths vLLM's causal conv kernels "
+                   "run).")
+
+
+def test_an_A_log_whose_exp_overflows_is_refused_before_the_engine(q35, tmp_path, capsys):
+    """A_log = 100 is finite, but -exp(A_log), the decay, is -inf in fp32: before, the checks
+    passed and the first step gave NaN after the engine's start."""
+    from safetensors.torch import load_file, save_file
+
+    m = tmp_path / "m"
+    shutil.copytree(q35(), m)
+    state = load_file(m / "model.safetensors")
+    key = "model.layers.0.linear_attn.A_log"
+    state[key] = torch.full_like(state[key], 100.0)
+    save_file(state, m / "model.safetensors")
+    err = refuse(cpu_argv(m, tmp_path / "logs"), capsys)
+    assert err == (f"simple_rl: error: {m}: {key} hold values above 88.72, where exp(A_log), "
+                   "the decay's rate, overflows fp32 (NaN at the first step).")
+    assert not (tmp_path / "logs").exists()
+
+
 def test_an_infinite_rms_norm_eps_is_refused(ckpt, tmp_path):
     """check_config_numbers: rms_norm_eps must be finite (inf would zero every norm's output)."""
     import json
