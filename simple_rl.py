@@ -2973,8 +2973,8 @@ def read_qwen3_config(path: Path):
 
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-         "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
-         "shared_expert_intermediate_size", "linear_key_head_dim", "linear_value_head_dim")
+         "num_attention_heads", "num_key_value_heads", "head_dim", "linear_key_head_dim",
+         "linear_value_head_dim")  # the experts' sizes: check_moe_config
 
 
 def check_sizes(raw: dict, file: Path) -> None:
@@ -6214,7 +6214,7 @@ def memory_estimate(cfg: Config, args, world: int,
     per_token_layer = token_layer_bytes(args)
     turns = samples_an_episode(cfg, args)
     rows, generated = trained_rows(cfg, world, prompts, turns)
-    transient = layer_backward_bytes(cfg, args, world, prompts, turns)
+    transient = layer_backward_bytes(args, rows, padded_rows(cfg, world, prompts, turns))
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
     a = lora_params(cfg, args)  # LoRA: the trained parameters; the base is the engine's
@@ -6251,17 +6251,17 @@ def memory_estimate(cfg: Config, args, world: int,
     return est
 
 
-def layer_backward_bytes(cfg: Config, args, world: int, prompts: tuple[int, int],
-                         turns: int) -> float:
-    """Peak bytes one layer's backward makes beyond what the forward kept: a sparse layer's
+def layer_backward_bytes(args, rows: int, padded: int) -> float:
+    """Peak bytes one layer's backward makes beyond what the forward kept, over `rows` trained
+    rows (`padded`: the Gated DeltaNet rule's, each sample to whole chunks): a sparse layer's
     grouped experts recompute their inner activations (h, a, W2^T g in fp32, dh and dx a slot,
     the fp32 sum of dx a token: 15.5 KiB a slot measured at Qwen3-30B-A3B's shape), a Gated
     DeltaNet layer its rule and conv in fp32 (`gdn_backward_bytes`); the larger of the two."""
     moe = 0
     if sparse_layers(args):
-        m, (rows, _) = args.moe_args, trained_rows(cfg, world, prompts, turns)
+        m = args.moe_args
         moe = rows * (m.top_k * (14 * args.moe_inter_dim + 2 * args.dim) + 4 * args.dim)
-    return max(moe, gdn_backward_bytes(args, padded_rows(cfg, world, prompts, turns)))
+    return max(moe, gdn_backward_bytes(args, padded))
 
 
 def late_gradients(cfg: Config, world: int, prompts: tuple[int, int], turns: int,
