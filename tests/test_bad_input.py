@@ -316,8 +316,6 @@ def test_an_A_log_whose_exp_overflows_is_refused_before_the_engine(q35, tmp_path
 
 def test_an_infinite_rms_norm_eps_is_refused(ckpt, tmp_path):
     """check_config_numbers: rms_norm_eps must be finite (inf would zero every norm's output)."""
-    import json
-
     path = tmp_path / "m"
     shutil.copytree(ckpt(), path)
     raw = json.loads((path / "config.json").read_text())
