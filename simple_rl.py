@@ -6128,9 +6128,10 @@ def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
 # activations; the experts' fp32 masters, gradients, AdamW state, bf16 casts and the engine's bf16
 # copy, a few large tensors made once, get none (their 4 layers on vLLM 0.26: 76 GiB estimated
 # against 69.3 in use, 101 with the slack on them; on 0.34, 58.3 in use against 65.5 with the
-# gradients counted as late_gradients says). Dense 8B on two GPUs is the known low one: 124.5
-# against 132 in use. Under LoRA nothing gets slack: the push empties the trainer's cache before the
-# KV cache maps again, and the allocator grows its segments in place (see the top of this file).
+# gradients counted as late_gradients says: results/h200_a3b_memory_q35_resume/). Dense 8B on
+# two GPUs is the known low one: 124.5 against 132 in use. Under LoRA nothing gets slack: the
+# push empties the trainer's cache before the KV cache maps again, and the allocator grows its
+# segments in place (see the top of this file).
 # Measured (results/h200_lora_memory/): Qwen3-14B 123.9 GiB in use against 138.1 at 12288 tokens a
 # micro-batch (1.11x), 92.2 against 103.1 at 8192 (1.12x); Qwen3-32B's layers cut to 16 of 64: 36.9
 # against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x).
