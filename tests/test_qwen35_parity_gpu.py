@@ -6,6 +6,7 @@ alone must draw what they drew inside the batch.
 
 Then simple_rl.py itself on that model at T = 0.7: two runs and a resumed one end at one sha256,
 0 mismatched tokens at every step; and episodes of 1-4 turns with tool messages between them.
+Last, the parity checks on Qwen3.5-4B's exact shape, whole, at 256 and 2048 new tokens.
 
 The model: Qwen3.5-0.8B's shapes (head_dim 256, 16 linear heads of 128, partial rotary), cut
 to 4 layers (three Gated DeltaNet, one gated attention), random bf16 weights. It runs through
@@ -34,10 +35,10 @@ RUNS = {"cuda-graphs": (), "eager": ("--no-cuda-graphs",),
         "t07-long-prompts": ("--temperature", "0.7", "--max-prompt", "1000")}
 
 
-def make_qwen35(out: Path, *flags) -> Path:
+def make_qwen35(out: Path, *flags, shape=SHAPE) -> Path:
     if not (out / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(out),
-                        *SHAPE, "--device", "cuda", *flags], check=True, timeout=900)
+                        *shape, "--device", "cuda", *flags], check=True, timeout=900)
     return out
 
 
@@ -125,3 +126,32 @@ def test_lora_on_a_qwen35_every_token_bitwise_equal_and_deterministic(tmp_path):
     assert len(parity) == 3 and all("identical=yes" in line for line in parity), a[0]
     assert a[0] == b[0] and a[1] == b[1]
     print({"sha256": a[1], "lines": a[0]})
+
+
+# Qwen3.5-4B whole (32 layers: 24 Gated DeltaNet, 8 gated attention), full fine-tuning, prompts
+# of 1 to 1000 tokens, two steps (a push between): 256 new tokens at T = 1 with CUDA graphs, and
+# 2048 at T = 0.7 eager (fewer samples: 131,072 generated tokens a step)
+FOUR_B = {"256-graphs": ("--max-new-tokens", "256", "--group", "8"),
+          "2048-t07-eager": ("--max-new-tokens", "2048", "--group", "4", "--temperature", "0.7",
+                             "--no-cuda-graphs")}
+
+
+@pytest.fixture(scope="module")
+def qwen35_4b(tmp_path_factory):
+    _need_gpu_stack()
+    return make_qwen35(tmp_path_factory.mktemp("q35_4b") / "ckpt", shape=("--preset", "qwen3.5-4b"))
+
+
+@pytest.mark.parametrize("run", list(FOUR_B))  # the shorter first
+def test_every_token_of_qwen35_4b_bitwise_equal(qwen35_4b, tmp_path, run):
+    """Qwen3.5-4B's exact shape (random weights): every generated token's logprob vLLM's, the
+    weights equal after the push, three prompts alone sampling what they sampled among 16."""
+    r = driver(tmp_path, "parity", "--ckpt", qwen35_4b, "--prompts", "16", "--steps", "2",
+               "--max-prompt", "1000", *FOUR_B[run])
+    print({k: v for k, v in r.items() if k != "steps"}, *r["steps"], sep="\n")
+    assert r["weights_equal_at_start"] and r["batch_free"]
+    for s in r["steps"]:
+        assert s["prompt_lens"] == [1, 1000] and s["samples"] == 16 * int(FOUR_B[run][3]), s
+        assert s["max_completion"] == int(FOUR_B[run][1]), s  # random weights: eos is rare
+        assert s["mismatched"] == 0 and s["max_abs_diff"] == 0, s
+        assert s["weights_equal_after_push"], s
