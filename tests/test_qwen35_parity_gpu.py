@@ -130,7 +130,8 @@ def test_lora_on_a_qwen35_every_token_bitwise_equal_and_deterministic(tmp_path):
 
 # Qwen3.5-4B whole (32 layers: 24 Gated DeltaNet, 8 gated attention), full fine-tuning, prompts
 # of 1 to 1000 tokens, two steps (a push between): 256 new tokens at T = 1 with CUDA graphs, and
-# 2048 at T = 0.7 eager (fewer samples: 131,072 generated tokens a step)
+# 2048 at T = 0.7 eager (fewer samples: 131,072 generated tokens a step). Micro-batches as
+# simple_rl picks them (4096 tokens: about 122 GiB estimated of an H200's 140)
 FOUR_B = {"256-graphs": ("--max-new-tokens", "256", "--group", "8"),
           "2048-t07-eager": ("--max-new-tokens", "2048", "--group", "4", "--temperature", "0.7",
                              "--no-cuda-graphs")}
@@ -147,7 +148,7 @@ def test_every_token_of_qwen35_4b_bitwise_equal(qwen35_4b, tmp_path, run):
     """Qwen3.5-4B's exact shape (random weights): every generated token's logprob vLLM's, the
     weights equal after the push, three prompts alone sampling what they sampled among 16."""
     r = driver(tmp_path, "parity", "--ckpt", qwen35_4b, "--prompts", "16", "--steps", "2",
-               "--max-prompt", "1000", *FOUR_B[run])
+               "--max-prompt", "1000", "--micro-batch-tokens", "0", *FOUR_B[run])
     print({k: v for k, v in r.items() if k != "steps"}, *r["steps"], sep="\n")
     assert r["weights_equal_at_start"] and r["batch_free"]
     for s in r["steps"]:
