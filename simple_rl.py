@@ -24,13 +24,13 @@ step checks that for every token of every sample, then pushes the new weights in
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
     A_i     = (r_i - mean_g r) / (std_g r + eps)          (or r_i - mean_g r)
-    rho_it  = exp(logp_theta(y_it) - logp_rollout(y_it))
+    rho_it  = exp(logp_theta(y_it) - logp_old(y_it))
     pg_it   = -min(rho_it A_i, clip(rho_it, 1 - eps_c, 1 + eps_c) A_i)
     kl_it   = exp(q_it) - q_it - 1,  q_it = logp_ref(y_it) - logp_theta(y_it)   (k3 estimator)
     L       = sum_it (pg_it + beta kl_it - c_H H_it) / (generated tokens in the batch, all ranks)
 
 Departures from textbook GRPO/PPO:
-  * The old policy is the rollout policy as computed *by vLLM*. The trainer reproduces vLLM's
+  * The old policy is the one that sampled, as computed *by vLLM*. The trainer reproduces vLLM's
     numbers exactly, so rho = 1 at the first update; the clip acts only with
     `--updates-per-batch` > 1.
   * Logprobs are those of the sampling distribution softmax(logits / T): vLLM returns
@@ -263,7 +263,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # linear layer's kernel makes that cast itself, so its weight gradient leaves the GEMM in fp32
 # with no cast pass. An update casts the weights once for all its micro-batches
 # (`weights_cast_once`). Under FSDP2 the all-gather already produced the bf16 cast (Qwen3.5's
-# Gated DeltaNet layers: fp32, cast in the forward).
+# Gated DeltaNet layers: fp32, cast in the forward). LoRA's adapters are cast where the engine
+# reads them (`LoRA.refresh`, its adapter slot); a full push sends `hf_weights`' casts.
 
 
 class Embedding(nn.Module):
@@ -1030,6 +1031,7 @@ class Engine:
 
     cfg: Config
     returns_routes = False  # vLLM returns the experts each token chose (Qwen3-MoE)
+    lora: LoRASpec | None = None  # LoRA: the adapters the engine serves
     lora_tensors: dict | None = None  # LoRA: the adapter slot's tensors, by vLLM's layer name
 
     def base_weights(self, args) -> dict[str, torch.Tensor] | None:
@@ -1802,7 +1804,7 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
 
 
 class Update(NamedTuple):
-    """What train_step computes: its first update's numbers (those the rollout's policy gives)."""
+    """What train_step computes: its first update's numbers (those of the policy that sampled)."""
     sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
     grad_norm: torch.Tensor  # () the global gradient norm, before clipping
     logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
@@ -1993,7 +1995,7 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
     cache is dropped, since its KV was computed with the old weights. Returns the seconds the
     waking took (the rest is the push itself; under LoRA policy_weights wrote the adapter).
     """
-    lora = getattr(engine, "lora", None)
+    lora = engine.lora
     t0 = time.perf_counter()
     if engine.asleep:
         free, _ = torch.cuda.mem_get_info()
