@@ -159,7 +159,7 @@ def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(
             events.append("reset")
 
     class Engine:
-        llm, wake_bytes = LLM(), 30 * 2**30
+        llm, wake_bytes, lora = LLM(), 30 * 2**30, None
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     for free_gib, emptied in ((10, True), (40, False)):
