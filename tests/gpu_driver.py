@@ -152,6 +152,9 @@ def parity(args) -> dict:
         # the engine's speed settings that the parity runs vouch for
         async_scheduling=engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
         linear_on_cublaslt=linear_on_cublaslt(engine),
+        # simple_rl's banner estimate for this run (GiB per GPU), beside each step's peaks
+        memory_estimate_gib=rl.memory_estimate(cfg, model.args, ranks.world,
+                                               (1, args.max_prompt))["peak"] / 2**30,
     )
     for step in range(args.steps):
         t0 = time.perf_counter()
