@@ -2912,12 +2912,11 @@ def check_qwen35_config(raw: dict, file: Path) -> None:
          "Qwen3.5's gated attention, silu-gated linear attention and no layer_scale only.")
     k = raw.get("linear_num_key_heads", 16)  # transformers' defaults
     v = raw.get("linear_num_value_heads", 32)
-    need(type(k) is int and type(v) is int and k >= 1 and v >= 1 and v % k == 0, f"{file}: "
-         f"linear_num_key_heads ({k!r}) must be a whole number >= 1 and "
-         f"linear_num_value_heads ({v!r}) a multiple of it.")
+    need(whole(k) and whole(v) and v % k == 0, f"{file}: linear_num_key_heads ({k!r}) must be "
+         f"a whole number >= 1 and linear_num_value_heads ({v!r}) a multiple of it.")
     width = raw.get("linear_conv_kernel_dim", 4)
-    need(type(width) is int and 2 <= width <= 7, f"{file}: linear_conv_kernel_dim {width!r} "
-         "must be a whole number from 2 to 7 (the widths vLLM's causal conv kernels run).")
+    need(whole(width, 2, 7), f"{file}: linear_conv_kernel_dim {width!r} must be a whole number "
+         "from 2 to 7 (the widths vLLM's causal conv kernels run).")
 
 
 def read_qwen3_config(path: Path):
@@ -2955,7 +2954,7 @@ def read_qwen3_config(path: Path):
     if "3_5" in kind:
         check_qwen35_config(raw, file)
     positions = raw.get("max_position_embeddings", 1)  # the model's rotary cache has this size
-    need(type(positions) is int and 1 <= positions <= MAX_POSITIONS, f"{file}: "
+    need(whole(positions, 1, MAX_POSITIONS), f"{file}: "
          f"max_position_embeddings {positions!r} must be a whole number in [1, "
          f"{MAX_POSITIONS:,}] (the rotary cache holds a row per position).")
     try:
@@ -2984,12 +2983,17 @@ def check_sizes(raw: dict, file: Path) -> None:
     the shape checks; transformers takes any number)."""
     for key in SIZES:
         n = raw.get(key)
-        need(n is None or (type(n) is int and n >= 1), f"{file}: {key} {n!r} must be a whole "
+        need(n is None or whole(n), f"{file}: {key} {n!r} must be a whole "
              "number >= 1.")
 
 
 def finite_number(x) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
+
+
+def whole(x, low: int = 1, high: float = math.inf) -> bool:
+    """x is an int (not a bool, nor a float such as 2.0) in [low, high]."""
+    return type(x) is int and low <= x <= high
 
 
 def check_config_numbers(hf, file: Path) -> None:
@@ -3023,20 +3027,18 @@ def check_moe_config(raw: dict, file: Path, shared: bool = False) -> None:
     both = {raw[key] for key in ("num_experts", "num_local_experts") if key in raw}
     need(len(both) <= 1, f"{file}: num_experts and num_local_experts disagree ({sorted(both)}); "
          "keep one.")  # transformers reads num_local_experts, vLLM num_experts
-    need(type(n) is int and n >= 1 and type(k) is int and 1 <= k <= n, f"{file}: num_experts "
-         f"{n!r} and num_experts_per_tok {k!r} must be whole numbers, 1 <= top-k <= experts.")
-    need(type(step) is int and step >= 1, f"{file}: decoder_sparse_step {step!r} must be a "
-         "whole number >= 1.")
+    need(whole(n) and whole(k, 1, n), f"{file}: num_experts {n!r} and num_experts_per_tok "
+         f"{k!r} must be whole numbers, 1 <= top-k <= experts.")
+    need(whole(step), f"{file}: decoder_sparse_step {step!r} must be a whole number >= 1.")
     need(isinstance(only, list) and all(type(i) is int for i in only),
          f"{file}: mlp_only_layers {only!r} must be a list of layer indices.")
-    need(type(raw.get("moe_intermediate_size")) is int and raw["moe_intermediate_size"] >= 1,
-         f"{file}: moe_intermediate_size {raw.get('moe_intermediate_size')!r} must be a whole "
-         "number >= 1.")
+    inter = raw.get("moe_intermediate_size")
+    need(whole(inter), f"{file}: moe_intermediate_size {inter!r} must be a whole number >= 1.")
     size = raw.get("shared_expert_intermediate_size")
     need(shared or not size, f"{file}: shared experts (shared_expert_intermediate_size) are "
          "not supported: Qwen3-MoE has none.")
-    need(not shared or type(size) is int and size >= 1, f"{file}: Qwen3.5-MoE's "
-         f"shared_expert_intermediate_size {size!r} must be a whole number >= 1.")
+    need(not shared or whole(size), f"{file}: Qwen3.5-MoE's shared_expert_intermediate_size "
+         f"{size!r} must be a whole number >= 1.")
     need(type(raw.get("norm_topk_prob", False)) is bool, f"{file}: norm_topk_prob must be "
          "true or false.")
 
