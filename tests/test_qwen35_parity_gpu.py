@@ -57,16 +57,21 @@ def qwen35_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("run", sorted(RUNS))
-def test_every_generated_token_of_a_qwen35_bitwise_equal(qwen35_runs, run):
-    r = qwen35_runs(run)
+def check_every_step(r: dict, longest_prompt: int, samples: int) -> None:
+    """A parity run's steps: every generated token's logprob vLLM's, the weights equal at the
+    start and after each push."""
     assert r["weights_equal_at_start"]
     for s in r["steps"]:
-        assert s["prompt_lens"] == [1, 1000 if run.startswith("t07") else 220]
-        assert s["samples"] == 16 * 8
-        assert s["tokens"] > 16 * 8
+        assert s["prompt_lens"] == [1, longest_prompt]
+        assert s["samples"] == samples
+        assert s["tokens"] > samples
         assert s["mismatched"] == 0 and s["max_abs_diff"] == 0, s
         assert s["weights_equal_after_push"], s
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_generated_token_of_a_qwen35_bitwise_equal(qwen35_runs, run):
+    check_every_step(qwen35_runs(run), 1000 if run.startswith("t07") else 220, 16 * 8)
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
@@ -129,12 +134,11 @@ def test_lora_on_a_qwen35_every_token_bitwise_equal_and_deterministic(tmp_path):
 
 
 # Qwen3.5-4B whole (32 layers: 24 Gated DeltaNet, 8 gated attention), full fine-tuning, prompts
-# of 1 to 1000 tokens, two steps (a push between): 256 new tokens at T = 1 with CUDA graphs, and
-# 2048 at T = 0.7 eager (fewer samples: 131,072 generated tokens a step). Micro-batches as
-# simple_rl picks them (4096 tokens: about 122 GiB estimated of an H200's 140)
-FOUR_B = {"256-graphs": ("--max-new-tokens", "256", "--group", "8"),
-          "2048-t07-eager": ("--max-new-tokens", "2048", "--group", "4", "--temperature", "0.7",
-                             "--no-cuda-graphs")}
+# of 1 to 1000 tokens, two steps (a push between): (new tokens, samples a prompt, flags). 256 at
+# T = 1 with CUDA graphs; 2048 at T = 0.7 eager, fewer samples (131,072 generated tokens a step).
+# Micro-batches as simple_rl picks them (4096 tokens: about 122 GiB estimated of an H200's 140).
+FOUR_B = {"256-graphs": (256, 8, ()),
+          "2048-t07-eager": (2048, 4, ("--temperature", "0.7", "--no-cuda-graphs"))}
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +151,11 @@ def qwen35_4b(tmp_path_factory):
 def test_every_token_of_qwen35_4b_bitwise_equal(qwen35_4b, tmp_path, run):
     """Qwen3.5-4B's exact shape (random weights): every generated token's logprob vLLM's, the
     weights equal after the push, three prompts alone sampling what they sampled among 16."""
-    r = driver(tmp_path, "parity", "--ckpt", qwen35_4b, "--prompts", "16", "--steps", "2",
-               "--max-prompt", "1000", "--micro-batch-tokens", "0", *FOUR_B[run])
-    print({k: v for k, v in r.items() if k != "steps"}, *r["steps"], sep="\n")
-    assert r["weights_equal_at_start"] and r["batch_free"]
-    for s in r["steps"]:
-        assert s["prompt_lens"] == [1, 1000] and s["samples"] == 16 * int(FOUR_B[run][3]), s
-        assert s["max_completion"] == int(FOUR_B[run][1]), s  # random weights: eos is rare
-        assert s["mismatched"] == 0 and s["max_abs_diff"] == 0, s
-        assert s["weights_equal_after_push"], s
+    new, group, flags = FOUR_B[run]
+    r = driver(tmp_path, "parity", "--ckpt", qwen35_4b, "--prompts", 16, "--group", group,
+               "--max-new-tokens", new, "--steps", 2, "--max-prompt", 1000,
+               "--micro-batch-tokens", 0, *flags)
+    print({k: v for k, v in r.items() if k != "steps"}, *r["steps"], sep="\n")  # memory too
+    check_every_step(r, 1000, 16 * group)
+    assert r["batch_free"]
+    assert all(s["max_completion"] == new for s in r["steps"])  # random weights: eos is rare
