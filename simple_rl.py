@@ -1674,7 +1674,8 @@ def next_turns(engine: Engine, episodes: list[Episode], going: list[Going],
 
 class Called(NamedTuple):
     """A call to an env as call_tools reports it ("Tools", after the story ends)."""
-    out: object  # what it returned, or the exception it raised (ToolTimeout: it ran too long)
+    value: object  # what it returned (None if it raised)
+    error: BaseException | None  # what it raised (ToolTimeout: it ran too long), else None
     seconds: float
 
 
@@ -1682,13 +1683,13 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     """What the env made of the episode's last turn (env_step's (message, reward), or what it
     raised): the tool message if the episode goes on, else None, the episode ended."""
     episode.tool_s += called.seconds
-    if isinstance(called.out, (ToolError, ToolTimeout)):  # ends the episode, reward 0
+    if isinstance(called.error, (ToolError, ToolTimeout)):  # ends the episode, reward 0
         episode.reward = 0.0
-        episode.end("tool_error" if isinstance(called.out, ToolError) else "tool_timeout")
+        episode.end("tool_error" if isinstance(called.error, ToolError) else "tool_timeout")
         return None
-    if isinstance(called.out, BaseException):  # anything else (a RewardError): the step stops
-        raise called.out
-    message, value = called.out
+    if called.error is not None:  # anything else (a RewardError): the step stops
+        raise called.error
+    message, value = called.value
     episode.reward = value or 0.0
     if message is None:
         end = episode.turns[-1]
@@ -4270,14 +4271,15 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[Called]:
                 except queue.Empty:
                     return
                 started[i], running[i] = time.perf_counter(), me
+                value = error = None
                 try:
-                    out = calls[i]()
+                    value = calls[i]()
                 except BaseException as e:  # the caller raises it in the main thread, in order
-                    out = e
-                forked_off(pid, out)
+                    error = e
+                forked_off(pid, error)
                 with gate:  # after this, no ToolAbandoned is sent for call i
                     running[i] = None
-                done.put((i, out, time.perf_counter() - started[i]))
+                done.put((i, Called(value, error, time.perf_counter() - started[i])))
                 if results[i] is not None:  # abandoned: another thread took this one's place
                     return
         except ToolAbandoned:  # sent while the call ran: it lands by the gate's end at latest
@@ -4289,22 +4291,22 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[Called]:
     while left:
         if StopRequest.asked():
             raise ToolsStopped(StopRequest.asked())
-        for i, out, seconds in finished(done, next_late(running, started, cfg.tool_timeout)):
+        for i, called in finished(done, next_late(running, started, cfg.tool_timeout)):
             if results[i] is None:
-                results[i], left = Called(out, seconds), left - 1
+                results[i], left = called, left - 1
         for _ in range(abandon_late(running, started, results, cfg.tool_timeout, gate)):
             left -= 1
             spawn(worker, cfg)  # its thread is stuck in the call: another takes the calls left
     return results
 
 
-def forked_off(pid: int, out) -> None:
+def forked_off(pid: int, error: BaseException | None) -> None:
     """In a child that a tool forked and that came back from the call (instead of exiting): exit
     now, as its call ended (0, or 1 if it raised). Left to go on, a child forked on a tool's
     thread would end that thread, its only one, and CPython aborts such a child with a "Fatal
     Python error" dump on the run's stderr; forked by a --reward call, it would go on training."""
     if os.getpid() != pid:
-        os._exit(1 if isinstance(out, BaseException) else 0)
+        os._exit(0 if error is None else 1)
 
 
 def spawn(worker: Callable, cfg: Config) -> None:
@@ -4323,7 +4325,7 @@ def next_late(running: list, started: list, timeout: float) -> float:
     return min([STOP_POLL_S, *due] if timeout else [STOP_POLL_S])
 
 
-def finished(done: queue.SimpleQueue, wait: float) -> list[tuple[int, object, float]]:
+def finished(done: queue.SimpleQueue, wait: float) -> list[tuple[int, Called]]:
     """The calls that came back: those waiting, or the first within `wait` seconds."""
     try:
         got = [done.get(timeout=max(wait, 0.001))]
@@ -4346,7 +4348,7 @@ def abandon_late(running: list, started: list, results: list, timeout: float,
         for i, thread in enumerate(running):
             if timeout and thread is not None and results[i] is None and \
                     now - started[i] >= timeout:
-                results[i] = Called(ToolTimeout(f"ran past --tool-timeout {timeout:g}s"),
+                results[i] = Called(None, ToolTimeout(f"ran past --tool-timeout {timeout:g}s"),
                                     now - started[i])
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
                                                            ctypes.py_object(ToolAbandoned))
@@ -4363,10 +4365,10 @@ def abandoned_threads() -> int:
 
 def call_once(fn: Callable, cfg: Config):
     """fn() as call_tools runs it, under --tool-timeout: its result, or what it raised."""
-    [(out, _)] = call_tools([fn], cfg)
-    if isinstance(out, BaseException):
-        raise out
-    return out
+    [called] = call_tools([fn], cfg)
+    if called.error is not None:
+        raise called.error
+    return called.value
 
 
 def inline_calls(calls: list[Callable], timeout: float) -> list[Called]:
@@ -4390,25 +4392,26 @@ def inline(call: Callable, timeout: float = 0.0) -> Called:
     timer = threading.Timer(timeout, signal.pthread_kill,
                             (threading.main_thread().ident, TIMER_SIGNAL)) if timeout else None
     t0, pid = time.perf_counter(), os.getpid()
+    value = error = None
     try:
         if timer:
             timer.start()
         CallInterrupted.running = True
-        out = call()
+        value = call()
         CallInterrupted.running = False
     except CallInterrupted as e:
         CallInterrupted.running = False
         if e.signum != TIMER_SIGNAL:
             raise ToolsStopped(e.signum) from None
-        out = ToolTimeout(f"ran past --tool-timeout {timeout:g}s")
+        error = ToolTimeout(f"ran past --tool-timeout {timeout:g}s")
     except Exception as e:  # RewardError, ToolError: raised again in episode order
-        out = e
+        error = e
     finally:
         if timer:
             timer.cancel()
             timer.join()  # its signal, if it was sent, is handled while the handler is ours
-    forked_off(pid, out)
-    return Called(out, time.perf_counter() - t0)
+    forked_off(pid, error)
+    return Called(value, error, time.perf_counter() - t0)
 
 
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
@@ -4419,15 +4422,15 @@ def reset_all(envs: list[Env], problems: list[Problem], n: int,
     """Every env reset (n per problem, in parallel): each episode's first message, and the
     episodes whose reset ran past --tool-timeout (they get their group's message, or the
     problem's question, and end at once). RewardError names the first bad episode."""
-    outs = [out for out, _ in call_tools([lambda i=i, env=env: env_reset(env, problems[i // n], i)
-                                          for i, env in enumerate(envs)], cfg)]
-    late = {i for i, out in enumerate(outs) if isinstance(out, ToolTimeout)}
+    called = call_tools([lambda i=i, env=env: env_reset(env, problems[i // n], i)
+                         for i, env in enumerate(envs)], cfg)
+    late = {i for i, c in enumerate(called) if isinstance(c.error, ToolTimeout)}
     messages = []
-    for i, out in enumerate(outs):
-        if isinstance(out, BaseException) and i not in late:
-            raise out
-        group = [m for m in outs[i - i % n:i - i % n + n] if isinstance(m, str)]
-        messages.append(out if i not in late else group[0] if group else
+    for i, c in enumerate(called):
+        if c.error is not None and i not in late:
+            raise c.error
+        group = [g.value for g in called[i - i % n:i - i % n + n] if g.error is None]
+        messages.append(c.value if i not in late else group[0] if group else
                         problems[i // n].question)
         if group and messages[-1] != group[0]:  # a prompt's n samples share its prefill
             raise RewardError("reset gave the episodes of one problem different first "

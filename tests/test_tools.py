@@ -427,8 +427,8 @@ def test_a_tool_failure_after_a_partial_reward_ends_the_episode_at_zero(error, s
     """end_turn: a ToolError or ToolTimeout ends the episode with reward 0, whatever value an
     earlier tool message carried."""
     e = rl.Episode(Partial(0.5), [rl.Turn([1, 2], rl.Completion([3, 4], [-0.1, -0.2], True))])
-    assert rl.end_turn(e, rl.Called(("look it up", 0.5), 0.1), last=False) == "look it up"
+    assert rl.end_turn(e, rl.Called(("look it up", 0.5), None, 0.1), last=False) == "look it up"
     assert (e.reward, e.tool_calls) == (0.5, 1)
-    assert rl.end_turn(e, rl.Called(error, 0.2), last=False) is None
+    assert rl.end_turn(e, rl.Called(None, error, 0.2), last=False) is None
     assert (e.status, e.reward) == (status, 0.0)
     assert abs(e.tool_s - 0.3) < 1e-12
