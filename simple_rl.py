@@ -791,21 +791,18 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
     """
     with torch.device("meta"):
         model = Qwen3(args, ops, dtype)
+        # a LoRA's base: the weights before its adapters; frozen, adopted as the engine holds them
+        base = {name for name, _ in model.named_parameters()} if lora else set()
         if lora:
             add_lora(model, lora)
-
-    def base(name: str) -> bool:  # a LoRA's base weight: frozen, adopted as it is
-        return lora is not None and ".lora." not in name
-
     try:
         if world == 1 or lora:
-            # fp32 masters are copies (the KL reference is built from the same state); a LoRA's
-            # base is adopted as the engine holds it (held_dtype)
-            model.load_state_dict({k: v.to(device=device, copy=not base(k), dtype=held_dtype(
-                k, dtype) if base(k) else torch.float32) for k, v in state.items()},
+            # fp32 masters are copies (the KL reference is built from the same state)
+            model.load_state_dict({k: v.to(device=device, copy=k not in base, dtype=held_dtype(
+                k, dtype) if k in base else torch.float32) for k, v in state.items()},
                                   strict=True, assign=True)
             for name, p in model.named_parameters():
-                p.requires_grad_(not (frozen or base(name)))
+                p.requires_grad_(not (frozen or name in base))
             if world > 1:
                 shard_model(model, dtype)
         else:
