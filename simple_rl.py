@@ -162,42 +162,43 @@ class Config:
     export: str = opt("lora", "adapter", "the final export of a LoRA run: adapter (PEFT: "
                       "adapter_config.json + adapter_model.safetensors) or merged (a Hugging "
                       "Face checkpoint with B A added)", ("adapter", "merged"))
-    # --- rollout
-    task: str = opt("rollout", "arithmetic", "arithmetic (embedded), gsm8k (hub or --data-files) "
+    # --- task: problems, reward, tools
+    task: str = opt("task", "arithmetic", "arithmetic (embedded), gsm8k (hub or --data-files) "
                     "or jsonl (--data-files: your question/answer rows)",
                     ("arithmetic", "gsm8k", "jsonl"))
-    data_files: str = opt("rollout", "", "local parquet or jsonl with question/answer fields")
-    reward: str = opt("rollout", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
+    data_files: str = opt("task", "", "local parquet or jsonl with question/answer fields")
+    reward: str = opt("task", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
                       "(default: 1 if the number after 'Answer:' is right, else 0)")
-    env: str = opt("rollout", "", "episodes of several turns: calc (arithmetic with a calculator "
+    env: str = opt("task", "", "episodes of several turns: calc (arithmetic with a calculator "
                    "tool), lookup (its own questions, 2-5 dependent <search> calls) or "
                    "FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
-    max_turns: int = opt("rollout", 4, "model turns per episode at most (each tool call ends one)")
-    max_tool_tokens: int = opt("rollout", 0, "a tool message's tokens at most, the rest cut "
+    max_turns: int = opt("task", 4, "model turns per episode at most (each tool call ends one)")
+    max_tool_tokens: int = opt("task", 0, "a tool message's tokens at most, the rest cut "
                                "(0: no cut; one past what --max-model-len leaves ends it)")
-    tool_workers: int = opt("rollout", 0, "threads running a turn's env calls at once, results "
+    tool_workers: int = opt("task", 0, "threads running a turn's env calls at once, results "
                             "kept in episode order (0: one per episode)")
-    tool_timeout: float = opt("rollout", 600.0, "seconds an env's step or reset (or a --reward "
+    tool_timeout: float = opt("task", 600.0, "seconds an env's step or reset (or a --reward "
                               "call) may run; past them its episode ends as tool_timeout, "
                               "reward 0 (0: no limit)")
-    tool_stop: str = opt("rollout", "", "comma-separated strings, each one token, that end a turn "
+    tool_stop: str = opt("task", "", "comma-separated strings, each one token, that end a turn "
                          "to call the tool (default: the env's tool_stop)")
-    chat_template: str = opt("rollout", "auto", "wrap prompts in the tokenizer's chat template "
+    chat_template: str = opt("task", "auto", "wrap prompts in the tokenizer's chat template "
                              "(auto: when it has one)", ("auto", "on", "off"))
-    enable_thinking: bool = opt("rollout", False, "let Qwen3 think (<think>...</think>) first")
-    num_prompts: int = opt("rollout", 16, "prompts per step, over all ranks")
-    group_size: int = opt("rollout", 8, "completions sampled per prompt (G)")
-    max_new_tokens: int = opt("rollout", 256, "max tokens generated per completion")
-    temperature: float = opt("rollout", 1.0, "sampling temperature; logprobs are those of "
+    enable_thinking: bool = opt("task", False, "let Qwen3 think (<think>...</think>) first")
+    # --- generation (vLLM)
+    num_prompts: int = opt("generation", 16, "prompts per step, over all ranks")
+    group_size: int = opt("generation", 8, "completions sampled per prompt (G)")
+    max_new_tokens: int = opt("generation", 256, "max tokens generated per completion")
+    temperature: float = opt("generation", 1.0, "sampling temperature; logprobs are those of "
                              "softmax(logits / T)")
-    max_model_len: int = opt("rollout", 1024, "vLLM max sequence length (prompt + completion)")
-    kv_cache_gib: float = opt("rollout", 0.0, "vLLM KV cache per GPU in GiB (0: room for every "
+    max_model_len: int = opt("generation", 1024, "vLLM max sequence length (prompt + completion)")
+    kv_cache_gib: float = opt("generation", 0.0, "vLLM KV cache per GPU in GiB (0: room for every "
                               "sample of a step at --max-model-len)")
-    cuda_graphs: bool = opt("rollout", True, "replay vLLM's decode steps as CUDA graphs (the "
+    cuda_graphs: bool = opt("generation", True, "replay vLLM's decode steps as CUDA graphs (the "
                             "same kernels, fewer launches)")
-    engine_sleep: bool = opt("rollout", True, "free vLLM's KV cache and weights while the "
+    engine_sleep: bool = opt("generation", True, "free vLLM's KV cache and weights while the "
                              "trainer runs (vLLM sleep mode)")
-    prefix_caching: bool = opt("rollout", True, "let vLLM reuse the KV of prefixes it has seen "
+    prefix_caching: bool = opt("generation", True, "let vLLM reuse the KV of prefixes it has seen "
                                "(an episode's earlier turns, a prompt's G samples); off, vLLM "
                                "returns no MoE routes, so only tokens are checked")
     # --- grpo

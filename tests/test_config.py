@@ -35,8 +35,8 @@ def error_of(argv, capsys):
 
 def test_help_is_grouped_by_config_section(help_text):
     groups = [g for g in re.findall(r"^(\w+):$", help_text, flags=re.M) if g != "examples"]
-    assert groups == ["options", "model", "lora", "rollout", "grpo", "optim", "eval", "logging",
-                      "checkpoints"]
+    assert groups == ["options", "model", "lora", "task", "generation", "grpo", "optim", "eval",
+                      "logging", "checkpoints"]
     for f in dataclasses.fields(rl.Config):  # every field, in its section
         section = help_text.split(f"\n{f.metadata['group']}:\n")[1].split("\n\n")[0]
         assert "--" + f.name.replace("_", "-") in section, f.name
