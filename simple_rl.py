@@ -2356,13 +2356,8 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         if built is None:  # --check
             return ""
         trainer, start, run_dir, source = built  # source: the model's files
-        if trainer.cfg.debug_parity:
-            rows, n_bad, turns = debug_parity(trainer.engine, trainer.model,
-                                              lambda: first_episode(trainer))
-            print0(format_debug(rows))
-            print0(f"{len(turns)} turn(s); rows vLLM computed (prefix-cache hits) per turn: "
-                   + ", ".join(f"{n} ({c})" for n, c in turns))
-            print0(f"generated-token logprobs that differ: {n_bad}")
+        if trainer.cfg.debug_parity:  # op by op on one episode, printed; no step
+            print_debug_parity(trainer)
             return ""
         return train(trainer, start, run_dir, source)
     finally:
@@ -6874,6 +6869,16 @@ def first_episode(trainer: Trainer) -> Episode:
 
     with failing_together(trainer, lambda _: f"sample 0 of training problem {j}"):
         return one()
+
+
+def print_debug_parity(trainer: Trainer) -> None:
+    """--debug-parity: debug_parity on step 0's first episode, its table and counts printed."""
+    rows, n_bad, turns = debug_parity(trainer.engine, trainer.model,
+                                      lambda: first_episode(trainer))
+    print0(format_debug(rows))
+    print0(f"{len(turns)} turn(s); rows vLLM computed (prefix-cache hits) per turn: "
+           + ", ".join(f"{n} ({c})" for n, c in turns))
+    print0(f"generated-token logprobs that differ: {n_bad}")
 
 
 def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episode]
