@@ -2073,7 +2073,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t1 = time.perf_counter()
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
-    update, n_tokens, parity = update_with_parity(trainer, rollout, adv, step, mine)
+    update, n_tokens, parity = update_with_parity(trainer, rollout, adv, mine)
     memory = memory_metrics(device, rollout_in_use) if device.type == "cuda" else {}
     t2 = time.perf_counter()
 
@@ -2132,7 +2132,7 @@ def engine_to_sleep(trainer: Trainer) -> tuple[int, float]:
     return rollout_in_use, time.perf_counter() - t0
 
 
-def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, step: int,
+def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
                        mine: list[int]) -> tuple[Update, int, Parity]:
     """`train_step` on this rank's samples, whose first forward is the trainer's side of the
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
@@ -2146,7 +2146,6 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor, st
                             rollout.logprobs.to(device), adv[episode.to(device)], cfg, n_micro,
                             n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
-        e.step = step
         e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
@@ -3528,6 +3527,7 @@ class NonFiniteError(RuntimeError):
         self.samples = samples
         self.update = update
         self.updates = updates
+        self.prompts: list[int] = []  # the step's problems they came from (update_with_parity)
 
     def applied(self) -> str:
         """What the in-memory weights already took, in words."""
@@ -6668,7 +6668,7 @@ def last_good(run_dir: Path) -> str:
 
 def nonfinite_stop(e: NonFiniteError, step: int, label: str, run_dir: Path) -> RunStopped:
     """The diagnostic file (rank 0, every rank's samples) and the stop, exit code 3."""
-    prompts = sorted({p for ps in all_gather_objects(getattr(e, "prompts", [])) for p in ps})
+    prompts = sorted({p for ps in all_gather_objects(e.prompts) for p in ps})
     diag = run_dir / f"nonfinite_step_{step:06d}.json"
     if is_main():
         with writing(diag):
