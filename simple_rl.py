@@ -1573,11 +1573,11 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     is None: its episode ends at once. A RewardError's `sample` is its episode (j n + k)."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * n)]
-    messages, late = reset_all(envs, problems, n, trainer.cfg)
+    firsts, late = reset_all(envs, problems, n, trainer.cfg)  # each episode's first message
     envs = [None if i in late else env for i, env in enumerate(envs)]
-    own = [j for j, p in enumerate(problems) if messages[j * n] != p.question]
+    own = [j for j, p in enumerate(problems) if firsts[j * n] != p.question]
     prompts = list(prompt_ids)
-    for j, ids in zip(own, first_prompt_ids([messages[j * n] for j in own], trainer.tokenizer,
+    for j, ids in zip(own, first_prompt_ids([firsts[j * n] for j in own], trainer.tokenizer,
                                             trainer.cfg, [j * n for j in own])):
         prompts[j] = ids
     return envs, prompts
@@ -1597,7 +1597,12 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
     episode's env reads the turn's text (`env_turn`); a tool message is rendered to ids and
     appended (`going_on`), and the episodes that go on get their next turn from one
     engine.generate over all of them (`next_turns`). seed(i, k) seeds episode i's turn k (0:
-    the first, already generated). Returns the seconds the turns waited on the envs."""
+    the first, already generated). Returns the seconds the turns waited on the envs.
+
+    For example, --env calc: turn 0 ends "...<calc>3*4</calc>"; the env answers ("12", None),
+    a tool message, so the episode goes on, and turn 1 is generated after prompt + turn 0 +
+    the message's ids. It ends "Answer: 12" at a stop id: the env answers (None, 1.0), a
+    reward and no message, and end_turn ends the episode as "completed"."""
     for e in episodes:
         if e.env is None:  # its reset ran past --tool-timeout
             e.end("tool_timeout")
