@@ -1044,8 +1044,8 @@ class Engine:
 
     def first_turn(self, prompts: list[list[int]], indices: list[int],
                    step: int) -> list[list[Completion]]:
-        """Turn 1 of a step's episodes: G samples of each prompt; prompt j has the seed of its
-        index in the whole step."""
+        """The first turn (turn 0) of a step's episodes: G samples of each prompt; prompt j has
+        the seed of its index in the whole step."""
         cfg = self.cfg
         return self.generate(prompts, cfg.group_size,
                              [sample_seed(cfg, step, i) for i in indices],
@@ -1219,7 +1219,9 @@ def sample_seed(cfg: Config, step: int, prompt: int) -> int:
 
 def turn_seed(cfg: Config, step: int, prompt: int, sample: int, turn: int) -> int:
     """Seed of turn `turn` (0: the first) of sample `sample` of a prompt: the first turn's is
-    vLLM's sample_seed + sample; turn k's adds k * 2^48, so no two turns of a step share one."""
+    vLLM's sample_seed + sample; turn k's adds k * 2^48, so no two turns of a step share one.
+    E.g. seed 0, G = 8, step 1: prompt 3's samples start at 8 (10,007 + 3) = 80,080, so sample 2
+    has 80,082 in turn 0 (vLLM's 80,080 + 2) and 80,082 + 2^48 in turn 1."""
     return sample_seed(cfg, step, prompt) + sample + turn * 2**48
 
 

@@ -594,3 +594,10 @@ def test_the_warm_starts_progress_is_one_format_with_an_eta_and_no_blank_lines(c
     assert ws.progress(100, 500, 0.5, 250.0, acc=0.219) == \
         "step 100/500 | loss 0.5000 | held-out greedy accuracy 0.219 | 4m10s (2.50 s/step) | " \
         "ETA 16m40s"
+
+
+def test_turn_seeds_worked_example_holds():
+    """turn_seed's docstring: seed 0, G = 8, step 1, prompt 3, sample 2."""
+    cfg = rl.Config(seed=0, group_size=8)
+    assert rl.sample_seed(cfg, 1, 3) == 80_080
+    assert [rl.turn_seed(cfg, 1, 3, 2, k) for k in (0, 1)] == [80_082, 80_082 + 2**48]
