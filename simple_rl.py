@@ -869,7 +869,9 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
 # The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
 # gate/up fused into one (Qwen3.5's linear attention: q/k/v/z, b/a). TorchTitan's state-dict
 # adapter (hf_key_map) maps HF <-> TorchTitan names; this table fuses the parts (on dim 0, in
-# order) a layer has.
+# order) a layer has. One weight's three names: HF's model.layers.0.self_attn.q_proj.weight is
+# TorchTitan's layers.0.attention.wq.weight, which the trainer holds as the first rows of
+# layers.0.attention.wqkv.weight (vLLM's qkv_proj).
 FUSED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
