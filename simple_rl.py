@@ -1812,11 +1812,13 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
 
 
 class Update(NamedTuple):
-    """What train_step computes: its first update's numbers (those of the policy that sampled)."""
+    """One forward and backward over every micro-batch (accumulate_gradients); train_step
+    returns its first update's (the policy that sampled), with the gradient norm."""
+    loss: torch.Tensor  # () the summed loss
     sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
-    grad_norm: torch.Tensor  # () the global gradient norm, before clipping
     logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
     routing: torch.Tensor | None  # (N, sparse layers, k) int32: its experts (Qwen3-MoE)
+    grad_norm: torch.Tensor | None = None  # () the global one, before clipping (train_step's)
 
 
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
@@ -1847,7 +1849,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
         norm = full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         check_finite(this_pass.logprobs, this_pass.loss, norm, packed, k, cfg.updates_per_batch)
         if first is None:
-            first = Update(this_pass.sums, norm.detach(), this_pass.logprobs, this_pass.routing)
+            first = this_pass._replace(grad_norm=norm.detach())
         optimizer.step()
         if not weights_finite(model, device):
             raise NonFiniteError("weights after the optimizer step", [], k,
@@ -1875,16 +1877,8 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
     return parts + [part(range(0, 1), 0.0)] * padding if padding > 0 else parts
 
 
-class Pass(NamedTuple):
-    """One forward and backward over every micro-batch (accumulate_gradients)."""
-    loss: torch.Tensor  # () the summed loss
-    logprobs: torch.Tensor  # (N,) fp32
-    sums: torch.Tensor  # (5,) token sums of pg, kl, entropy, ratio, clipped
-    routing: torch.Tensor | None  # (N, sparse layers, k) int32 experts (Qwen3-MoE), else None
-
-
 def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
-                         cfg: Config, per_token: float) -> Pass:
+                         cfg: Config, per_token: float) -> Update:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
     pass's summed loss, logprobs, token sums and (Qwen3-MoE) the experts it chose."""
     device = old_logp.device
@@ -1914,7 +1908,7 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
             logps[owned] = logp.detach()
             sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
                                  clipped.sum()]).detach()
-    return Pass(loss_total, logps, sums, routing)
+    return Update(loss_total, sums, logps, routing)
 
 
 @dataclass

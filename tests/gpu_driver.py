@@ -173,9 +173,10 @@ def parity(args) -> dict:
         )
         adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).cuda()
         n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
-        sums, _, logp, _ = rl.train_step(
+        update = rl.train_step(
             model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg, n_micro, n_tokens
         )
+        sums, logp = update.sums, update.logprobs
         par = rl.parity_report(ro.logprobs, logp, packed.targets, 6)
         t2 = time.perf_counter()
         engine.push(rl.hf_weights(model))

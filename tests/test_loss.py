@@ -94,7 +94,8 @@ def test_each_update_descends_the_hand_written_objective(ckpt):
     # frozen "rollout" logprobs off the policy's by up to 0.5 nats: ratios in and out of the clip
     old = lp0 + torch.linspace(-0.5, 0.5, len(lp0))
     opt = Recorder(model.parameters(), lr=0.01)
-    sums, _, first_lp, _ = rl.train_step(model, ref, opt, packed, old, adv, cfg)
+    first = rl.train_step(model, ref, opt, packed, old, adv, cfg)
+    sums, first_lp = first.sums, first.logprobs
     assert len(opt.seen) == 2
     N = len(packed.targets)
     for update, (weights, got) in enumerate(opt.seen):
