@@ -1596,11 +1596,11 @@ def start_episodes(envs: list[Env | None], prompts: list[list[int]],
 
 
 def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
-         seed: Callable[[int, int], int | None], temperature: float) -> float:
+         seed_of: Callable[[int, int], int | None], temperature: float) -> float:
     """Advance every episode until it ends, all together. After each turn, every live
     episode's env reads the turn's text (`env_turn`); a tool message is rendered to ids and
     appended (`going_on`), and the episodes that go on get their next turn from one
-    engine.generate over all of them (`next_turns`). seed(i, k) seeds episode i's turn k (0:
+    engine.generate over all of them (`next_turns`). seed_of(i, k) seeds episode i's turn k (0:
     the first, already generated). Returns the seconds the turns waited on the envs.
 
     For example, --env calc: turn 0 ends "...<calc>3*4</calc>"; the env answers ("12", None),
@@ -1618,7 +1618,7 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
         going = going_on(episodes, messages, tokenizer, cfg)
         if not going:
             return waited
-        next_turns(engine, episodes, going, [seed(g.episode, played) for g in going],
+        next_turns(engine, episodes, going, [seed_of(g.episode, played) for g in going],
                    temperature, cfg)
         live = [g.episode for g in going]
     return waited
@@ -1699,9 +1699,9 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     message, value = called.value
     episode.reward = value or 0.0
     if message is None:
-        end = episode.turns[-1]
-        episode.end("completed" if end.out.stopped else "max_model_len" if end.capped
-                    else "length")
+        last_turn = episode.turns[-1]
+        episode.end("completed" if last_turn.out.stopped else "max_model_len"
+                    if last_turn.capped else "length")
         return None
     episode.tool_calls += 1
     if last:
@@ -1765,10 +1765,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
                      eps: float) -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps), or r_i - mean_g r.
 
-    rewards: (B*G,) grouped consecutively.
+    rewards: (P*G,) grouped consecutively (P prompts, G samples each).
     """
     assert rewards.numel() % group_size == 0, "rewards must come in whole groups"
-    r = rewards.view(-1, group_size)  # (B, G)
+    r = rewards.view(-1, group_size)  # (P, G)
     a = r - r.mean(-1, keepdim=True)
     if std_normalize:
         a = a / (r.std(-1, keepdim=True) + eps)  # unbiased std; equal rewards give A = 0
@@ -2309,9 +2309,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         if not gpu_first:
             prepare_environment(cfg)
         engine_factory = VLLMEngine
-    prompts = prompt_range(task, cfg)
-    cfg = with_micro_batch(cfg, files.args, ranks, prompts)  # the run's config keeps the choice
-    memory = check_memory(cfg, files.args, ranks, prompts) if device_type == "cuda" else ""
+    prompt_lens = prompt_range(task, cfg)  # (shortest, longest) prompt, in tokens
+    cfg = with_micro_batch(cfg, files.args, ranks, prompt_lens)  # the run's config keeps the choice
+    estimate = check_memory(cfg, files.args, ranks, prompt_lens) if device_type == "cuda" else ""
     hf_state = read_weights(cfg, files, engine_factory is VLLMEngine)  # "Model and data files"
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
@@ -2323,7 +2323,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     if device_type == "cuda":
         print0(f"starting vLLM on {ranks.world} GPU(s) (the first start on a machine compiles "
                "kernels: 1-2 minutes)")
-    with starting(device_type, memory):  # out of GPU memory here: one sentence, exit 5
+    with starting(device_type, estimate):  # out of GPU memory here: one sentence, exit 5
         engine = engine_factory(cfg, files, ranks)
         model, ref_model = build_models(cfg, files.args, hf_state, ops, ranks, engine)
         del hf_state
@@ -2335,7 +2335,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
     # 5. Logging: TensorBoard on rank 0, and the run's first lines ("Logging").
-    start_logs(trainer, run_dir, ckpt, start, files, memory)
+    start_logs(trainer, run_dir, ckpt, start, files, estimate)
     return trainer, start, run_dir, files.path
 
 
