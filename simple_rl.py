@@ -1068,6 +1068,7 @@ class VLLMEngine(Engine):
 
     lora: LoRASpec | None = None  # --lora-rank: the adapter every request names
     lora_request = None
+    adapter_ptrs: set[int] = set()  # LoRA: the slot's tensors' addresses (start_adapter)
     preempted: Callable[[], int] | None = None  # Qwen3.5: requests preempted since last asked
 
     def __init__(self, cfg: Config, files: ModelFiles, ranks: Ranks):
