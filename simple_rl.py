@@ -403,7 +403,7 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.gated = qwen35(args) is not None
+        self.gated = qwen35(args) is not None  # qwen35: what a Qwen3.5 adds to the args, or None
         self.sizes = fused_sizes(args)["attention.wqkv.weight"]
         self.wqkv = Linear(args.dim, sum(self.sizes), ops)  # vLLM's qkv_proj = [q; k; v]
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, gemma=self.gated)
@@ -2245,13 +2245,13 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     or pushed, writes a diagnostic and keeps the last good checkpoint.
     """
     cfg = trainer.cfg
-    with writing(run_dir / "metrics.jsonl"):
+    with writing(run_dir / "metrics.jsonl"):  # a refused write: one sentence, exit 6
         metrics_log = (run_dir / "metrics.jsonl").open("a") if trainer.ranks.main else None
     began, done = time.perf_counter(), 0
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.steps):
-                with stops_at(trainer, step, run_dir, source):
+                with stops_at(trainer, step, run_dir, source):  # a fault: its sentence and code
                     evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
                     metrics, parity = rl_step(trainer, step)
                 metrics.update(evals)
@@ -2295,7 +2295,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         prepare_environment(cfg)
     ranks = init_ranks("cpu" if cfg.check else device_type)
 
-    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
+    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank;
+    # expect: a resume's input files as its run read them (None: no resume).
     cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))
     check_ranks(cfg, ranks.world)
 
@@ -2353,7 +2354,7 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         device_type: str = "cuda") -> str:
     """The whole job; returns the sha256 of the final weights. The run directory's lock is
     released when it ends, however it ends."""
-    held = set(RUN_LOCKS)
+    held = set(RUN_LOCKS)  # the run directories this process had locked before
     try:
         built = setup(cfg, passed, engine_factory, device_type)
         if built is None:  # --check
