@@ -1068,7 +1068,7 @@ class VLLMEngine(Engine):
 
     lora: LoRASpec | None = None  # --lora-rank: the adapter every request names
     lora_request = None
-    adapter_ptrs: set[int] = set()  # LoRA: the slot's tensors' addresses (start_adapter)
+    adapter_ptrs: frozenset[int] = frozenset()  # LoRA: the slot's tensor addresses (start_adapter)
     preempted: Callable[[], int] | None = None  # Qwen3.5: requests preempted since last asked
 
     def __init__(self, cfg: Config, files: ModelFiles, ranks: Ranks):
@@ -1521,7 +1521,7 @@ class CalcEnv(RewardEnv):
 
 @dataclass
 class Turn:
-    context: list[int]  # the ids added before it: the prompt (turn 1), else the tool's message
+    context: list[int]  # the ids added before it: the prompt (the first turn), else a tool's
     out: Completion  # what the model generated
     capped: bool = False  # its token limit was what --max-model-len left, not --max-new-tokens
 
@@ -1604,10 +1604,10 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
     engine.generate over all of them (`next_turns`). seed_of(i, k) seeds episode i's turn k (0:
     the first, already generated). Returns the seconds the turns waited on the envs.
 
-    For example, --env calc: turn 0 ends "...<calc>3*4</calc>"; the env answers ("12", None),
-    a tool message, so the episode goes on, and turn 1 is generated after prompt + turn 0 +
-    the message's ids. It ends "Answer: 12" at a stop id: the env answers (None, 1.0), a
-    reward and no message, and end_turn ends the episode as "completed"."""
+    For example, --env calc on "What is 3*4?": turn 0 ends "...<calc>3*4</calc>"; the env
+    answers ("12", None), a tool message, so the episode goes on, and turn 1 is generated after
+    prompt + turn 0 + the message's ids. It ends "Answer: 12" at a stop id: the env answers
+    (None, 1.0), a reward and no message, and end_turn ends the episode as "completed"."""
     for e in episodes:
         if e.env is None:  # its reset ran past --tool-timeout
             e.end("tool_timeout")
@@ -1637,9 +1637,9 @@ def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
                          for i, text in zip(live, texts)], cfg)
     seconds = time.perf_counter() - t0
     messages = {}
-    for i, out in zip(live, called):
+    for i, c in zip(live, called):
         try:
-            message = end_turn(episodes[i], out, turn == cfg.max_turns)
+            message = end_turn(episodes[i], c, turn == cfg.max_turns)
         except RewardError as e:
             e.turn = turn
             raise
@@ -1881,7 +1881,7 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
 def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
                          cfg: Config, per_token: float) -> Update:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
-    pass's summed loss, logprobs, token sums and (Qwen3-MoE) the experts it chose."""
+    pass's summed loss, token sums, logprobs and (Qwen3-MoE) the experts it chose."""
     device = old_logp.device
     loss_total = torch.zeros((), device=device)
     logps = torch.empty(len(old_logp), dtype=torch.float32, device=device)  # (N,)
@@ -2097,7 +2097,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
 def roll_out(trainer: Trainer, step: int, mine: list[int],
              chosen: list[int]) -> tuple[Rollout, float]:
     """G episodes of each of this rank's prompts (mine: their indices in the step; chosen[i]:
-    prompt i's problem). Turn 1 samples G completions of each prompt, seeded by its index in
+    prompt i's problem). The first turn samples G completions of each prompt, seeded by its index in
     the step (Engine.first_turn); `play` continues every live episode. Returns the rollout and
     the seconds its turns waited on the envs."""
     cfg, task = trainer.cfg, trainer.task
@@ -4051,7 +4051,8 @@ def start_adapter(engine: VLLMEngine, files: ModelFiles):
     engine.lora_tensors = engine.llm.apply_model(lambda m: {
         name: (mod.lora_a_stacked, mod.lora_b_stacked) for name, mod in m.named_modules()
         if hasattr(mod, "lora_a_stacked")})[0]
-    engine.adapter_ptrs = {t.data_ptr() for a, b in engine.lora_tensors.values() for t in a + b}
+    engine.adapter_ptrs = frozenset(t.data_ptr() for a, b in engine.lora_tensors.values()
+                                    for t in a + b)
     return request
 
 
@@ -6935,7 +6936,7 @@ def debug_parity(engine: VLLMEngine, model: Qwen3, play_one: Callable[[], Episod
 def traced_episode(llm, modules: dict[str, str], play_one: Callable[[], Episode]):
     """play_one() with vLLM's modules (vLLM name -> key) recorded: (the episode, the calls by
     key, the index of each turn's first call and one past the last, each turn's cache hits)."""
-    llm.reset_prefix_cache()  # turn 1 prefills its whole prompt
+    llm.reset_prefix_cache()  # the first turn prefills its whole prompt
     stack = contextlib.ExitStack()  # vLLM's model is reached inside the engine, by apply_model
     calls = llm.apply_model(lambda m: stack.enter_context(recording(m, modules)))[0]
     starts, cached = [], []  # per turn: forward calls recorded before it; its cache hits
