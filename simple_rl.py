@@ -4278,8 +4278,9 @@ def call_tools(calls: list[Callable], cfg: Config) -> list[Called]:
                 forked_off(pid, error)
                 with gate:  # after this, no ToolAbandoned is sent for call i
                     running[i] = None
+                    abandoned = results[i] is not None  # (only abandon_late has written it)
                 done.put((i, Called(value, error, time.perf_counter() - started[i])))
-                if results[i] is not None:  # abandoned: another thread took this one's place
+                if abandoned:  # another thread took this one's place
                     return
         except ToolAbandoned:  # sent while the call ran: it lands by the gate's end at latest
             return

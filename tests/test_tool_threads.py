@@ -3,6 +3,7 @@ that will not end are counted on the step line and stop the run at a bound; a hu
 has a timeout and a signal ends it; a tool's own KeyboardInterrupt, GeneratorExit or
 signal.alarm is the env's failure, said in one sentence."""
 
+import queue
 import threading
 import time
 
@@ -263,3 +264,24 @@ def test_8_a_child_a_tool_forks_ends_quietly(ckpt, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert out.stdout.count("check: config: valid") == 1  # the child did not go on
+
+
+def test_a_worker_whose_result_was_taken_at_once_goes_on_with_the_calls_left(monkeypatch):
+    """--tool-workers 1: the main thread records call 0's result while its worker has just
+    handed it over. The worker was not abandoned, so it takes calls 1-4 too (it used to read
+    the recorded result as its abandonment and end, leaving the run waiting on calls that
+    never start)."""
+    class SlowHandOver(queue.SimpleQueue):
+        def put(self, item):
+            super().put(item)
+            time.sleep(0.05)  # the main thread records the result meanwhile
+
+    monkeypatch.setattr(rl.queue, "SimpleQueue", SlowHandOver)
+    cfg = rl.Config(env="calc", tool_workers=1, tool_timeout=0)
+    got = []
+    runner = threading.Thread(target=lambda: got.append(
+        rl.call_tools([lambda i=i: i * i for i in range(5)], cfg)), daemon=True)
+    runner.start()
+    runner.join(timeout=20)
+    assert got and [c.value for c in got[0]] == [0, 1, 4, 9, 16]
+    assert all(c.error is None for c in got[0])
