@@ -2295,9 +2295,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         prepare_environment(cfg)
     ranks = init_ranks("cpu" if cfg.check else device_type)
 
-    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank;
-    # expect: a resume's input files as its run read them (None: no resume).
-    cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))
+    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
+    cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))  # expect: a resume's hashes
     check_ranks(cfg, ranks.world)
 
     # 3. Every check that needs no GPU, in seconds: the files a resume's run read, model files,
