@@ -115,5 +115,9 @@ def test_12_a_bad_input_under_torchrun_is_its_summarys_cause(ckpt, tmp_path):
     said = ("simple_rl: error: --group-size must be at least 2 (got 1): GRPO normalises "
             "rewards within a group.")
     causes = [line.strip() for line in out.stderr.splitlines() if "traceback :" in line]
-    assert causes and all(c == f"traceback : {said}" for c in causes), out.stderr[-3000:]
+    # the ranks never meet: one may end before the other has said it, and torchrun's SIGTERM
+    # to the other is that one's cause
+    assert f"traceback : {said}" in causes and all(
+        c == f"traceback : {said}" or c.startswith("traceback : Signal 15 (SIGTERM)")
+        for c in causes), out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr and out.returncode == 1

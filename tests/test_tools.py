@@ -54,6 +54,14 @@ running, most = 0, 0
 lock = threading.Lock()
 
 
+def hang(seconds):
+    """Sleep in short naps, so that an abandoned call's thread ends within one (a thread left
+    sleeping on would outlive its test, and the abandoned threads that later tests count)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.02)
+
+
 class Waits:
     wait_s = 0.0
 
@@ -94,7 +102,7 @@ class Slow(Waits):
 class HangsOnOdd(Waits):
     def wait(self, completion):
         if not self.called and len(completion) % 2:
-            time.sleep(5)
+            hang(5)
 
 
 class ResetHangs(Waits):
@@ -106,7 +114,7 @@ class ResetHangs(Waits):
 
     def reset(self, problem):
         if self.made == 4:  # the third episode of the first step (--check's env was the first)
-            time.sleep(5)
+            hang(5)
         return super().reset(problem)
 
 
@@ -117,7 +125,7 @@ class HangsAtStep1(Waits):
             flag.unlink()
             (Path(RUN) / "killed").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(20)  # hung, as far as the run can tell
+            hang(20)  # hung, as far as the run can tell
 
 
 class Forks(Waits):
@@ -170,8 +178,9 @@ def test_a_turn_of_16_tools_of_200_ms_waits_about_one_call(ckpt, tmp_path):
     assert m["episode/tool_calls_mean"] == 1.0  # every episode called the tool once
     calls = 16 * (turns - 1 + 1)  # each turn of each episode is one call of 200 ms
     assert m["time/tool_calls_s"] >= 0.2 * calls
-    # two turns: two waves of 16 calls at once, about 0.4 s (16 calls one after another: 6.4)
-    assert m["time/tool_s"] < 0.2 * 2 + 0.4, m["time/tool_s"]
+    # two turns: two waves of 16 calls at once, about 0.4 s (one after another: 6.4 s); the
+    # bound leaves a loaded machine room for 32 thread starts
+    assert m["time/tool_s"] < 2.0, m["time/tool_s"]
     print(f"16 episodes, 200 ms a call: waited {m['time/tool_s']:.3f} s for "
           f"{m['time/tool_calls_s']:.2f} s of calls")
 
