@@ -1023,6 +1023,12 @@ class Completion:
     routed: torch.Tensor | None = None
 
 
+def turn_tokens(cfg: Config, request: list[int]) -> int:
+    """The most tokens a turn after `request` may generate: --max-new-tokens, or what
+    --max-model-len leaves (then the turn is capped, and ends as "max_model_len" at its limit)."""
+    return min(cfg.max_new_tokens, cfg.max_model_len - len(request))
+
+
 class Engine:
     """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
     `generate`, `sleep` and `push` (which returns the seconds it spent waking the engine).
@@ -1051,7 +1057,7 @@ class Engine:
         cfg = self.cfg
         return self.generate(prompts, cfg.group_size,
                              [sample_seed(cfg, step, i) for i in indices],
-                             [cfg.max_new_tokens] * len(prompts), cfg.temperature)
+                             [turn_tokens(cfg, p) for p in prompts], cfg.temperature)
 
 
 # Decode steps of up to this many sequences replay CUDA graphs; vLLM's default cap, 512, left
@@ -1204,10 +1210,6 @@ def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
     if routed is None or len(routed) < n_prompt - 1 + n_gen or n_gen == 0:
         return None
     return torch.from_numpy(routed[n_prompt - 1: n_prompt - 1 + n_gen].astype("int32"))
-
-
-def samples_per_rank(cfg: Config, world: int) -> int:
-    return -(-cfg.num_prompts // world) * cfg.group_size
 
 
 def sample_seed(cfg: Config, step: int, prompt: int) -> int:
@@ -1589,10 +1591,11 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
 
 
 def start_episodes(envs: list[Env | None], prompts: list[list[int]],
-                   outs: list[list[Completion]]) -> list[Episode]:
+                   outs: list[list[Completion]], cfg: Config) -> list[Episode]:
     """Every episode after its first turn: prompt j's n completions outs[j] begin episodes
     j n, ..., j n + n - 1, whose envs are envs[j n + k]."""
-    turns = [Turn(list(p), c) for p, cs in zip(prompts, outs) for c in cs]
+    turns = [Turn(list(p), c, capped=turn_tokens(cfg, p) < cfg.max_new_tokens)
+             for p, cs in zip(prompts, outs) for c in cs]
     return [Episode(env, [turn]) for env, turn in zip(envs, turns)]
 
 
@@ -1665,7 +1668,7 @@ def going_on(episodes: list[Episode], messages: dict[int, str], tokenizer,
         if len(request) + 1 > cfg.max_model_len:  # no room left for a token
             episodes[i].end("max_model_len")
         else:
-            going.append(Going(i, ids, min(cfg.max_new_tokens, cfg.max_model_len - len(request))))
+            going.append(Going(i, ids, turn_tokens(cfg, request)))
     return going
 
 
@@ -2104,7 +2107,8 @@ def roll_out(trainer: Trainer, step: int, mine: list[int],
     G = cfg.group_size
     envs, prompts = new_episodes(trainer, [task.problems[chosen[i]] for i in mine],
                                  [task.prompt_ids[chosen[i]] for i in mine], G)
-    episodes = start_episodes(envs, prompts, trainer.engine.first_turn(prompts, mine, step))
+    outs = trainer.engine.first_turn(prompts, mine, step)
+    episodes = start_episodes(envs, prompts, outs, cfg)
     waited = play(trainer.engine, trainer.tokenizer, cfg, episodes,
                   lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
                   cfg.temperature)
@@ -2220,8 +2224,8 @@ def greedy_episodes(trainer: Trainer, mine: list[int]) -> list[Episode]:
     if not prompts:
         return []
     outs = trainer.engine.generate(prompts, 1, [None] * len(prompts),
-                                   [cfg.max_new_tokens] * len(prompts), 0.0)
-    episodes = start_episodes(envs, prompts, outs)
+                                   [turn_tokens(cfg, p) for p in prompts], 0.0)
+    episodes = start_episodes(envs, prompts, outs, cfg)
     play(trainer.engine, trainer.tokenizer, cfg, episodes, lambda i, turn: None, 0.0)
     return episodes
 
@@ -6080,6 +6084,10 @@ def samples_an_episode(cfg: Config, args) -> int:
     return cfg.max_turns if cfg.env and gdn_layers(args) else 1
 
 
+def samples_per_rank(cfg: Config, world: int) -> int:
+    return -(-cfg.num_prompts // world) * cfg.group_size
+
+
 def trained_rows(cfg: Config, world: int, prompts: tuple[int, int],
                  turns: int = 1) -> tuple[int, int]:
     """(tokens, generated tokens) in one micro-batch at most, for first prompts of prompts[0]
@@ -6867,8 +6875,8 @@ def first_episode(trainer: Trainer) -> Episode:
         envs, prompts = new_episodes(trainer, [trainer.task.problems[j]],
                                      [trainer.task.prompt_ids[j]], 1)
         outs = trainer.engine.generate(prompts, 1, [sample_seed(cfg, 0, 0)],
-                                       [cfg.max_new_tokens], cfg.temperature)
-        episodes = start_episodes(envs, prompts, outs)
+                                       [turn_tokens(cfg, prompts[0])], cfg.temperature)
+        episodes = start_episodes(envs, prompts, outs, cfg)
         play(trainer.engine, trainer.tokenizer, cfg, episodes,
              lambda _, turn: turn_seed(cfg, 0, 0, 0, turn), cfg.temperature)
         return episodes[0]

@@ -518,20 +518,20 @@ class Recording:
 
     def first_turn(self, prompts, indices, step):
         outs = self.engine.first_turn(prompts, indices, step)
-        self.last = first_turns(prompts, outs, self.engine.returns_routes)
+        self.last = first_turns(prompts, outs, self.engine)
         return outs
 
     def __getattr__(self, name):  # sleep, push, greedy, llm: the engine's own
         return getattr(self.engine, name)
 
 
-def first_turns(prompts, outs, routes: bool):
-    """A step's first turn (Engine.first_turn's completions) as simple_rl's trainer packs it: one
-    episode of one turn per sample, with no env."""
+def first_turns(prompts, outs, engine):
+    """A step's first turn (the engine's first_turn's completions) as simple_rl's trainer packs
+    it: one episode of one turn per sample, with no env."""
     import simple_rl as rl
 
-    episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
-    return rl.episodes_rollout(episodes, routes)
+    episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs, engine.cfg)
+    return rl.episodes_rollout(episodes, engine.returns_routes)
 
 
 def timed_rl_step(trainer, step: int, warmup: bool, args) -> dict:
@@ -571,8 +571,7 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
     sync(dev)
     t0 = time.perf_counter()
     mine_prompts = [prompts[i] for i in mine]
-    ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, step),
-                     engine.returns_routes)
+    ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, step), engine)
     sync(dev)
     peak = device_used_gib(ranks)
     t1 = time.perf_counter()
@@ -691,8 +690,7 @@ def profile_train_step(
     with profile(activities=activities) as rollout_prof:
         t0 = time.perf_counter()
         mine_prompts = [prompts[i] for i in mine]
-        ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, 10_000),
-                         engine.returns_routes)
+        ro = first_turns(mine_prompts, engine.first_turn(mine_prompts, mine, 10_000), engine)
         sync(ranks.device)
         rollout_s = time.perf_counter() - t0
     engine.sleep()

@@ -318,7 +318,7 @@ def first_turns(engine, prompts, indices, step) -> rl.Rollout:
     """A step's first turn (Engine.first_turn) as simple_rl's trainer packs it: one-turn episodes
     with no env (nothing scores them); `completed`: the turn ended at a stop id."""
     outs = engine.first_turn(prompts, indices, step)
-    episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
+    episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs, engine.cfg)
     rollout = rl.episodes_rollout(episodes, engine.returns_routes)
     rollout.completed = [c.stopped for cs in outs for c in cs]
     return rollout

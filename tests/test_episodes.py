@@ -151,6 +151,26 @@ def test_a_model_that_never_stops_calling_ends_at_max_turns_and_tool_messages_pa
     trainer.writer.close()
 
 
+def test_a_first_message_leaving_less_than_max_new_tokens_caps_the_first_turn(
+        ckpt, tmp_path, env_file, monkeypatch):
+    """An env's first message need only leave room for one token: the first turn may generate
+    what --max-model-len leaves (as vLLM stops it there) and, ended at that limit, ends the
+    episode as max_model_len, not as length."""
+    seen = Recorder(monkeypatch)
+    trainer = make_trainer(ckpt(), tmp_path, env=f"{env_file}:Scripted", eval_size=0)
+    cfg = trainer.cfg
+    assert trainer.engine.cfg is cfg and cfg.max_new_tokens > 2
+    chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
+    cfg.max_model_len = max(len(trainer.task.prompt_ids[i]) for i in chosen) + 2
+    rl.rl_step(trainer, 0)
+    eps = seen.rollouts[-1].episodes
+    assert all(len(e.ids()) <= cfg.max_model_len for e in eps)
+    cut = [e for e in eps if len(e.turns[0].context) + 2 == cfg.max_model_len]
+    assert cut and all(e.turns[0].capped and len(e.turns[0].out.ids) <= 2 for e in cut)
+    assert {e.status for e in cut if not e.turns[0].out.stopped} == {"max_model_len"}
+    trainer.writer.close()
+
+
 def test_a_tool_message_that_leaves_no_room_for_a_token_ends_the_episode(monkeypatch):
     """--max-model-len 10: episodes of 8 ids; a message of 2 ids fills the context (no token
     left: the episode ends as max_model_len), one of 1 leaves a turn of 1 token."""

@@ -140,7 +140,7 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
 
     def recorded(prompts, indices, step):  # each step's samples, as the trainer packs them
         outs = rollout(prompts, indices, step)
-        episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs)
+        episodes = rl.start_episodes([None] * sum(map(len, outs)), prompts, outs, trainer.cfg)
         rollouts.append(rl.episodes_rollout(episodes, routes=False))
         return outs
 
