@@ -957,15 +957,15 @@ def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tens
     return out
 
 
-def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused: bool):
+def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused_experts: bool):
     """A sparse layer's trainer tensor as [(HF name, tensor)]; experts fused as vLLM's loader
-    takes them (`fused`: one tensor per layer and kind, the push) or per expert (the hub's
+    takes them (`fused_experts`: one tensor per layer and kind, the push) or per expert (the hub's
     format, for files: views, which safetensors saves as they are)."""
     i = name.split(".")[1]
     hf = f"model.layers.{i}.mlp."
     if name.endswith("router.gate.weight"):
         return [(hf + "gate.weight", tensor)]
-    if fused:
+    if fused_experts:
         return [(hf + ("experts.gate_up_proj" if name.endswith("w13") else "experts.down_proj"),
                  tensor)]
     if name.endswith("w13"):
@@ -991,12 +991,12 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 
 
 def trainer_to_hf(state: dict[str, torch.Tensor], args,
-                  fused: set[int] = frozenset()) -> dict[str, torch.Tensor]:
+                  fused_layers: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
     """Inverse of hf_to_trainer: split the fused projections, then map the names (hf_key_map);
-    the experts of the sparse layers in `fused` stay fused, the others go per expert (hub's)."""
+    the experts of the sparse layers in `fused_layers` stay fused, the others per expert."""
     keys = hf_key_map(args)
     return dict(item for name, t in state.items() for item in to_hf_items(
-        name, t, args, keys, ".moe." in name and int(name.split(".")[1]) in fused))
+        name, t, args, keys, ".moe." in name and int(name.split(".")[1]) in fused_layers))
 
 
 # ==========================================================================
@@ -1629,11 +1629,11 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
 
 
 def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
-             turn: int) -> tuple[dict[int, str], float]:
+             played: int) -> tuple[dict[int, str], float]:
     """The envs of the live episodes read their last turn's text, in parallel (call_tools and
     env_step's checks: "Tools", after the story ends): the tool message of each episode that
     goes on ({episode: message}), and the seconds the calls took. end_turn ends the others; a
-    RewardError records its turn (1: the first; `turn` is the one just played)."""
+    RewardError records how many turns were played (1: the env read the first)."""
     texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
     t0 = time.perf_counter()
     called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
@@ -1642,9 +1642,9 @@ def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
     messages = {}
     for i, c in zip(live, called):
         try:
-            message = end_turn(episodes[i], c, turn == cfg.max_turns)
+            message = end_turn(episodes[i], c, played == cfg.max_turns)
         except RewardError as e:
-            e.turn = turn
+            e.turn = played
             raise
         if message is not None:
             messages[i] = message
@@ -2238,7 +2238,7 @@ def eval_due(cfg: Config, step: int) -> bool:
     return step in (0, cfg.steps) or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
 
 
-def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
+def train(trainer: Trainer, start: int, run_dir: Path, model_dir: Path) -> str:
     """Steps start..steps-1 with periodic checkpoints; the final export (an HF checkpoint, or
     under LoRA a PEFT adapter unless --export merged) and its sha256.
     Its logs, stops and checkpoints are plumbing: "Logging", "Stops", "Checkpoints & resume".
@@ -2255,7 +2255,7 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
     try:
         with StopRequest() as stop:
             for step in range(start, cfg.steps):
-                with stops_at(trainer, step, run_dir, source):  # a fault: its sentence and code
+                with stops_at(trainer, step, run_dir, model_dir):  # a fault: its sentence and code
                     evals = evaluate(trainer, step) if eval_due(cfg, step) else {}
                     metrics, parity = rl_step(trainer, step)
                 metrics.update(evals)
@@ -2263,19 +2263,19 @@ def train(trainer: Trainer, start: int, run_dir: Path, source: Path) -> str:
                 report_step(trainer, step, step == start, metrics, parity, metrics_log,
                             (time.perf_counter() - began) / done)
                 # --strict-parity, a Ctrl-C or SIGTERM, --save-every ("Stops")
-                after_step(stop, trainer, run_dir, source, step, parity)
+                after_step(stop, trainer, run_dir, model_dir, step, parity)
             if eval_due(cfg, cfg.steps):
-                with stops_at(trainer, cfg.steps, run_dir, source):
+                with stops_at(trainer, cfg.steps, run_dir, model_dir):
                     final = evaluate(trainer, cfg.steps)
                 log_row(metrics_log, {"step": cfg.steps, **final})
                 print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
                        f" ({len(trainer.task.eval_problems)} problems, greedy)")
             # a stop during the last eval: no export
-            stop_if_asked(stop, trainer, run_dir, source, cfg.steps,
+            stop_if_asked(stop, trainer, run_dir, model_dir, cfg.steps,
                           "after the last step, before the final export")
-            digest = export_final(trainer, run_dir, source)
+            digest = export_final(trainer, run_dir, model_dir)
             # a stop during the export, which is whole
-            stop_if_asked(stop, trainer, run_dir, source, cfg.steps,
+            stop_if_asked(stop, trainer, run_dir, model_dir, cfg.steps,
                           f"after the final export ({export_dir(cfg, run_dir)})")
     finally:
         close_logs(trainer, metrics_log, run_dir)
@@ -2362,11 +2362,11 @@ def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         built = setup(cfg, passed, engine_factory, device_type)
         if built is None:  # --check
             return ""
-        trainer, start, run_dir, source = built  # source: the model's files
+        trainer, start, run_dir, model_dir = built  # a hub model's: its local copy
         if trainer.cfg.debug_parity:  # op by op on one episode, printed; no step
             print_debug_parity(trainer)
             return ""
-        return train(trainer, start, run_dir, source)
+        return train(trainer, start, run_dir, model_dir)
     finally:
         for locked in set(RUN_LOCKS) - held:
             release_run_dir(locked)
@@ -3554,7 +3554,7 @@ class RewardError(RuntimeError):
         super().__init__(what)
         self.sample = sample  # index among this rank's episodes (of the step, or of the eval)
         self.completion = completion
-        self.turn: int | None = None  # the turn whose text the env read (env_turn), if any
+        self.turn: int | None = None  # turns played when the env failed (1: the first), if any
         self.where = f"sample {sample}"  # failing_together names it by its problem
 
     def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
@@ -4885,7 +4885,7 @@ def _trained_only(strict: bool):
 TRAINED_ONLY, RESTORE_TRAINED = _trained_only(True), _trained_only(False)
 
 
-def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Path) -> Path:
+def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, model_dir: Path) -> Path:
     """checkpoints/step_XXXXXX, written to a temp dir and renamed, so a crash or a full disk
     mid-write leaves the previous checkpoint whole; then all but the newest `keep_last` go.
 
@@ -4913,7 +4913,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, source: Pat
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save(rng, tmp / f"rng_rank{trainer.ranks.rank}.pt")
         if is_main():
-            save_export(tmp / "model", hf_state, trainer, source)
+            save_export(tmp / "model", hf_state, trainer, model_dir)
             (tmp / "run_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         barrier()  # every rank's files are written: state.json lists them
         if is_main():
@@ -5538,7 +5538,7 @@ EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES,  # what an
                 "adapter_model.safetensors", "adapter_config.json"}  # (LoRA: a PEFT adapter)
 
 
-def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
+def export_final(trainer: Trainer, run_dir: Path, model_dir: Path) -> str:
     """The final export (an HF checkpoint; under LoRA by default a PEFT adapter), written to a
     fresh temp dir and renamed into place; it replaces only this run's own earlier export.
     Returns the weights' sha256."""
@@ -5550,7 +5550,7 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
     if is_main():
         tmp = clear_export_tmp(trainer.cfg, run_dir)
         with writing(out, cleanup=tmp, place=export_flag(trainer.cfg)):
-            save_export(tmp, hf_state, trainer, source)
+            save_export(tmp, hf_state, trainer, model_dir)
             if out.resolve() == (run_dir / "final").resolve() and is_earlier_export(out):
                 replace_dir(tmp, out)
             else:  # absent or empty (checked at the start); anything else fails, untouched
@@ -5562,14 +5562,14 @@ def export_final(trainer: Trainer, run_dir: Path, source: Path) -> str:
 
 
 def save_export(out: Path, state: dict[str, torch.Tensor], trainer: Trainer,
-                source: Path) -> None:
+                model_dir: Path) -> None:
     """A PEFT adapter (LoRA: `state` holds lora_A/lora_B names) or a Hugging Face checkpoint."""
     if any("lora_" in k for k in state):  # its base: the hub id, where --model names one
         model = trainer.cfg.model
-        base = source if looks_like_path(model) else model
+        base = model_dir if looks_like_path(model) else model
         save_peft_adapter(out, state, lora_spec(trainer.cfg, trainer.model.args), base)
     else:
-        save_hf_checkpoint(out, state, source)
+        save_hf_checkpoint(out, state, model_dir)
 
 
 def merged_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
@@ -5592,14 +5592,14 @@ def merged_weights(model: Qwen3) -> Iterator[tuple[str, torch.Tensor]]:
         yield from items if is_main() else ()
 
 
-def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Path) -> None:
+def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], model_dir: Path) -> None:
     """config + model.safetensors + tokenizer files: loadable by transformers and vLLM."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in hf_state.items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
+    config = json.loads((model_dir / "config.json").read_text())
     if "text_config" in config:  # a vision-language model trained as its text model: export that
         kind = config["model_type"] + "_text"
         config = {**config["text_config"], "model_type": kind, "architectures": [MODEL_TYPES[kind]]}
@@ -5607,8 +5607,8 @@ def save_hf_checkpoint(out: Path, hf_state: dict[str, torch.Tensor], source: Pat
     config.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
 
 
 def save_peft_adapter(out: Path, adapter: dict[str, torch.Tensor], lora: LoRASpec,
@@ -6622,7 +6622,7 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
+def stops_at(trainer: Trainer, step: int, run_dir: Path, model_dir: Path):
     """A step's faults as a RunStopped with its exit code, naming the last good checkpoint; a
     stop asked while tools ran drops the step and saves the steps done."""
     label = step_label(step, trainer.cfg.steps)
@@ -6630,7 +6630,7 @@ def stops_at(trainer: Trainer, step: int, run_dir: Path, source: Path):
         yield
     except ToolsStopped as e:
         calls = "tool" if trainer.cfg.env else "reward"
-        raise save_and_stop(trainer, run_dir, source, step, e.signum,
+        raise save_and_stop(trainer, run_dir, model_dir, step, e.signum,
                             f"in {label}'s {calls} calls, which were abandoned") from None
     except ToolsStuck as e:
         raise RunStopped(f"{label}: the env ({trainer.cfg.env}) {e}; nothing of this step "
@@ -6724,7 +6724,7 @@ def weights_finite(model: nn.Module, device) -> bool:
     return bool(all_reduce(ok, dist.ReduceOp.MIN).item())
 
 
-def after_step(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path, step: int,
+def after_step(stop: StopRequest, trainer: Trainer, run_dir: Path, model_dir: Path, step: int,
                parity: Parity) -> None:
     """Between two steps: --strict-parity stops at a step with a differing token (RunStopped,
     exit 4), a Ctrl-C or SIGTERM saves and stops, and every --save-every steps a checkpoint."""
@@ -6733,20 +6733,20 @@ def after_step(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path,
                          f"{parity.n_mismatch} mismatched "
                          f"tokens and {parity.routing_mismatch} routed to other experts.",
                          EXIT_PARITY)
-    stop_if_asked(stop, trainer, run_dir, source, step + 1,
+    stop_if_asked(stop, trainer, run_dir, model_dir, step + 1,
                   f"after {step_label(step, trainer.cfg.steps)}")
     if trainer.cfg.save_every and (step + 1) % trainer.cfg.save_every == 0:
         print0(f"saving checkpoint step_{step + 1:06d}")
-        save_checkpoint(run_dir, trainer, step + 1, source)
+        save_checkpoint(run_dir, trainer, step + 1, model_dir)
 
 
-def stop_if_asked(stop: StopRequest, trainer: Trainer, run_dir: Path, source: Path,
+def stop_if_asked(stop: StopRequest, trainer: Trainer, run_dir: Path, model_dir: Path,
                   next_step: int, when: str) -> None:
     """After a Ctrl-C or SIGTERM on any rank, every rank saves the steps done and stops (the
     RunStopped of save_and_stop); else nothing."""
     asked = signal_on_any_rank(stop, trainer.ranks.device)
     if asked:
-        raise save_and_stop(trainer, run_dir, source, next_step, asked, when)
+        raise save_and_stop(trainer, run_dir, model_dir, next_step, asked, when)
 
 
 def signal_on_any_rank(stop: StopRequest, device) -> int:
@@ -6754,11 +6754,11 @@ def signal_on_any_rank(stop: StopRequest, device) -> int:
     return int(all_reduce(torch.tensor([stop.signal or 0], device=device), dist.ReduceOp.MAX))
 
 
-def save_and_stop(trainer: Trainer, run_dir: Path, source: Path, next_step: int, asked: int,
+def save_and_stop(trainer: Trainer, run_dir: Path, model_dir: Path, next_step: int, asked: int,
                   when: str) -> RunStopped:
     """After a signal: the checkpoint of the steps done, and the stop (exit 130 or 143)."""
     print0(f"saving checkpoint step_{next_step:06d}")
-    ckpt = save_checkpoint(run_dir, trainer, next_step, source)
+    ckpt = save_checkpoint(run_dir, trainer, next_step, model_dir)
     code = EXIT_TERMINATED if asked == signal.SIGTERM else EXIT_INTERRUPTED
     return RunStopped(f"stopped {when}; checkpoint {ckpt}; continue with --resume {ckpt}", code)
 
