@@ -765,7 +765,7 @@ def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ran
     lent = engine.base_weights(args) if lora and engine else None  # one copy of the base
     state = lent if lent is not None else hf_to_trainer(hf_state, args) if hf_state else {}
     if lora:
-        with torch.device("meta"):
+        with torch.device("meta"):  # only the adapters' shapes
             shapes = Qwen3(args, ops, dtype)
             add_lora(shapes, lora)
         state = {**state, **lora_init(shapes, cfg.seed)}
@@ -1582,6 +1582,7 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     envs = [make() for _ in range(len(problems) * n)]
     firsts, late = reset_all(envs, problems, n, trainer.cfg)  # each episode's first message
     envs = [None if i in late else env for i, env in enumerate(envs)]
+    # a problem's n episodes got one first message (reset_all checks): its first episode's
     own = [j for j, p in enumerate(problems) if firsts[j * n] != p.question]
     prompts = list(prompt_ids)
     for j, ids in zip(own, first_prompt_ids([firsts[j * n] for j in own], trainer.tokenizer,
@@ -1741,10 +1742,9 @@ def episodes_rollout(episodes: list[Episode], routes: bool) -> Rollout:
 def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
     """The update's samples, and each one's episode (B',) int64. An episode is one sample: its
     first prompt, then its turns (the targets) and the tools' messages between them. By turn (a
-    Qwen3.5): vLLM prefilled each turn's whole request again (no prefix cache), its linear
-    attention from a zero state, so a turn's tokens are computed from hidden states that no
-    other turn's are; each turn is a sample of its own, prompted with its whole request. The
-    targets keep their order: episode by episode, turn by turn."""
+    Qwen3.5, whose linear attention vLLM ran from a zero state over each turn's whole request):
+    each turn is a sample, prompted with its request. E.g. prompt p, turn x y, tool message t,
+    turn z: samples [p | x y] and [p x y t | z], of episode 0 both; targets keep their order."""
     if not by_turn:
         return (pack(rollout.prompts, rollout.completions, rollout.generated),
                 torch.arange(len(rollout.prompts)))
@@ -2060,8 +2060,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     the parity check) -> weight push -> metrics."""
     cfg, device = trainer.cfg, trainer.ranks.device
     G = cfg.group_size
-    # This rank's share of the step's prompts (their indices in the step: i mod world == rank)
-    # and the problem each one is (chosen); an error names a sample by its problem.
+    # The step's prompt i is problem chosen[i]; this rank plays the prompts `mine` (i mod world
+    # == rank), and its episode s is sample s % G of prompt mine[s // G].
     chosen = step_problems(len(trainer.task.problems), cfg.num_prompts, step, cfg.seed)
     mine = my_prompts(cfg.num_prompts, trainer.ranks)
 
