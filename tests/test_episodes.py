@@ -184,6 +184,57 @@ def test_a_tool_message_that_leaves_no_room_for_a_token_ends_the_episode(monkeyp
     assert episodes[0].status == "max_model_len" and episodes[1].status == "running"
 
 
+def test_a_later_turn_capped_by_the_context_ends_as_max_model_len_at_its_limit():
+    """A later turn asked for 2 tokens (what --max-model-len 12 left, under --max-new-tokens 4)
+    that used them all is capped: the env ending it makes the episode max_model_len."""
+    class Full(rl.Engine):  # every request generates its whole limit, no stop id
+        def generate(self, prompts, n, seeds, max_tokens, temperature):
+            return [[rl.Completion([5] * m, [0.0] * m, False)] for m in max_tokens]
+
+    cfg = rl.Config(max_model_len=12, max_new_tokens=4)
+    episodes = [rl.Episode(None, [rl.Turn([1] * 5, rl.Completion([2] * 3, [0.0] * 3, True))])]
+    rl.next_turns(Full(), episodes, [rl.Going(0, [9], 2)], [None], 1.0, cfg)
+    assert episodes[0].turns[-1].capped and episodes[0].turns[-1].out.ids == [5, 5]
+    assert rl.end_turn(episodes[0], rl.Called((None, 0.0), None, 0.0), last=False) is None
+    assert episodes[0].status == "max_model_len"
+
+
+def test_the_last_reward_an_env_gives_is_the_episodes_not_their_sum():
+    episode = rl.Episode(None, [rl.Turn([1], rl.Completion([3], [-0.1], True))])
+    assert rl.end_turn(episode, rl.Called(("go on", 0.5), None, 0.0), last=False) == "go on"
+    assert rl.end_turn(episode, rl.Called((None, 1.0), None, 0.0), last=False) is None
+    assert (episode.status, episode.reward, episode.tool_calls) == ("completed", 1.0, 1)
+
+
+def test_only_completed_episodes_count_as_stopped():
+    """completion_stopped_frac: an episode that ended at a stop id but as max_turns (or by a
+    tool) did not complete."""
+    ends = ["completed", "max_turns", "tool_error", "tool_timeout", "max_model_len", "length"]
+    episodes = [rl.Episode(None, [rl.Turn([1], rl.Completion([3], [-0.1], True))], status=s)
+                for s in ends]
+    assert rl.episodes_rollout(episodes, routes=False).completed == [True] + [False] * 5
+
+
+def test_each_problem_is_prompted_with_its_own_envs_first_message(monkeypatch):
+    """Two problems of 2 episodes each, an env that writes its own first message: problem j's
+    prompt is the message of its episodes (2 j, 2 j + 1), not of episode j."""
+    monkeypatch.setattr(rl, "first_prompt_ids", lambda messages, tokenizer, cfg, samples:
+                        [[ord(c) for c in m] for m in messages])
+
+    class Own:
+        def reset(self, problem):
+            return "own " + problem.question
+
+        def step(self, completion):
+            return None, 0.0
+
+    trainer = rl.Trainer(rl.Config(env="envs.py:Own", tool_timeout=0), *[None] * 7,
+                         make_env=Own)
+    problems = [rl.Problem("a", "1"), rl.Problem("b", "2")]
+    envs, prompts = rl.new_episodes(trainer, problems, [[0], [0]], 2)
+    assert ["".join(map(chr, p)) for p in prompts] == ["own a", "own b"] and len(envs) == 4
+
+
 def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, monkeypatch):
     """Without --env a step trains on exactly what the engine's rollout samples, as before
     episodes: the same samples, logprobs, stops and Packed."""

@@ -218,6 +218,24 @@ def test_a_reset_past_tool_timeout_ends_its_episode_with_its_groups_prompt(ckpt,
     assert m["episode/tool_timeout_frac"] == 1 / 16
 
 
+def test_a_late_reset_takes_its_groups_own_first_message(monkeypatch):
+    """An env that writes its own first message; one of a problem's two resets runs past
+    --tool-timeout: the late episode gets the other's message (a group shares one prefill), not
+    the problem's question, which reset_all would refuse as a second first message."""
+    called = [rl.Called(None, rl.ToolTimeout(), 1.0), rl.Called("own q", None, 0.0)]
+    monkeypatch.setattr(rl, "call_tools", lambda calls, cfg: called)
+    assert rl.reset_all([None, None], [rl.Problem("q", "1")], 2, rl.Config()) == \
+        (["own q", "own q"], {0})
+
+
+def test_a_stop_is_looked_for_every_poll_while_calls_run_under_a_long_timeout():
+    """Ctrl-C or SIGTERM during hung calls is seen within STOP_POLL_S, not at --tool-timeout."""
+    now = time.perf_counter()
+    assert rl.next_late([object()], [now], 60.0) == rl.STOP_POLL_S
+    assert rl.next_late([object()], [now - 59.97], 60.0) < rl.STOP_POLL_S  # a call due sooner
+    assert rl.next_late([None], [now - 120], 60.0) == rl.STOP_POLL_S  # ended calls: none due
+
+
 def test_sigterm_in_a_hung_tool_saves_the_steps_done_and_exits_143_in_one_sentence(
         ckpt, tmp_path, capsys):
     env = tool_env(tmp_path, "HangsAtStep1")
@@ -291,6 +309,16 @@ def test_a_10_mb_tool_message_is_cut_before_it_is_tokenized(ckpt):
     # a message within the bound keeps its ids as the template renders them
     assert rl.tool_message_ids(tok, ["12+34"], rl.Config(max_tool_tokens=16)) == \
         rl.tool_message_ids(tok, ["12+34"], rl.Config())
+
+
+def test_a_first_message_that_fills_the_context_is_refused_in_one_sentence(ckpt):
+    """A first message of exactly --max-model-len ids leaves no token to generate."""
+    tok = chat_tokenizer(ckpt)
+    n = len(rl.first_prompt_ids(["hello there"], tok, rl.Config(max_model_len=256), [0])[0])
+    assert len(rl.first_prompt_ids(["hello there"], tok, rl.Config(max_model_len=n + 1),
+                                   [0])[0]) == n
+    with pytest.raises(rl.RewardError, match="leaves no room in --max-model-len"):
+        rl.first_prompt_ids(["hello there"], tok, rl.Config(max_model_len=n), [0])
 
 
 ODD = '''
