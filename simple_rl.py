@@ -1665,11 +1665,11 @@ def going_on(episodes: list[Episode], messages: dict[int, str], tokenizer,
     going = []
     for (i, message), ids in zip(messages.items(),
                                  tool_message_ids(tokenizer, list(messages.values()), cfg)):
-        request = episodes[i].ids() + ids
-        if len(request) + 1 > cfg.max_model_len:  # no room left for a token
+        room = turn_tokens(cfg, episodes[i].ids() + ids)
+        if room < 1:  # no room left for a token
             episodes[i].end("max_model_len")
         else:
-            going.append(Going(i, ids, turn_tokens(cfg, request)))
+            going.append(Going(i, ids, room))
     return going
 
 
@@ -2100,9 +2100,9 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
 def roll_out(trainer: Trainer, step: int, mine: list[int],
              chosen: list[int]) -> tuple[Rollout, float]:
     """G episodes of each of this rank's prompts (mine: their indices in the step; chosen[i]:
-    prompt i's problem). The first turn samples G completions of each prompt, seeded by its index in
-    the step (Engine.first_turn); `play` continues every live episode. Returns the rollout and
-    the seconds its turns waited on the envs."""
+    prompt i's problem). The first turn samples G completions of each prompt, seeded by its
+    index in the step (Engine.first_turn); `play` continues every live episode. Returns the
+    rollout and the seconds its turns waited on the envs."""
     cfg, task = trainer.cfg, trainer.task
     G = cfg.group_size
     envs, prompts = new_episodes(trainer, [task.problems[chosen[i]] for i in mine],
@@ -2984,8 +2984,7 @@ def check_sizes(raw: dict, file: Path) -> None:
     the shape checks; transformers takes any number)."""
     for key in SIZES:
         n = raw.get(key)
-        need(n is None or whole(n), f"{file}: {key} {n!r} must be a whole "
-             "number >= 1.")
+        need(n is None or whole(n), f"{file}: {key} {n!r} must be a whole number >= 1.")
 
 
 def finite_number(x) -> bool:
