@@ -42,6 +42,15 @@ def test_11_seeds_out_of_range_are_refused_at_parse_time(ckpt, tmp_path, capsys,
     assert not (tmp_path / "logs").exists()
 
 
+def test_every_seed_below_2_to_the_32_is_taken():
+    """--seed is taken anywhere in [0, 2^32), the half past 2^31 too, and refused at 2^32."""
+    for seed in (0, 2**31, 2**32 - 1):
+        rl.validate_numbers(rl.Config(seed=seed))
+    with pytest.raises(rl.ConfigError, match=r"^--seed must lie in \[0, 2\^32\) "
+                       r"\(got 4294967296\)\.$"):
+        rl.validate_numbers(rl.Config(seed=2**32))
+
+
 @pytest.mark.parametrize("flag,value,needle", [
     ("--adv-eps", "1e-320", "--adv-eps 1e-320 is too small for fp32 (0, or at least 1.18e-38"),
     ("--lr", "1e-45", "--lr 1e-45 is too small for fp32"),

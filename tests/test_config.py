@@ -239,6 +239,22 @@ def test_auto_micro_batch_is_the_largest_that_the_estimate_fits():
     assert rl.with_micro_batch(cfg, q17, cpu).micro_batch_tokens == 32768  # CPU: no memory bound
 
 
+def test_the_micro_batch_a_gpu_picks_counts_the_tasks_prompt_lengths(monkeypatch):
+    """with_micro_batch on a (pretended) 140 GiB GPU hands the task's prompt lengths to the
+    estimate: Qwen3-1.7B's shape picks 28672 tokens for prompts of 64-200 tokens, where prompts
+    of unknown length leave room for 24576."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    q17 = Qwen3ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                         hidden_dim=6144, vocab_size=151936, enable_weight_tying=True,
+                         norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=140 * 2**30))
+    gpu = rl.Ranks(0, 1, torch.device("cuda"))
+    assert rl.with_micro_batch(rl.Config(), q17, gpu, (64, 200)).micro_batch_tokens == 28672
+    assert rl.with_micro_batch(rl.Config(), q17, gpu).micro_batch_tokens == 24576
+
+
 def test_auto_micro_batch_is_kept_in_the_run_config(ckpt, tmp_path, capsys):
     """The choice is printed and saved with the run: a resume on another GPU trains with the
     same micro-batches (they set the order of the gradient sums)."""

@@ -77,6 +77,24 @@ def test_parity_report_compares_bits():
     assert same.n_mismatch == 0 and same.max_abs_diff == 0.0 and len(same.table.splitlines()) == 3
 
 
+def test_the_table_shows_the_first_rows_that_differ_and_the_line_counts_bits():
+    """Three of four tokens differ: --parity-rows 2 shows the first two of them, 0 only the
+    header. A logprob of 0.0 against -0.0 (a certain token) differs in its bits though |delta|
+    is 0: the line says identical=no. A NaN delta on a rank is the largest over the ranks."""
+    a = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    b = a + torch.tensor([1e-3, 0.0, 2e-3, 3e-3])
+    rep = rl.parity_report(a, b, torch.tensor([11, 12, 13, 14]), rows=2)
+    head, *rows = rep.table.splitlines()
+    assert rep.n_mismatch == 3 and [row.split()[0] for row in rows] == ["11", "13"]
+    assert rl.parity_report(a, b, torch.arange(4), rows=0).table.splitlines() == [head]
+    zero = rl.parity_report(torch.tensor([0.0, -1.0]), torch.tensor([-0.0, -1.0]),
+                            torch.arange(2), rows=2)
+    assert (zero.n_mismatch, zero.max_abs_diff) == (1, 0.0)
+    assert rl.parity_line(zero) == "parity: identical=no | 1/2 tokens differ | max |delta| 0"
+    nan = rl.parity_over_ranks(rl.Parity(4, 1, math.nan, "t"), torch.device("cpu"))
+    assert (nan.n_tokens, nan.n_mismatch, nan.max_abs_diff, nan.table) == (4, 1, math.inf, "t")
+
+
 def test_debugger_names_the_first_differing_op():
     x = torch.randn(5, 8)
     y = x.clone()

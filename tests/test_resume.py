@@ -143,6 +143,15 @@ def test_latest_needs_a_run_name_when_several_runs_have_checkpoints(ckpt, tmp_pa
         rl.find_checkpoint(rl.Config(resume="latest", log_dir=str(tmp_path / "runs")))
 
 
+def test_latest_passes_over_runs_that_never_saved(saved, tmp_path):
+    """A run that failed at its start, or ran with --save-every 0, has a folder and no
+    checkpoint: --resume latest without --run-name takes the one run that has one."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    (ckpt.parents[2] / "a_failed_start").mkdir()
+    (ckpt.parents[2] / "z_no_saves" / "checkpoints").mkdir(parents=True)
+    assert rl.find_checkpoint(rl.Config(resume="latest", log_dir=str(ckpt.parents[2]))) == ckpt
+
+
 def test_5_latest_skips_a_checkpoint_that_lost_a_dcp_shard(four, tmp_path):
     run_dir = copy_run(four, tmp_path)
     root = run_dir / "checkpoints"
@@ -178,6 +187,15 @@ def test_5_a_kill_while_a_resume_re_saves_step_n_leaves_latest_restorable(four, 
 
 
 # ---------------------------------------------------------------- the flags and files it takes
+
+
+def test_a_resume_takes_eval_every_from_the_command_line(saved, tmp_path, capsys):
+    """--eval-every is one of the flags a resume takes (how often to look, not what is
+    learned): the command line's value, and nothing said about ignoring it."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    cfg, given = rl.parse_config(["--resume", str(ckpt), "--steps", "3", "--eval-every", "7"])
+    assert rl.resume_config(cfg, given, ckpt).eval_every == 7
+    assert "ignores" not in capsys.readouterr().out
 
 
 def test_resume_names_the_flags_it_ignores(saved, tmp_path, capsys):
