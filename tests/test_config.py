@@ -183,6 +183,15 @@ def gpu_of(monkeypatch, gib: float) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
 
 
+def qwen3(dim, layers, heads, inter, tied=True):
+    """A Qwen3's TorchTitan args (LoRA's parameter count builds the model on meta from them)."""
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+
+    return Qwen3ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8, head_dim=128,
+                          hidden_dim=inter, vocab_size=151936, enable_weight_tying=tied,
+                          norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960)
+
+
 def test_memory_estimate_and_the_advice_it_gives(monkeypatch):
     qwen3_8b = QWEN3_8B
     assert abs(rl.count_params(qwen3_8b) / 8.19e9 - 1) < 0.01
@@ -203,14 +212,6 @@ def test_auto_micro_batch_is_the_largest_that_the_estimate_fits():
     """--micro-batch-tokens 0 on a 140 GiB GPU: 24576 tokens at 1.7B, 8192 at 4B (the sizes
     measured to fit: see README), 4096 for 8B on two GPUs; never more than a step needs, never
     less than one sequence; the smallest when nothing fits (check_memory then explains)."""
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
-    def qwen3(dim, layers, heads, inter, tied=True):  # (LoRA's count builds it on meta)
-        return Qwen3ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8,
-                              head_dim=128, hidden_dim=inter, vocab_size=151936,
-                              enable_weight_tying=tied, norm_eps=1e-6, rope_theta=1e6,
-                              max_seq_len=40960)
-
     h200 = 140 * 2**30
     cfg = rl.Config()  # 16 prompts x 8 samples, max_model_len 1024
     q17, q4, q8 = qwen3(2048, 28, 16, 6144), qwen3(2560, 36, 32, 9728), \
@@ -243,13 +244,8 @@ def test_the_micro_batch_a_gpu_picks_counts_the_tasks_prompt_lengths(monkeypatch
     """with_micro_batch on a (pretended) 140 GiB GPU hands the task's prompt lengths to the
     estimate: Qwen3-1.7B's shape picks 28672 tokens for prompts of 64-200 tokens, where prompts
     of unknown length leave room for 24576."""
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-
-    q17 = Qwen3ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
-                         hidden_dim=6144, vocab_size=151936, enable_weight_tying=True,
-                         norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: types.SimpleNamespace(total_memory=140 * 2**30))
+    q17 = qwen3(2048, 28, 16, 6144)
+    gpu_of(monkeypatch, 140)
     gpu = rl.Ranks(0, 1, torch.device("cuda"))
     assert rl.with_micro_batch(rl.Config(), q17, gpu, (64, 200)).micro_batch_tokens == 28672
     assert rl.with_micro_batch(rl.Config(), q17, gpu).micro_batch_tokens == 24576
