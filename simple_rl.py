@@ -1821,7 +1821,7 @@ class Update(NamedTuple):
     loss: torch.Tensor  # () the summed loss
     sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
     logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
-    routing: torch.Tensor | None  # (N, sparse layers, k) int32: its experts (Qwen3-MoE)
+    routed: torch.Tensor | None  # (N, sparse layers, k) int32: its experts (Qwen3-MoE)
     grad_norm: torch.Tensor | None = None  # () the global one, before clipping (train_step's)
 
 
@@ -1890,13 +1890,13 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     logps = torch.empty(len(old_logp), dtype=torch.float32, device=device)  # (N,)
     sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
     sparse_at = sparse_layers(model.args)
-    routing = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
-                          dtype=torch.int32, device=device) if sparse_at else None
+    routed = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
+                         dtype=torch.int32, device=device) if sparse_at else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, samples, counts in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            if routing is not None and counts:  # read before a LoRA reference reruns it
-                routing[owned] = model.routed_ids(batch)
+            if routed is not None and counts:  # read before a LoRA reference reruns it
+                routed[owned] = model.routed_ids(batch)
             adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
@@ -1912,7 +1912,7 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
             logps[owned] = logp.detach()
             sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
                                  clipped.sum()]).detach()
-    return Update(loss_total, sums, logps, routing)
+    return Update(loss_total, sums, logps, routed)
 
 
 @dataclass
@@ -2161,7 +2161,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     if rollout.routed is not None:  # (none from a Qwen3.5-MoE's engine: no prefix cache)
         parity.routes_checked = True
         parity.routing_tokens, parity.routing_mismatch = routing_report(
-            rollout.routed, update.routing, generated_lengths(rollout),
+            rollout.routed, update.routed, generated_lengths(rollout),
             sparse_layers(trainer.model.args))
     return update, n_tokens, parity_over_ranks(parity, device)
 
