@@ -464,6 +464,13 @@ def run_cpu(argv, engine=None) -> str:
     return rl.run(cfg, passed, engine or TorchEngine, "cpu")
 
 
+def cpu_trainer_of_run(path, tmp_path, **overrides) -> rl.Trainer:
+    """simple_rl.setup's Trainer for a tiny CPU run of `path` (the stand-in engine), no step."""
+    cfg, given = rl.parse_config(cpu_argv(path, tmp_path / "runs", **overrides))
+    rl.validate(cfg)
+    return rl.setup(cfg, given, TorchEngine, "cpu")[0]
+
+
 def main_cpu(argv, engine=None) -> int:
     """simple_rl.main with the stand-in engine on CPU; returns the exit code."""
     return rl.main(argv, engine or TorchEngine, "cpu")

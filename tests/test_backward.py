@@ -486,3 +486,20 @@ def test_gpu_logprobs_kernel_gives_vllms_sampler_bits(temperature):
                                                                  g_lp, g_ent, temperature))
     chunk = vk.logprobs_entropy(x[:1000], targets[:1000], temperature)  # through the Function
     assert torch.equal(chunk[0], lp_t[:1000]) and torch.equal(chunk[1], entropy[:1000])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tempered_bf16_logits_are_divided_in_fp32(temperature):
+    """The reference kernels' tempered logits (--kernels reference, the CPU): bf16 logits
+    divided in fp32 by an fp32 T, as vLLM's sampler divides them; a T held in bf16 would be
+    0.6992 for 0.7. Their logprobs and entropy fp32, within 1e-5 of float64."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 64, generator=g) * 4).bfloat16()
+    z = bib.tempered(x, temperature)
+    assert z.dtype == torch.float32
+    assert torch.equal(z, x.float() / torch.tensor(temperature, dtype=torch.float32))
+    targets = torch.arange(8)
+    lp, ent = bib.ref_logprobs_entropy(x, targets, temperature)
+    assert lp.dtype == ent.dtype == torch.float32
+    want = torch.log_softmax(x.double() / temperature, -1)
+    torch.testing.assert_close(lp.double(), want[torch.arange(8), targets], rtol=0, atol=1e-5)

@@ -1,6 +1,7 @@
 """HF checkpoint <-> trainer weights: one path each way, exact round trip."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,3 +125,46 @@ def test_rotary_inv_freq_buffers_in_the_files_are_not_weights(ckpt, tmp_path):
     ours = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
     plain = rl.hf_to_trainer(rl.load_hf_state_dict(ckpt()), args)
     assert sorted(ours) == sorted(plain)
+
+
+# vLLM's parameter names for the trainer's (the inverse of rl.trainer_name, by hand)
+TO_VLLM = (("tok_embeddings.", "model.embed_tokens."), ("output.", "lm_head."),
+           ("layers.", "model.layers."), ("attention.wqkv", "self_attn.qkv_proj"),
+           ("attention.wo", "self_attn.o_proj"), ("attention.q_norm", "self_attn.q_norm"),
+           ("attention.k_norm", "self_attn.k_norm"), ("attention_norm", "input_layernorm"),
+           ("ffn_norm", "post_attention_layernorm"), ("feed_forward.w13", "mlp.gate_up_proj"),
+           ("feed_forward.w2", "mlp.down_proj"))
+
+
+def vllm_name(k: str) -> str:
+    if k == "norm.weight":
+        return "model.norm.weight"
+    for ours, theirs in TO_VLLM:
+        k = k.replace(ours, theirs)
+    return k
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_weights_drop_the_padded_vocab_rows_of_the_embedding_and_the_head(ckpt, tied):
+    """vLLM pads its vocab rows (embedding and untied head) to a multiple of its own; the
+    weights a LoRA trainer adopts from the engine are the checkpoint's shapes and values.
+    Without the trim, an untied model of an unpadded vocab stops at start-up ("size mismatch
+    for output.weight"). The engine's params here: the state's bf16 casts under vLLM's names,
+    16 rows of 7.0 after each vocab."""
+    path = ckpt(tied=tied)
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    state = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
+    params = {}
+    for k, v in state.items():
+        t = v.to(torch.bfloat16)
+        if k in ("tok_embeddings.weight", "output.weight"):  # vLLM pads its vocab rows
+            t = torch.cat([t, torch.full((16, t.shape[1]), 7.0, dtype=t.dtype)])
+        params[vllm_name(k)] = t
+    assert {rl.trainer_name(n) for n in params} == set(state)
+    llm = SimpleNamespace(apply_model=lambda fn: [fn(SimpleNamespace(
+        named_parameters=lambda: params.items()))])
+    adopted = rl.engine_weights(llm, args, torch.bfloat16)
+    assert {k: tuple(v.shape) for k, v in adopted.items()} == \
+        {k: tuple(v.shape) for k, v in state.items()}
+    for k, v in adopted.items():
+        assert torch.equal(v, state[k].to(torch.bfloat16)), k

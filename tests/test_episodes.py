@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import (TorchEngine, cpu_argv, first_turns, main_cpu, run_cpu,
+from helpers import (cpu_argv, cpu_trainer_of_run, first_turns, main_cpu, run_cpu,
                      supervised_warm_start)
 
 # A turn-1 text of c characters makes the episode call the tool c % 3 times: 1 to 3 turns,
@@ -67,17 +67,10 @@ class Recorder:
         monkeypatch.setattr(rl, "episodes_rollout", keep)
 
 
-def make_trainer(path, tmp_path, **overrides):
-    cfg, given = rl.parse_config(cpu_argv(path, tmp_path / "runs", **overrides))
-    rl.validate(cfg)
-    trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
-    return trainer
-
-
 def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_tokens(
         ckpt, tmp_path, env_file, monkeypatch):
     seen = Recorder(monkeypatch)
-    trainer = make_trainer(ckpt(chat=True), tmp_path, env=f"{env_file}:Counted", max_turns=3,
+    trainer = cpu_trainer_of_run(ckpt(chat=True), tmp_path, env=f"{env_file}:Counted", max_turns=3,
                            num_prompts=2, group_size=4, max_new_tokens=4, eval_size=0,
                            kl_coef=0.0, max_model_len=256, micro_batch_tokens=256)
     cfg, tok, engine = trainer.cfg, trainer.tokenizer, trainer.engine
@@ -135,7 +128,7 @@ def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_
 def test_a_model_that_never_stops_calling_ends_at_max_turns_and_tool_messages_past_the_context(
         ckpt, tmp_path, env_file, monkeypatch):
     seen = Recorder(monkeypatch)
-    trainer = make_trainer(ckpt(), tmp_path, env=f"{env_file}:Forever", max_turns=3,
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, env=f"{env_file}:Forever", max_turns=3,
                            eval_size=0)
     m, _ = rl.rl_step(trainer, 0)
     eps = seen.rollouts[-1].episodes
@@ -157,7 +150,7 @@ def test_a_first_message_leaving_less_than_max_new_tokens_caps_the_first_turn(
     what --max-model-len leaves (as vLLM stops it there) and, ended at that limit, ends the
     episode as max_model_len, not as length."""
     seen = Recorder(monkeypatch)
-    trainer = make_trainer(ckpt(), tmp_path, env=f"{env_file}:Scripted", eval_size=0)
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, env=f"{env_file}:Scripted", eval_size=0)
     cfg = trainer.cfg
     assert trainer.engine.cfg is cfg and cfg.max_new_tokens > 2
     chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
@@ -239,7 +232,7 @@ def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, m
     """Without --env a step trains on exactly what the engine's rollout samples, as before
     episodes: the same samples, logprobs, stops and Packed."""
     seen = Recorder(monkeypatch)
-    trainer = make_trainer(ckpt(), tmp_path, eval_size=0)
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, eval_size=0)
     cfg = trainer.cfg
     chosen = rl.step_problems(len(trainer.task.problems), cfg.num_prompts, 0, cfg.seed)
     want = first_turns(trainer.engine, [trainer.task.prompt_ids[i] for i in chosen], [0, 1], 0)

@@ -13,10 +13,11 @@ import json
 import random
 
 import pytest
+import torch
 
 import simple_rl as rl
-from helpers import (TorchEngine, cpu_argv, make_checkpoint, metrics_rows, run_cpu,
-                     supervised_warm_start)
+from helpers import (TorchEngine, cpu_argv, cpu_trainer_of_run, make_checkpoint, metrics_rows,
+                     run_cpu, supervised_warm_start)
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -159,3 +160,31 @@ def test_lora_grpo_raises_held_out_accuracy(copy_task, tmp_path):
     rows, _ = learn(copy_task, tmp_path, "lora", lora_rank=8, lr=3e-3)
     acc = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     assert acc[0] < 0.3 and acc[20] >= acc[0] + 0.5, acc
+
+
+def test_the_eval_of_one_of_two_ranks_divides_by_every_held_out_problem(ckpt, tmp_path,
+                                                                        monkeypatch):
+    """evaluate's means are over every held-out problem, not this rank's share: rank 0 of 2
+    solves its 2 of the 4 problems, rank 1 (its sums added by a stand-in all_reduce) none of
+    its 2, so accuracy 2 / 4 (1.0 if divided by a rank's 2); episodes that called a tool, 2 of
+    rank 0's and 1 of rank 1's: tool_call_frac 3 / 4, a fraction of episodes, not of calls."""
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, eval_size=4)
+    trainer.cfg.env = "calc"  # evaluate logs the tool-call fraction of an env's episodes
+    trainer.ranks = rl.Ranks(0, 2, torch.device("cpu"))
+    assert rl.my_prompts(4, trainer.ranks) == [0, 2]
+
+    def mine_solved(trainer, mine):  # rank 0's two: solved, 2 and 3 tool calls
+        eps = [rl.Episode(None, [rl.Turn([1], rl.Completion([2, 3], [0.0, 0.0], True))])
+               for _ in mine]
+        for e, calls in zip(eps, (2, 3)):
+            e.reward, e.tool_calls = 1.0, calls
+        return eps
+
+    rank1 = torch.tensor([0.0, 0.0, 4.0, 1.0], dtype=torch.float64)  # 2 episodes, one with calls
+    monkeypatch.setattr(rl, "greedy_episodes", mine_solved)
+    monkeypatch.setattr(rl, "all_reduce", lambda t: t + rank1)
+    m = rl.evaluate(trainer, 0)
+    assert m["eval/accuracy"] == 0.5
+    assert m["eval/completion_len_mean"] == 2.0
+    assert m["eval/tool_call_frac"] == 0.75
+    trainer.writer.close()

@@ -107,3 +107,20 @@ def test_weights_cast_once_is_what_the_gemms_use_and_changes_no_bit(ckpt, tied):
         model.layers[0].attention.wo.compute_weight.zero_()
         assert not torch.equal(model(parts[0], 0.8)[0], before)
     assert all(m.compute_weight is None for m in casts)
+
+
+def test_a_bf16_embedding_sums_the_gradient_of_a_repeated_token_in_fp32():
+    """The embedding gathers rows of its fp32 master, then casts: a token seen 300 times gets
+    the sum of 300 gradients in fp32 (300; bf16 stops counting ones at 256), and no
+    vocabulary-sized bf16 copy is made a forward."""
+    emb = rl.Embedding(4, 8, torch.bfloat16)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    tokens = torch.tensor([1] * 300 + [2])
+    y = emb(tokens)
+    assert y.dtype == torch.bfloat16
+    y.backward(torch.ones_like(y))
+    assert emb.weight.grad.dtype == torch.float32
+    assert torch.equal(emb.weight.grad[1], torch.full((8,), 300.0))
+    assert torch.equal(emb.weight.grad[2], torch.ones(8))
+    assert torch.equal(emb.weight.grad[[0, 3]], torch.zeros(2, 8))

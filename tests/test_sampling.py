@@ -140,3 +140,43 @@ def test_completion_logprobs_refuses_logprobs_of_other_tokens():
         rl.completion_logprobs(out([4], [4, 5], [-1.5, -0.5]))  # top-k entries, not one a token
     with pytest.raises(RuntimeError, match="other tokens"):
         rl.completion_logprobs(out([4, 5], [4, 6], [-1.5, -0.5]))
+
+
+def test_the_greedy_eval_asks_vllm_for_temperature_0_and_one_unseeded_sample(monkeypatch):
+    """VLLMEngine.generate at T = 0 (the held-out eval): one sample a prompt, no seed, each
+    prompt's own token budget, and the prefix cache reset after it (a LoRA eval's KV must not
+    serve the next step); a training step's parameters keep --temperature, the group and the
+    step's seed. A stand-in vllm module and LLM record what is asked."""
+    import types
+
+    import simple_rl as rl
+
+    asked = []
+
+    def out(n):
+        c = types.SimpleNamespace(index=0, token_ids=(5,), finish_reason="stop",
+                                  logprobs=types.SimpleNamespace(token_ids=[5], logprobs=[-0.1]),
+                                  routed_experts=None)
+        return types.SimpleNamespace(outputs=[c] * n)
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm, lora_request=None):
+            asked.extend(params)
+            return [out(p["n"]) for p in params]
+
+        def reset_prefix_cache(self):
+            asked.append("reset")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        TokensPrompt=dict, SamplingParams=lambda **k: k))
+    engine = object.__new__(rl.VLLMEngine)
+    engine.cfg = rl.Config(group_size=4, temperature=0.9, max_new_tokens=7)
+    engine.eos_ids, engine.returns_routes, engine.preempted = [0], False, None
+    engine.lora_request = None
+    engine.llm = LLM()
+    engine.generate([[1, 2], [3]], 1, [None, None], [5, 6], 0.0)
+    assert [(p["temperature"], p["n"], p["seed"], p["max_tokens"]) for p in asked[:2]] == \
+        [(0.0, 1, None, 5), (0.0, 1, None, 6)]
+    assert asked[2] == "reset"
+    p = engine.sampling_params(11)
+    assert (p["temperature"], p["n"], p["seed"], p["max_tokens"]) == (0.9, 4, 11, 7)
