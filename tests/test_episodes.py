@@ -665,3 +665,34 @@ def test_turn_seeds_worked_example_holds():
     cfg = rl.Config(seed=0, group_size=8)
     assert rl.sample_seed(cfg, 1, 3) == 80_080
     assert [rl.turn_seed(cfg, 1, 3, 2, k) for k in (0, 1)] == [80_082, 80_082 + 2**48]
+
+
+def test_only_a_problem_whose_env_rewrote_its_question_gets_a_prompt_of_its_own(monkeypatch):
+    """new_episodes keeps the task's prompt ids where an env's first message is the problem's
+    question, and renders one (first_prompt_ids) only where the env rewrote it: three problems
+    of 2 episodes each, b's rewritten. Re-rendering the others would split special-token text in
+    a question into plain tokens, for some problems and not others. The default env renders
+    nothing."""
+    calls = []
+
+    def render(messages, tokenizer, cfg, samples):
+        calls.append((list(messages), list(samples)))
+        return [[1000 + ord(m[-1])] for m in messages]
+
+    class Rewrites:
+        def reset(self, problem):
+            return "own " + problem.question if problem.question == "b" else problem.question
+
+        def step(self, completion):
+            return None, 0.0
+
+    monkeypatch.setattr(rl, "first_prompt_ids", render)
+    problems, task_ids = [rl.Problem(q, "1") for q in "abc"], [[11], [12], [13]]
+    trainer = rl.Trainer(rl.Config(env="envs.py:Rewrites", tool_timeout=0), *[None] * 7,
+                         make_env=Rewrites)
+    envs, prompts = rl.new_episodes(trainer, problems, task_ids, 2)
+    assert prompts == [[11], [1000 + ord("b")], [13]] and len(envs) == 6
+    assert calls == [(["own b"], [2])]  # b's message, for its first episode: sample 2
+    calls.clear()
+    envs, prompts = rl.new_episodes(rl.Trainer(rl.Config(), *[None] * 7), problems, task_ids, 4)
+    assert prompts == task_ids and len(envs) == 12 and not any(m for m, _ in calls)

@@ -469,3 +469,14 @@ def test_a_tool_failure_after_a_partial_reward_ends_the_episode_at_zero(error, s
     assert rl.end_turn(e, rl.Called(None, error, 0.2), last=False) is None
     assert (e.status, e.reward) == (status, 0.0)
     assert abs(e.tool_s - 0.3) < 1e-12
+
+
+def test_a_group_whose_every_reset_is_late_takes_its_own_problems_question(monkeypatch):
+    """reset_all: problems q0 and q1 of 2 episodes each, both of q1's resets past --tool-timeout.
+    q1's episodes take q1's question (no message of their group to share), not another
+    problem's, and are the late ones."""
+    ok, late = rl.Called("q0", None, 0.0), rl.Called(None, rl.ToolTimeout(), 1.0)
+    monkeypatch.setattr(rl, "call_tools", lambda calls, cfg: [ok, ok, late, late])
+    problems = [rl.Problem("q0", "1"), rl.Problem("q1", "2")]
+    assert rl.reset_all([None] * 4, problems, 2, rl.Config()) == (["q0", "q0", "q1", "q1"],
+                                                                  {2, 3})
