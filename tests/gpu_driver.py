@@ -28,30 +28,7 @@ import torch  # noqa: E402
 
 import batch_invariant_backward as bib  # noqa: E402
 import simple_rl as rl  # noqa: E402
-from helpers import first_turns, make_checkpoint  # noqa: E402
-
-# trainer name fragment -> vLLM name fragment, for comparing the two models' weights
-TO_VLLM = [
-    ("tok_embeddings", "model.embed_tokens"),
-    ("layers.", "model.layers."),
-    ("attention.wqkv", "self_attn.qkv_proj"),
-    ("attention.wo", "self_attn.o_proj"),
-    ("attention.q_norm", "self_attn.q_norm"),
-    ("attention.k_norm", "self_attn.k_norm"),
-    ("attention_norm", "input_layernorm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("feed_forward.w13", "mlp.gate_up_proj"),
-    ("feed_forward.w2", "mlp.down_proj"),
-    ("output.", "lm_head."),
-]
-
-
-def vllm_name(name: str) -> str:
-    if name == "norm.weight":
-        return "model.norm.weight"
-    for a, b in TO_VLLM:
-        name = name.replace(a, b, 1) if a in name else name
-    return name
+from helpers import first_turns, make_checkpoint, vllm_name  # noqa: E402
 
 
 def weights_equal(engine, model) -> tuple[bool, int]:
@@ -60,7 +37,7 @@ def weights_equal(engine, model) -> tuple[bool, int]:
 
     def check(m):
         theirs = dict(m.named_parameters())
-        # a name TO_VLLM does not know (Qwen3.5's): the engine's name as simple_rl adopts it
+        # a name vllm_name does not map (Qwen3.5's): the engine's name as simple_rl adopts it
         adopted = {rl.trainer_name(k): v for k, v in theirs.items()}
         bad = []
         for n, p in model.named_parameters():  # every rank gathers in the same order

@@ -443,6 +443,31 @@ CPU_RUN = dict(
 LORA = dict(lora_rank=8, lr=1e-2, kl_coef=0.05)
 
 
+# trainer name fragment -> vLLM name fragment (a Qwen3's), for comparing the two models' weights
+TO_VLLM = [
+    ("tok_embeddings", "model.embed_tokens"),
+    ("layers.", "model.layers."),
+    ("attention.wqkv", "self_attn.qkv_proj"),
+    ("attention.wo", "self_attn.o_proj"),
+    ("attention.q_norm", "self_attn.q_norm"),
+    ("attention.k_norm", "self_attn.k_norm"),
+    ("attention_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("feed_forward.w13", "mlp.gate_up_proj"),
+    ("feed_forward.w2", "mlp.down_proj"),
+    ("output.", "lm_head."),
+]
+
+
+def vllm_name(name: str) -> str:
+    """vLLM's name of a trainer weight (the inverse of rl.trainer_name, by hand)."""
+    if name == "norm.weight":
+        return "model.norm.weight"
+    for a, b in TO_VLLM:
+        name = name.replace(a, b, 1) if a in name else name
+    return name
+
+
 def cpu_argv(path, log_dir, **overrides) -> list[str]:
     """Command-line flags for a tiny CPU run of the checkpoint at `path`."""
     argv = ["--model", str(path), "--log-dir", str(log_dir)]

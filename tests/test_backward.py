@@ -503,3 +503,4 @@ def test_tempered_bf16_logits_are_divided_in_fp32(temperature):
     assert lp.dtype == ent.dtype == torch.float32
     want = torch.log_softmax(x.double() / temperature, -1)
     torch.testing.assert_close(lp.double(), want[torch.arange(8), targets], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), -(want.exp() * want).sum(-1), rtol=0, atol=1e-5)

@@ -8,6 +8,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
+from helpers import vllm_name
 
 
 def load(path):
@@ -125,23 +126,6 @@ def test_rotary_inv_freq_buffers_in_the_files_are_not_weights(ckpt, tmp_path):
     ours = rl.hf_to_trainer(rl.load_hf_state_dict(path), args)
     plain = rl.hf_to_trainer(rl.load_hf_state_dict(ckpt()), args)
     assert sorted(ours) == sorted(plain)
-
-
-# vLLM's parameter names for the trainer's (the inverse of rl.trainer_name, by hand)
-TO_VLLM = (("tok_embeddings.", "model.embed_tokens."), ("output.", "lm_head."),
-           ("layers.", "model.layers."), ("attention.wqkv", "self_attn.qkv_proj"),
-           ("attention.wo", "self_attn.o_proj"), ("attention.q_norm", "self_attn.q_norm"),
-           ("attention.k_norm", "self_attn.k_norm"), ("attention_norm", "input_layernorm"),
-           ("ffn_norm", "post_attention_layernorm"), ("feed_forward.w13", "mlp.gate_up_proj"),
-           ("feed_forward.w2", "mlp.down_proj"))
-
-
-def vllm_name(k: str) -> str:
-    if k == "norm.weight":
-        return "model.norm.weight"
-    for ours, theirs in TO_VLLM:
-        k = k.replace(ours, theirs)
-    return k
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -71,8 +71,8 @@ def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_
         ckpt, tmp_path, env_file, monkeypatch):
     seen = Recorder(monkeypatch)
     trainer = cpu_trainer_of_run(ckpt(chat=True), tmp_path, env=f"{env_file}:Counted", max_turns=3,
-                           num_prompts=2, group_size=4, max_new_tokens=4, eval_size=0,
-                           kl_coef=0.0, max_model_len=256, micro_batch_tokens=256)
+                                 num_prompts=2, group_size=4, max_new_tokens=4, eval_size=0,
+                                 kl_coef=0.0, max_model_len=256, micro_batch_tokens=256)
     cfg, tok, engine = trainer.cfg, trainer.tokenizer, trainer.engine
     m, parity = rl.rl_step(trainer, 0)
     ro = seen.rollouts[-1]
@@ -129,7 +129,7 @@ def test_a_model_that_never_stops_calling_ends_at_max_turns_and_tool_messages_pa
         ckpt, tmp_path, env_file, monkeypatch):
     seen = Recorder(monkeypatch)
     trainer = cpu_trainer_of_run(ckpt(), tmp_path, env=f"{env_file}:Forever", max_turns=3,
-                           eval_size=0)
+                                 eval_size=0)
     m, _ = rl.rl_step(trainer, 0)
     eps = seen.rollouts[-1].episodes
     assert [(len(e.turns), e.status, e.reward) for e in eps] == [(3, "max_turns", 0.0)] * 6

@@ -183,8 +183,10 @@ def test_the_eval_of_one_of_two_ranks_divides_by_every_held_out_problem(ckpt, tm
     rank1 = torch.tensor([0.0, 0.0, 4.0, 1.0], dtype=torch.float64)  # 2 episodes, one with calls
     monkeypatch.setattr(rl, "greedy_episodes", mine_solved)
     monkeypatch.setattr(rl, "all_reduce", lambda t: t + rank1)
-    m = rl.evaluate(trainer, 0)
+    try:
+        m = rl.evaluate(trainer, 0)
+    finally:
+        trainer.writer.close()
     assert m["eval/accuracy"] == 0.5
     assert m["eval/completion_len_mean"] == 2.0
     assert m["eval/tool_call_frac"] == 0.75
-    trainer.writer.close()

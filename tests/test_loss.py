@@ -11,7 +11,7 @@ import torch
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import ExactEngine, TorchEngine, cpu_argv, main_cpu
+from helpers import ExactEngine, cpu_argv, cpu_trainer_of_run, main_cpu
 
 # A temperature other than 1, all three terms on, no grad clip (the gradient is compared raw);
 # 24-token micro-batches split the batch in two of unequal size (offsets and token mean).
@@ -125,10 +125,8 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
     """Rewards all 0 (A = 0) and no entropy bonus: the KL is the only force. The policy starts
     off the frozen reference; each step logs the hand-computed KL of its rollout's tokens, and
     its update leaves them a smaller KL than it found."""
-    argv = cpu_argv(ckpt(), tmp_path / "runs", kl_coef=1.0, entropy_coef=0.0, lr=1e-4,
-                    temperature=0.7, eval_size=0, save_every=0)
-    cfg, given = rl.parse_config(argv)
-    trainer, _, _, _ = rl.setup(cfg, given, TorchEngine, "cpu")
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, kl_coef=1.0, entropy_coef=0.0, lr=1e-4,
+                                 temperature=0.7, eval_size=0, save_every=0)
     trainer.reward_fn = lambda completion, answer: 0.0
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)
@@ -150,7 +148,7 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
         packed = rl.pack(ro.prompts, ro.completions)
         zeros = torch.zeros(len(packed.targets))
         with torch.no_grad():
-            _, seen = objective(model, trainer.ref_model, packed, zeros, zeros, cfg)
+            _, seen = objective(model, trainer.ref_model, packed, zeros, zeros, trainer.cfg)
         return seen["kl"].mean().item()
 
     for step in range(3):

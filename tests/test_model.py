@@ -110,9 +110,9 @@ def test_weights_cast_once_is_what_the_gemms_use_and_changes_no_bit(ckpt, tied):
 
 
 def test_a_bf16_embedding_sums_the_gradient_of_a_repeated_token_in_fp32():
-    """The embedding gathers rows of its fp32 master, then casts: a token seen 300 times gets
-    the sum of 300 gradients in fp32 (300; bf16 stops counting ones at 256), and no
-    vocabulary-sized bf16 copy is made a forward."""
+    """The embedding gathers rows of its fp32 master, then casts (not the other way round): a
+    token seen 300 times gets the sum of 300 gradients in fp32, 300 (bf16 stops counting ones
+    at 256)."""
     emb = rl.Embedding(4, 8, torch.bfloat16)
     with torch.no_grad():
         emb.weight.copy_(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))

@@ -142,11 +142,12 @@ def test_completion_logprobs_refuses_logprobs_of_other_tokens():
         rl.completion_logprobs(out([4, 5], [4, 6], [-1.5, -0.5]))
 
 
-def test_the_greedy_eval_asks_vllm_for_temperature_0_and_one_unseeded_sample(monkeypatch):
-    """VLLMEngine.generate at T = 0 (the held-out eval): one sample a prompt, no seed, each
-    prompt's own token budget, and the prefix cache reset after it (a LoRA eval's KV must not
-    serve the next step); a training step's parameters keep --temperature, the group and the
-    step's seed. A stand-in vllm module and LLM record what is asked."""
+def test_generate_at_t0_asks_for_t0_and_a_training_step_for_its_temperature(monkeypatch):
+    """VLLMEngine.generate as the greedy eval calls it (T = 0, one sample, no seed) asks vLLM
+    for T = 0, not --temperature, with each prompt's own token budget, and drops the prefix
+    cache it filled (the next rollout computes what it would without an eval); a step's
+    sampling parameters keep --temperature, the group and the step's seed. A stand-in vllm
+    module and LLM record what is asked."""
     import types
 
     import simple_rl as rl

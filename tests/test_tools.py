@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, main_cpu, run_cpu
+from helpers import cpu_argv, cpu_trainer_of_run, main_cpu, run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,11 +149,8 @@ def tool_env(tmp_path, name: str) -> str:
 
 
 def trainer_for(ckpt, tmp_path, **overrides):
-    cfg, given = rl.parse_config(cpu_argv(ckpt(chat=True), tmp_path / "runs", eval_size=0,
-                                          num_prompts=2, group_size=8, max_turns=3,
-                                          max_new_tokens=4, **overrides))
-    rl.validate(cfg)
-    return rl.setup(cfg, given, TorchEngine, "cpu")[0]
+    small = dict(eval_size=0, num_prompts=2, group_size=8, max_turns=3, max_new_tokens=4)
+    return cpu_trainer_of_run(ckpt(chat=True), tmp_path, **(small | overrides))
 
 
 def test_a_turns_tools_run_at_once_and_the_bits_do_not_depend_on_which_finished_first(
