@@ -4,8 +4,29 @@ sampler needs no patch: its noise is a hash of the request's seed, position and 
 GPU suite checks that three prompts alone sample what they sample in the batch.)"""
 
 import sys
+import types
 
 import pytest
+
+
+def engine_on(monkeypatch, llm, cfg=None):
+    """A VLLMEngine that never started (only its own code runs): vllm's two names stood in,
+    `llm` as its LLM."""
+    import simple_rl as rl
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        TokensPrompt=dict, SamplingParams=lambda **k: k))
+    engine = object.__new__(rl.VLLMEngine)
+    engine.cfg, engine.eos_ids, engine.returns_routes, engine.llm = cfg or rl.Config(), [0], \
+        False, llm
+    return engine
+
+
+def completion(index, tokens, logprobs, reason="length"):
+    """vLLM's CompletionOutput as the rollout reads it (flat logprobs: one a token)."""
+    flat = types.SimpleNamespace(token_ids=list(tokens), logprobs=list(logprobs))
+    return types.SimpleNamespace(index=index, token_ids=tuple(tokens), logprobs=flat,
+                                 finish_reason=reason, routed_experts=None)
 
 
 def test_gc_is_paused_inside_a_rollout_and_restored_after_even_on_error():
@@ -32,7 +53,6 @@ def test_gc_is_paused_inside_a_rollout_and_restored_after_even_on_error():
 
 def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
     import gc
-    import types
 
     import simple_rl as rl
 
@@ -43,10 +63,7 @@ def test_the_rollout_decodes_with_the_collector_paused(monkeypatch):
             seen.append((len(prompts), gc.isenabled()))
             raise RuntimeError("engine died")
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
-        TokensPrompt=dict, SamplingParams=lambda **k: k))
-    engine = object.__new__(rl.VLLMEngine)  # no engine start: only rollout's own code runs
-    engine.cfg, engine.eos_ids, engine.returns_routes, engine.llm = rl.Config(), [0], False, LLM()
+    engine = engine_on(monkeypatch, LLM())
     with pytest.raises(RuntimeError, match="engine died"):
         engine.first_turn([[1, 2], [3]], [0, 1], 0)
     assert seen == [(2, False)] and gc.isenabled()
@@ -93,14 +110,7 @@ def test_the_engine_sleeps_with_young_collections_only_and_restores_gc_collect()
 
 
 def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
-    import types
-
     import simple_rl as rl
-
-    def completion(index, tokens, logprobs, reason="length"):
-        flat = types.SimpleNamespace(token_ids=list(tokens), logprobs=list(logprobs))
-        return types.SimpleNamespace(index=index, token_ids=tuple(tokens), logprobs=flat,
-                                     finish_reason=reason)
 
     asked = []
 
@@ -112,11 +122,7 @@ def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
                     types.SimpleNamespace(prompt_token_ids=[3], outputs=[
                         completion(0, [8, 9, 4], [-0.25, -0.125, -3.0]), completion(1, [], [])])]
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
-        TokensPrompt=dict, SamplingParams=lambda **k: k))
-    engine = object.__new__(rl.VLLMEngine)
-    engine.cfg, engine.eos_ids, engine.returns_routes = rl.Config(group_size=2), [0], False
-    engine.llm = LLM()
+    engine = engine_on(monkeypatch, LLM(), rl.Config(group_size=2))
     outs = engine.first_turn([[1, 2], [3]], [0, 1], 0)
     samples = [c for cs in outs for c in cs]
     assert [len(cs) for cs in outs] == [2, 2]  # each prompt's G samples
@@ -127,8 +133,6 @@ def test_the_rollout_reads_vllms_flat_logprobs_in_sample_order(monkeypatch):
 
 
 def test_completion_logprobs_refuses_logprobs_of_other_tokens():
-    import types
-
     import simple_rl as rl
 
     def out(tokens, logged, logprobs):
@@ -148,33 +152,21 @@ def test_generate_at_t0_asks_for_t0_and_a_training_step_for_its_temperature(monk
     cache it filled (the next rollout computes what it would without an eval); a step's
     sampling parameters keep --temperature, the group and the step's seed. A stand-in vllm
     module and LLM record what is asked."""
-    import types
-
     import simple_rl as rl
 
     asked = []
 
-    def out(n):
-        c = types.SimpleNamespace(index=0, token_ids=(5,), finish_reason="stop",
-                                  logprobs=types.SimpleNamespace(token_ids=[5], logprobs=[-0.1]),
-                                  routed_experts=None)
-        return types.SimpleNamespace(outputs=[c] * n)
-
     class LLM:
         def generate(self, prompts, params, use_tqdm, lora_request=None):
             asked.extend(params)
-            return [out(p["n"]) for p in params]
+            return [types.SimpleNamespace(outputs=[completion(0, [5], [-0.1], "stop")])
+                    for p in params]
 
         def reset_prefix_cache(self):
             asked.append("reset")
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
-        TokensPrompt=dict, SamplingParams=lambda **k: k))
-    engine = object.__new__(rl.VLLMEngine)
-    engine.cfg = rl.Config(group_size=4, temperature=0.9, max_new_tokens=7)
-    engine.eos_ids, engine.returns_routes, engine.preempted = [0], False, None
-    engine.lora_request = None
-    engine.llm = LLM()
+    engine = engine_on(monkeypatch, LLM(),
+                       rl.Config(group_size=4, temperature=0.9, max_new_tokens=7))
     engine.generate([[1, 2], [3]], 1, [None, None], [5, 6], 0.0)
     assert [(p["temperature"], p["n"], p["seed"], p["max_tokens"]) for p in asked[:2]] == \
         [(0.0, 1, None, 5), (0.0, 1, None, 6)]
