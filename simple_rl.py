@@ -5961,6 +5961,9 @@ def in_prompt_order(per_rank: list[list]) -> list:
     return out
 
 
+DELTA_CHUNK = 1 << 24  # values: 64 MiB a fp32 temporary
+
+
 def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
                   per_param: bool) -> dict[str, float]:
     """||W_new - W_old|| and ||W_new - W_old|| / ||W_old|| of the last AdamW update, per layer.
@@ -5968,7 +5971,9 @@ def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
     Reconstructed from the optimizer's state, without a copy of the old weights:
         a     = lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
         W_old = (W_new + a) / (1 - lr * wd),    delta = W_new - W_old
-    One parameter's temporaries at a time; local shards summed over ranks.
+    Over DELTA_CHUNK values of one parameter at a time: its temporaries (a few fp32 copies)
+    come after the push, beside the awake engine, where a whole embedding's (2.4 GiB each at
+    Qwen3.5-4B) would not fit; local shards summed over ranks.
     """
     group = optimizer.param_groups[0]
     lr = group["lr"]
@@ -5985,10 +5990,12 @@ def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
         state = optimizer.state.get(p)
         if not state:
             continue
-        w, m, v = (local_tensor(t) for t in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))
-        step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
-        old = (w + step) / (1 - lr * wd)
-        row = torch.stack([(w - old).square().sum(), old.square().sum()])
+        row = torch.zeros(2, device=sq.device)
+        for w, m, v in zip(*(local_tensor(x).reshape(-1).split(DELTA_CHUNK)
+                             for x in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))):
+            step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+            old = (w + step) / (1 - lr * wd)
+            row += torch.stack([(w - old).square().sum(), old.square().sum()])
         sq[index[layer_of(name)]] += row
         if per_param:
             sq[index[name]] += row
