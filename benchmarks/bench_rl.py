@@ -375,6 +375,8 @@ def measure(
     cfg = rl.with_micro_batch(cfg, files.args, ranks, lengths)  # 0: what simple_rl picks here
     if design == "b" and not micro_batch_tokens:
         cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=plain_micro_batch(cfg))
+    if not cpu and design != "d":  # a config simple_rl would refuse, refused before the engine
+        rl.check_memory(cfg, files.args, ranks, lengths)
     if engine_factory is None:  # (b) is (a)'s engine: VLLM_BATCH_INVARIANT=0 changes its kernels
         engine_factory = {
             "a": rl.VLLMEngine,
@@ -836,7 +838,12 @@ def main():
     )
     if a.worker:
         profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile else None
-        result = measure(a.worker, a.model, **knobs, profile_to=profile_to)
+        from simple_rl import ConfigError
+
+        try:
+            result = measure(a.worker, a.model, **knobs, profile_to=profile_to)
+        except ConfigError as e:  # one sentence, as simple_rl.py says it
+            sys.exit(f"bench_rl ({a.worker}): {e}")
         if int(os.environ.get("RANK", 0)) == 0:
             Path(a.out).write_text(json.dumps(result))
         return
