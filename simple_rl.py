@@ -867,8 +867,8 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
 # Load & convert: HF checkpoint <-> trainer (vLLM layout)
 # ==========================================================================
 # The trainer holds weights as vLLM's Qwen3 layers do: q/k/v fused into one projection,
-# gate/up fused into one (Qwen3.5's linear attention: q/k/v/z, b/a). TorchTitan's state-dict
-# adapter (hf_key_map) maps HF <-> TorchTitan names; this table fuses the parts (on dim 0, in
+# gate/up fused into one (Qwen3.5's linear attention: q/k/v/z, b/a). TorchTitan's key map
+# (hf_key_map) turns HF names into TorchTitan's and back; this table fuses the parts (on dim 0, in
 # order) a layer has. One weight's three names: HF's model.layers.0.self_attn.q_proj.weight is
 # TorchTitan's layers.0.attention.wq.weight, which the trainer holds as the first rows of
 # layers.0.attention.wqkv.weight (vLLM's qkv_proj).
