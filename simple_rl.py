@@ -666,8 +666,7 @@ def weights_cast_once(model: Qwen3):
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
     No such casts under FSDP2 (the all-gather casts; Qwen3.5's Gated DeltaNet layers, gathered
     in fp32, cast in their forward) or when the compute dtype is fp32. LoRA's casts
-    are refreshed on entry in every case: bound to the engine's adapter slot, this is what
-    writes the engine's adapter (kept, never None: they are the engine's tensors).
+    are refreshed on entry in every case, and kept: they are the engine's slot (`bind_lora`).
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
@@ -1081,8 +1080,8 @@ class VLLMEngine(Engine):
         from vllm import LLM
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
-        # LoRA: one adapter slot on the layers of --lora-targets; the trainer adopts the base
-        # weights and binds its adapter casts to the slot (no second copy)
+        # LoRA: one adapter slot on the layers of --lora-targets, shared with the trainer
+        # (start_adapter, bind_lora)
         self.lora = lora_spec(cfg, files.args)
         # A Qwen3.5 runs without the prefix cache: a cached prefix resumes its linear attention
         # from a saved state, a split the trainer does not replay (check_qwen35_engine).
@@ -4074,7 +4073,7 @@ def engine_weights(llm, args, dtype) -> dict[str, torch.Tensor]:
 
 
 def adapter_weights(model: Qwen3) -> list[tuple[str, torch.Tensor]]:
-    """Refresh the casts (bound to the engine's slot, this writes the engine's adapter), then
+    """Refresh the casts (the engine's slot: `bind_lora`), then
     (PEFT name, cast) of every targeted slice: A_s (1, 1, r, K) as `...q_proj.lora_A.weight`,
     B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
     for m in lora_modules(model):
