@@ -5991,7 +5991,8 @@ def weight_deltas(optimizer: torch.optim.AdamW, named: dict[str, nn.Parameter],
             continue
         row = torch.zeros(2, device=sq.device)
         for w, m, v in zip(*(local_tensor(x).reshape(-1).split(DELTA_CHUNK)
-                             for x in (p.detach(), state["exp_avg"], state["exp_avg_sq"]))):
+                             for x in (p.detach(), state["exp_avg"], state["exp_avg_sq"])),
+                           strict=True):
             step = (lr / (1 - b1**t)) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
             old = (w + step) / (1 - lr * wd)
             row += torch.stack([(w - old).square().sum(), old.square().sum()])

@@ -842,8 +842,9 @@ def main():
 
         try:
             result = measure(a.worker, a.model, **knobs, profile_to=profile_to)
-        except ConfigError as e:  # one sentence, as simple_rl.py says it
-            sys.exit(f"bench_rl ({a.worker}): {e}")
+        except ConfigError as e:  # one sentence and exit 2, as simple_rl.py says it
+            print(f"bench_rl ({a.worker}): {e} (here --nproc is the GPUs)", file=sys.stderr)
+            sys.exit(2)
         if int(os.environ.get("RANK", 0)) == 0:
             Path(a.out).write_text(json.dumps(result))
         return
