@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl as rl
-from helpers import TorchEngine, cpu_argv, first_turns
+from helpers import cpu_trainer_of_run, first_turns
 
 TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ratio_mean",
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
@@ -17,15 +17,9 @@ TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ra
         "time/engine_wake_s", "time/step_s", "determinism/mismatched_tokens_total"]
 
 
-def make_trainer(path, tmp_path, **overrides):
-    cfg, given = rl.parse_config(cpu_argv(path, tmp_path / "runs", **overrides))
-    rl.validate(cfg)
-    trainer, start, run_dir, _ = rl.setup(cfg, given, TorchEngine, "cpu")
-    return trainer, run_dir
-
-
 def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
-    trainer, run_dir = make_trainer(ckpt(), tmp_path, max_new_tokens=6, seed=1)
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, max_new_tokens=6, seed=1)
+    run_dir = tmp_path / "runs" / trainer.cfg.run_name
     w0 = trainer.model.layers[0].attention.wqkv.weight.detach().clone()
     push = trainer.engine.push
 
@@ -67,7 +61,7 @@ def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
 def test_the_held_out_accuracy_has_the_binomial_interval(ckpt, tmp_path, monkeypatch):
     """One of the n held-out problems solved: accuracy p = 1/n, its 95% interval
     100 (p +- 1.96 sqrt(p (1 - p) / n)) in percent."""
-    trainer, _ = make_trainer(ckpt(), tmp_path)
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path)
     n = len(trainer.task.eval_problems)
 
     def one_solved(trainer, mine):
@@ -89,7 +83,7 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, 
     """||W_new - W_old|| reconstructed from AdamW's state equals the measured one, summed over
     chunks of a parameter (1000 values here, a partial last one)."""
     monkeypatch.setattr(rl, "DELTA_CHUNK", 1000)
-    trainer, _ = make_trainer(ckpt(), tmp_path, weight_decay=0.1)
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, weight_decay=0.1)
     named = dict(trainer.model.named_parameters())
     before = {n: p.detach().clone() for n, p in named.items()}
     rl.rl_step(trainer, 0)
@@ -108,7 +102,7 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, 
 
 def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
     """The logprobs handed to the parity check are exactly the first update's forward."""
-    trainer, _ = make_trainer(ckpt(), tmp_path, updates_per_batch=2)
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, updates_per_batch=2)
     ro = first_turns(trainer.engine, [[5, 6, 7], [8, 9]], [0, 1], 0)
     p = rl.pack(ro.prompts, ro.completions)
     with torch.no_grad():
@@ -123,8 +117,8 @@ def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
 def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckpt, tmp_path):
     grads = []
     for mbt, n_micro in ((32, 3), (4096, 1), (4096, 3)):  # 3 real; 1 real; 1 real + 2 padding
-        trainer, _ = make_trainer(ckpt(), tmp_path / f"{mbt}_{n_micro}", micro_batch_tokens=mbt,
-                             max_model_len=32)
+        trainer = cpu_trainer_of_run(ckpt(), tmp_path / f"{mbt}_{n_micro}",
+                                     micro_batch_tokens=mbt, max_model_len=32)
         ro = first_turns(trainer.engine, [[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [0, 1], 0)
         p = rl.pack(ro.prompts, ro.completions)
         assert len(rl.plan_micro_batches(p, trainer.cfg)) == (1 if mbt == 4096 else 3)
