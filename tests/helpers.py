@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import batch_invariant_backward as bib
 import simple_rl as rl
@@ -686,3 +687,15 @@ def random_step(rng, turns=(1,)) -> tuple:
     world = rng.choice([1, 2])
     shortest = rng.randint(1, 100)
     return c, world, shortest, rng.randint(shortest, 256 - c.max_new_tokens)
+
+
+def two_ranks(monkeypatch, *other):
+    """rl.all_reduce as if a second rank held `other` (its tensors, in call order)."""
+    calls = iter(other)
+
+    def all_reduce(t, op=dist.ReduceOp.SUM):
+        o = torch.tensor(next(calls), dtype=t.dtype)
+        t.copy_(torch.maximum(t, o) if op == dist.ReduceOp.MAX else t + o)
+        return t
+
+    monkeypatch.setattr(rl, "all_reduce", all_reduce)

@@ -4,6 +4,7 @@ files, a chat template that fails, and data files that are empty or not JSON lin
 parser's own errors and the environment's: test_config.py.)"""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -331,3 +332,15 @@ def test_an_infinite_rms_norm_eps_is_refused(ckpt, tmp_path):
     (path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": float("inf")}))
     with pytest.raises(rl.ConfigError, match="rms_norm_eps inf must be a finite number > 0"):
         rl.read_qwen3_config(path)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(beta1=1.0), "--beta1 and --beta2 must lie in [0, 1) (got 1.0, 0.999)."),
+    (dict(beta2=1.0), "--beta1 and --beta2 must lie in [0, 1) (got 0.9, 1.0)."),
+    (dict(keep_last=0), "--save-every must be >= 0 and --keep-last >= 1."),
+])
+def test_the_upper_and_lower_edges_of_betas_and_keep_last_are_refused(change, needle):
+    ok = {k: (0.0 if isinstance(v, float) else 1) for k, v in change.items()}
+    rl.validate_numbers(rl.Config(**ok))  # beta 0 and --keep-last 1 are taken
+    with pytest.raises(rl.ConfigError, match="^" + re.escape(needle) + "$"):
+        rl.validate_numbers(rl.Config(**change))

@@ -696,3 +696,26 @@ def test_only_a_problem_whose_env_rewrote_its_question_gets_a_prompt_of_its_own(
     calls.clear()
     envs, prompts = rl.new_episodes(rl.Trainer(rl.Config(), *[None] * 7), problems, task_ids, 4)
     assert prompts == task_ids and len(envs) == 12 and not any(m for m, _ in calls)
+
+
+def test_a_final_reward_of_zero_replaces_an_earlier_partial_reward():
+    """The last reward an env gives is the episode's, 0 included: 0.5 on a tool turn, then 0."""
+    episode = rl.Episode(None, [rl.Turn([1], rl.Completion([3], [-0.1], True))])
+    assert rl.end_turn(episode, rl.Called(("go on", 0.5), None, 0.0), last=False) == "go on"
+    assert episode.reward == 0.5
+    assert rl.end_turn(episode, rl.Called((None, 0.0), None, 0.0), last=False) is None
+    assert (episode.status, episode.reward, episode.tool_calls) == ("completed", 0.0, 1)
+
+
+def test_an_episode_with_a_turn_the_engine_gave_no_experts_for_is_not_routed():
+    """routes=True: an episode whose every turn has experts gets them concatenated; one whose
+    later turn has none gets None (not compared), not an error."""
+    def turn(context, ids, routed):
+        return rl.Turn(context, rl.Completion(ids, [-0.5] * len(ids), True, routed))
+
+    r = torch.arange(8, dtype=torch.int32).view(1, 4, 2)  # (1 token, 4 layers, k = 2)
+    both = rl.Episode(None, [turn([1], [3], r), turn([9], [4], r + 8)], status="completed")
+    half = rl.Episode(None, [turn([1], [3], r), turn([9], [4], None)], status="completed")
+    ro = rl.episodes_rollout([both, half], routes=True)
+    assert ro.routed[1] is None
+    assert torch.equal(ro.routed[0], torch.cat([r, r + 8]))

@@ -5,6 +5,7 @@ import math
 import torch
 
 import simple_rl as rl
+from helpers import two_ranks
 
 
 def test_group_advantages_std_normalised():
@@ -110,3 +111,19 @@ def test_debugger_names_the_first_differing_op():
     assert rl.trace_names(2)[0] == ("layers.0.attention_norm", "model.layers.0.input_layernorm")
     assert rl.trace_names(2)[8] == ("layers.0.feed_forward.act_fn", "model.layers.0.mlp.act_fn")
     assert rl.trace_names(2)[-1] == ("norm", "model.norm")
+
+
+def test_adv_eps_is_added_to_the_groups_std():
+    """A = (r - mean) / (std + eps): a large eps shrinks the advantages, never inflates them."""
+    r = torch.tensor([0.0, 2.0, 1.0, 1.0])
+    a = rl.group_advantages(r, 2, std_normalize=True, eps=0.5)
+    d = math.sqrt(2) + 0.5  # unbiased std of (0, 2) is sqrt(2)
+    torch.testing.assert_close(a, torch.tensor([-1 / d, 1 / d, 0.0, 0.0]))
+    assert not a[2:].signbit().any()  # an equal group's 0 is +0: (0) / (0 + eps)
+
+
+def test_parity_over_two_ranks_sums_the_counts_and_takes_the_larger_delta(monkeypatch):
+    two_ranks(monkeypatch, [6, 2, 5, 1], [0.25])
+    p = rl.parity_over_ranks(rl.Parity(4, 1, 0.5, "t", True, 4, 0), torch.device("cpu"))
+    assert (p.n_tokens, p.n_mismatch, p.routing_tokens, p.routing_mismatch) == (10, 3, 9, 1)
+    assert (p.max_abs_diff, p.table, p.routes_checked) == (0.5, "t", True)

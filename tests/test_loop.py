@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import simple_rl as rl
-from helpers import cpu_trainer_of_run, first_turns
+from helpers import cpu_trainer_of_run, first_turns, two_ranks
 
 TAGS = ["loss", "pg_loss", "kl_div", "entropy", "reward_mean", "reward_std", "ratio_mean",
         "ratio_clipped_frac", "grad_norm", "determinism/mismatched_tokens", "determinism/tokens",
@@ -167,3 +167,23 @@ def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(
         assert events == ["empty_cache"] * emptied + [("wake", "weights", True), "load",
                                                      ("wake", "kv_cache", True), "reset"]
         assert not engine.asleep and gc.collect is plain
+
+
+def test_a_rank_pads_to_exactly_n_micro_micro_batches():
+    """One real micro-batch, n_micro 1..3: 0, 1 and 2 uncounted copies of sample 0."""
+    p = rl.pack([[1] * 3, [2] * 4, [3] * 2], [[4] * 2, [5], [6] * 3])  # 5 + 5 + 5 tokens
+    cfg = rl.Config(micro_batch_tokens=16)
+    assert rl.micro_batch_parts(p, cfg, None, "cpu")[0].samples == range(0, 3)
+    for n_micro in (1, 2, 3):
+        parts = rl.micro_batch_parts(p, cfg, n_micro, "cpu")
+        assert [m.counts for m in parts] == [1.0] + [0.0] * (n_micro - 1)
+        assert [m.samples for m in parts[1:]] == [range(0, 1)] * (n_micro - 1)
+
+
+def test_every_rank_runs_the_most_micro_batches_and_divides_by_all_tokens(monkeypatch):
+    p = rl.pack([[1] * 3, [2] * 4, [3] * 2], [[4] * 2, [5], [6] * 3])  # 3 samples of 5, N = 6
+    cfg = rl.Config(micro_batch_tokens=10)  # 2 micro-batches here
+    two_ranks(monkeypatch, [3], [7])
+    assert rl.batch_over_ranks(p, cfg, "cpu") == (3, 13)
+    two_ranks(monkeypatch, [1], [7])
+    assert rl.batch_over_ranks(p, cfg, "cpu") == (2, 13)

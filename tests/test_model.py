@@ -124,3 +124,14 @@ def test_a_bf16_embedding_sums_the_gradient_of_a_repeated_token_in_fp32():
     assert torch.equal(emb.weight.grad[1], torch.full((8,), 300.0))
     assert torch.equal(emb.weight.grad[2], torch.ones(8))
     assert torch.equal(emb.weight.grad[[0, 3]], torch.zeros(2, 8))
+
+
+def test_sub_pack_is_the_packing_of_its_samples_alone():
+    """pack's worked example, [a b | x y] [c | z]: sample 1 on its own is exactly pack([c], [z]),
+    max_seqlen included (its own longest sample, not the whole batch's)."""
+    p = rl.pack([[1, 2], [5]], [[3, 4], [6]])
+    part, owned = rl.sub_pack(p, range(1, 2))
+    alone = rl.pack([[5]], [[6]])
+    assert owned == slice(2, 3) and part.max_seqlen == alone.max_seqlen == 2
+    for name in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "sample", "prefill"):
+        assert getattr(part, name).tolist() == getattr(alone, name).tolist(), name
