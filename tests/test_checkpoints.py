@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import (copy_checkpoint, edit_json, latest, main_cpu, metrics_rows, one_sentence,
-                     refuse)
+from helpers import (copy_checkpoint, cpu_trainer_of_run, edit_json, latest, main_cpu,
+                     metrics_rows, one_sentence, refuse)
 
 
 # ---------------------------------------------------------------- a checkpoint is data
@@ -297,3 +297,42 @@ def test_a_checkpoint_of_another_stack_says_so_in_one_line_and_goes_on(saved, tm
     assert said == [f"step_000002 was made with vLLM 0.26 / torch 2.11 (now torch "
                     f"{torch.__version__}): its weights and optimizer state go on exactly, its "
                     "samples will not continue bit for bit."]
+
+
+def test_a_checkpoint_of_zero_steps_done_reads_as_whole(tmp_path):
+    """A stop in the first step's tool or reward calls saves step_000000 (next_step 0): its
+    state.json is valid, not 'damaged'. (Mutant: next_step > 0.)"""
+    ckpt = tmp_path / "step_000000"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"next_step": 0, "world_size": 1, "shapes": {}}))
+    assert rl.read_checkpoint_state(ckpt)["next_step"] == 0
+    (ckpt / "state.json").write_text(json.dumps({"next_step": -1, "world_size": 1, "shapes": {}}))
+    with pytest.raises(rl.ConfigError, match="wrong field types"):
+        rl.read_checkpoint_state(ckpt)
+
+
+def test_cuda_rng_states_must_be_byte_tensors(tmp_path):
+    """read_rng refuses a CUDA state that is a tensor of another dtype (a float tensor would
+    reach torch.cuda.set_rng_state_all on a GPU resume). (Mutant: the dtype check dropped.)"""
+    good = {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": [torch.zeros(16, dtype=torch.uint8)]}
+    torch.save(good, tmp_path / "rng_rank0.pt")
+    assert torch.equal(rl.read_rng(tmp_path, 0)["cuda"][0], good["cuda"][0])
+    torch.save({**good, "cuda": [torch.zeros(16)]}, tmp_path / "rng_rank0.pt")
+    with pytest.raises(rl.ConfigError, match="rng_rank0.pt is damaged: TypeError"):
+        rl.read_rng(tmp_path, 0)
+
+
+def test_a_save_removes_what_a_save_killed_mid_way_left(ckpt, tmp_path):
+    """A kill inside remove_dir or replace_dir leaves checkpoints/.old_step_N; a kill while
+    writing leaves .tmp_step_N. The next save removes both and keeps the complete ones.
+    (Mutant: only .tmp_step_* globbed.)"""
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path)
+    run_dir = tmp_path / "r"
+    root = run_dir / "checkpoints"
+    for leftover in (".old_step_000002", ".tmp_step_000003"):
+        (root / leftover / "trainer").mkdir(parents=True)
+        (root / leftover / "trainer" / "__0_0.distcp").write_bytes(b"half")
+    final = rl.save_checkpoint(run_dir, trainer, 4, ckpt())
+    assert final == root / "step_000004" and rl.is_complete(final)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004"]

@@ -320,3 +320,20 @@ def test_check_memory_suggests_the_largest_micro_batch_that_fits(monkeypatch, gi
         rl.check_memory(rl.Config(micro_batch_tokens=16384), QWEN3_8B,
                         rl.Ranks(0, 2, torch.device("cpu")))
     assert f"run with {hint}" in str(err.value)
+
+
+def test_the_arithmetic_task_may_hold_out_exactly_half_its_candidates():
+    """--eval-size EVAL_CANDIDATES // 2 (2048) is the documented maximum, so it is accepted;
+    one more is refused. (Mutant: eval_size < EVAL_CANDIDATES // 2.)"""
+    rl.validate(rl.Config(task="arithmetic", eval_size=rl.EVAL_CANDIDATES // 2))
+    with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
+        rl.validate(rl.Config(task="arithmetic", eval_size=rl.EVAL_CANDIDATES // 2 + 1))
+
+
+def test_data_files_are_made_absolute_at_start(tmp_path, monkeypatch):
+    """--data-files is read (and hashed for a resume) from the directory the run started in,
+    whatever a reward's chdir does later. (Mutant: data_files left as given.)"""
+    monkeypatch.chdir(tmp_path)
+    cfg, passed = rl.parse_config(["--task", "jsonl", "--data-files", "train.jsonl"])
+    assert cfg.data_files == str(tmp_path / "train.jsonl") and "data_files" in passed
+    assert rl.parse_config([])[0].data_files == ""  # none given: stays empty

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -138,14 +139,12 @@ def test_vllms_own_logging_config_gets_the_filter(monkeypatch):
     import copy
     import io
     import logging.config
-    import types
-
     config = {"version": 1, "disable_existing_loggers": False,
               "handlers": {"vllm": {"class": "logging.StreamHandler", "stream": io.StringIO()}},
               "loggers": {"vllm": {"handlers": ["vllm"], "level": "WARNING",
                                    "propagate": False}}}
-    fake = types.SimpleNamespace(DEFAULT_LOGGING_CONFIG=config)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(logger=fake))
+    fake = SimpleNamespace(DEFAULT_LOGGING_CONFIG=config)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(logger=fake))
     monkeypatch.setitem(sys.modules, "vllm.logger", fake)
     rl.quiet_vllm(verbose=True)
     assert "filters" not in config["handlers"]["vllm"]
@@ -166,10 +165,8 @@ def test_vllms_process_groups_end_before_ours(monkeypatch):
     """At exit vLLM 0.34's engine destroys its groups and raises if ours were destroyed first:
     end_process_groups tears down vLLM's state first (a stand-in records the order), then the
     default group (a real gloo group of one)."""
-    import types
-
     calls = []
-    stand_in = types.SimpleNamespace(
+    stand_in = SimpleNamespace(
         destroy_model_parallel=lambda: calls.append(("model_parallel", rl.dist.is_initialized())),
         destroy_distributed_environment=lambda: calls.append(("world", rl.dist.is_initialized())))
     monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", stand_in)
@@ -179,3 +176,19 @@ def test_vllms_process_groups_end_before_ours(monkeypatch):
     assert not rl.dist.is_initialized()
     rl.end_process_groups()  # nothing left: a no-op
     assert len(calls) == 4 and not rl.dist.is_initialized()
+
+
+def test_the_step_lines_eta_counts_the_steps_left_after_this_one(capsys):
+    """step k of n (0-based) leaves n - k - 1 steps: at 60 s a step, step 8/10 shows ETA 2m00s
+    and the last step ETA 0s. (Mutant: n - k.)"""
+    trainer = SimpleNamespace(cfg=rl.Config(steps=10, parity_every=1000),
+                              model=SimpleNamespace(ops=SimpleNamespace(name="reference")))
+    parity = rl.Parity(n_tokens=6, n_mismatch=0, max_abs_diff=0.0, table="")
+    m = {"reward_mean": 0.5, "loss": 0.1, "entropy": 1.0, "completion_len_mean": 4.0,
+         "determinism/mismatched_tokens": 0, "determinism/tokens": 6, "time/rollout_s": 1.0,
+         "time/train_s": 1.0, "time/push_s": 0.1}
+    for step, eta in ((7, "ETA 2m00s"), (9, "ETA 0s")):
+        capsys.readouterr()
+        rl.report_step(trainer, step, False, m, parity, None, 60.0)
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line.startswith(f"step {step + 1}/10 ") and line.endswith(f"60.0 s/step | {eta}")

@@ -152,3 +152,15 @@ def test_engine_weights_drop_the_padded_vocab_rows_of_the_embedding_and_the_head
         {k: tuple(v.shape) for k, v in state.items()}
     for k, v in adopted.items():
         assert torch.equal(v, state[k].to(torch.bfloat16)), k
+
+
+def test_the_exports_config_drops_the_hubs_stale_torch_dtype(tmp_path):
+    """Hub configs name their dtype as torch_dtype: an fp32 export of a bf16 hub model must not
+    keep torch_dtype bfloat16 beside its dtype float32. (Mutant: torch_dtype kept.)"""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3",
+                                                 "torch_dtype": "bfloat16"}))
+    rl.save_hf_checkpoint(tmp_path / "out", {"model.norm.weight": torch.ones(4)}, src)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == "float32" and "torch_dtype" not in config

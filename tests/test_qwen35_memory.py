@@ -422,3 +422,14 @@ def test_qwen35_4b_at_the_defaults_picks_a_micro_batch_that_fits_an_h200():
     assert gdn > head
     assert est["activations"] == (rows * 32 * rl.token_layer_bytes(args) + gdn
                                   + bib.LOGPROB_ROWS * args.vocab_size * 4)
+
+
+def test_vllm_groups_by_the_smaller_count_at_exactly_one_and_a_half():
+    """vLLM takes the larger count as the group size only while max < 1.5 min (strictly):
+    2 full-attention layers beside 3 Gated DeltaNet ones group by 2 (one full group, two GDN
+    groups, the second padded), not by 3. (Mutant: <= 1.5.)"""
+    args = qwen35_args(layer_types=["linear_attention"] * 3 + ["full_attention"] * 2, layers=5)
+    A, b = 4096, 576  # the 4B preset's page: 2 x 4 kv heads x 256 x 2 bytes; 576-token blocks
+    assert 2 * args.n_kv_heads * args.head_dim * 2 == A
+    per_sequence = 1 * -(-1024 // b) + 2  # ceil(1024 / b) attention blocks + 2 GDN groups
+    assert rl.hybrid_kv_cache_bytes(args, 10, 1024) == (10 * per_sequence + 1) * 2 * b * A

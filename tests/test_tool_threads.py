@@ -3,6 +3,7 @@ that will not end are counted on the step line and stop the run at a bound; a hu
 has a timeout and a signal ends it; a tool's own KeyboardInterrupt, GeneratorExit or
 signal.alarm is the env's failure, said in one sentence."""
 
+import os
 import queue
 import threading
 import time
@@ -288,3 +289,53 @@ def test_a_worker_whose_result_was_taken_at_once_goes_on_with_the_calls_left(mon
     runner.join(timeout=20)
     assert got and [c.value for c in got[0]] == [0, 1, 4, 9, 16]
     assert all(c.error is None for c in got[0])
+
+
+def test_the_run_stops_once_exactly_max_abandoned_threads_still_run(monkeypatch):
+    """MAX_ABANDONED_THREADS stuck calls stop the run (ToolsStuck); one fewer lets the calls
+    run. (Mutant: stuck > MAX_ABANDONED_THREADS.)"""
+    monkeypatch.setattr(rl, "MAX_ABANDONED_THREADS", 2)
+    release = threading.Event()
+    stuck = [threading.Thread(target=release.wait, daemon=True) for _ in range(2)]
+    for t in stuck:
+        t.start()
+    cfg = rl.Config(env="calc", tool_timeout=0)
+    try:
+        monkeypatch.setattr(rl, "ABANDONED", list(stuck))
+        with pytest.raises(rl.ToolsStuck, match="has 2 calls still running"):
+            rl.call_tools([lambda: 1], cfg)
+        monkeypatch.setattr(rl, "ABANDONED", stuck[:1])
+        assert [c.value for c in rl.call_tools([lambda: 1], cfg)] == [1]
+    finally:
+        release.set()
+        for t in stuck:
+            t.join()
+
+
+def test_without_a_timeout_the_wait_on_calls_still_polls_every_stop_poll_s():
+    """With --tool-timeout 0 no call is ever late, and a wait still returns every STOP_POLL_S
+    to look for a stop request; with a timeout it returns when the first call turns late.
+    (Mutants: another poll without a timeout; the `if timeout` dropped, a 0 s busy wait.)"""
+    me, now = threading.current_thread(), time.perf_counter()
+    assert rl.next_late([me], [now - 100.0], 0) == rl.STOP_POLL_S
+    assert rl.next_late([None], [0.0], 0) == rl.STOP_POLL_S
+    assert rl.next_late([me], [time.perf_counter()], 100.0) == rl.STOP_POLL_S
+    assert rl.next_late([me], [now - 100.0], 1.0) < 0  # already late: no wait
+    assert rl.next_late([me], [time.perf_counter()], 0.02) <= 0.02
+
+
+def test_a_child_forked_in_a_tool_call_exits_with_its_calls_status():
+    """A child that comes back from the call exits at once: 0 if the call returned, 1 if it
+    raised, which the parent's waitpid sees. (Mutant: the two codes swapped.)"""
+    def forking(fail: bool):
+        def call():
+            pid = os.fork()
+            if pid == 0:  # the child: return from (or raise out of) the call
+                if fail:
+                    raise ValueError("in the child")
+                return "child"
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        return call
+
+    got = rl.call_tools([forking(False), forking(True)], rl.Config(env="calc", tool_timeout=0))
+    assert [(c.value, c.error) for c in got] == [(0, None), (1, None)]
