@@ -119,9 +119,11 @@ def simple_rl(tmp, name, seed, steps, *extra, nproc=1):
            "--steps", str(steps), "--seed", str(seed), "--lr", "1e-4", "--entropy-coef", "0.01",
            "--max-new-tokens", "64", "--log-dir", str(tmp / "runs"), "--run-name", name,
            "--save-every", "2", *extra]
-    done = finished(subprocess.run(cmd, env=_env(), capture_output=True, text=True,
-                                   timeout=900))
-    out = done.stdout + STDERR + done.stderr
+    logs = [tmp / f"{name}-{steps}.{end}" for end in ("out", "err")]  # kept if it never ends
+    with open(logs[0], "w") as stdout, open(logs[1], "w") as stderr:
+        done = subprocess.run(cmd, env=_env(), stdout=stdout, stderr=stderr, timeout=900)
+    done.stdout, done.stderr = (log.read_text() for log in logs)
+    out = finished(done).stdout + STDERR + done.stderr
     lines = [re.sub(r"\| rollout .*", "", line) for line in out.splitlines()
              if line.startswith(("step", "parity:"))]
     digest = re.search(r"weights sha256 ([0-9a-f]{64})", out).group(1)
