@@ -25,6 +25,8 @@ Qwen3.5-0.8B and 9B.
   P5  prefill: fused_post_conv_prep + chunk_gated_delta_rule over 300 tokens equals two calls
       split at 128 with the fp32 state carried (64-token chunks); a split at 100 is reported.
   P5b one prefill call over 5 sequences of different lengths gives each one's bits alone.
+  P15 the prefill's kernels that Triton autotunes give one result on each of their candidate
+      configs (else a machine with an empty Triton cache could end a run of one seed elsewhere).
   P6  fused_gdn_gated_rms_norm: rows alone equal the same rows inside 600 (its rows per program
       grow with the token count).
   P7  FlashInfer gemma_rmsnorm and gemma_fused_add_rmsnorm: rows alone, and in batches of 1 to
@@ -503,6 +505,61 @@ def test_p5b_prefill_of_a_batch_gives_each_sequences_bits_alone(gdn):
     problems = _report(f"P5b {gdn.name} 5 sequences in one prefill vs each alone", lines)
     assert batch[2].abs().sum() > 0  # the 1-token prompt was computed
     assert not problems, "\n".join(problems)
+
+
+# vLLM's copy of fla's prefill kernels that Triton autotunes (it times every candidate config on
+# a machine's first run of a shape and keeps the winner in its cache directory)
+VLLM_FLA = "vllm.third_party.flash_linear_attention.ops."
+AUTOTUNED = ("cumsum", "chunk_scaled_dot_kkt", "solve_tril", "wy_fast", "chunk_delta_h",
+             "chunk_o", "l2norm")
+
+
+def test_p15_the_prefill_gives_one_output_whichever_config_triton_picks(gdn):
+    """Each autotuned kernel of vLLM's prefill run on each of its candidate configs in turn (the
+    others as Triton picks them), over P5b's 5 prompts: one output and one final state for all.
+    The trainer replays the engine's prefill in the engine's process, so parity holds whatever
+    Triton picks; but a machine with an empty Triton cache may pick another config, and if a
+    candidate sums in another order (another BK, another mma), another machine's run of one
+    seed ends at another sha256. Each kernel's count of configs that differ is printed. At
+    9B's heads only (4B's too): each config compiles once, minutes on an empty cache."""
+    if gdn.name != "9b":
+        pytest.skip("run at 9B's heads")
+    import importlib
+
+    import batch_invariant_backward as bib
+    from triton.runtime.autotuner import Autotuner
+
+    tuners = {}
+    for module in AUTOTUNED:
+        for name, fn in vars(importlib.import_module(VLLM_FLA + module)).items():
+            while hasattr(fn, "fn") and not isinstance(fn, Autotuner):  # under heuristics
+                fn = fn.fn
+            if isinstance(fn, Autotuner):
+                tuners[name] = fn
+    mixed, _, b, a = _views(gdn, torch.cat(_rows(PREFILL_LENS)))
+    q, k, v = mixed.split([gdn.h * K, gdn.h * K, gdn.hv * V], dim=-1)
+    x = (q.unflatten(1, (gdn.h, K)), k.unflatten(1, (gdn.h, K)), v.unflatten(1, (gdn.hv, V)), a,
+         b, gdn.A_log, gdn.dt_bias, _i32(itertools.accumulate(PREFILL_LENS, initial=0)))
+    want = bib.gdn_prefill_vllm(*x)
+    counts, lines = {}, []
+    for name, tuner in tuners.items():
+        configs, results = tuner.configs, []
+        try:
+            for config in configs:
+                tuner.configs, tuner.cache = [config], {}
+                try:
+                    results.append((config, bib.gdn_prefill_vllm(*x)))
+                except Exception as e:  # too much shared memory here: Triton would prune it
+                    print(f"P15 {name} {config}: {type(e).__name__}")
+        finally:
+            tuner.configs, tuner.cache = configs, {}
+        other = [c for c, out in results if not all(map(torch.equal, out, want))]
+        counts[name] = f"{len(other)} of {len(results)} configs differ"
+        lines += [_diff(f"{name} {config} {part}", got, w) for config, out in results
+                  for part, got, w in zip(("output", "final state"), out, want)]
+    print(f"P15 {gdn.name}:", counts)
+    problems = _report(f"P15 {gdn.name} each autotuned prefill kernel on each config", lines)
+    assert len(tuners) >= 7 and not problems, "\n".join(problems[:20])
 
 
 def test_prefill_and_decode_kernels_give_different_bits(gdn):
