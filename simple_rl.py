@@ -4073,9 +4073,9 @@ def engine_weights(llm, args, dtype) -> dict[str, torch.Tensor]:
 
 
 def adapter_weights(model: Qwen3) -> list[tuple[str, torch.Tensor]]:
-    """Refresh the casts (the engine's slot: `bind_lora`), then
-    (PEFT name, cast) of every targeted slice: A_s (1, 1, r, K) as `...q_proj.lora_A.weight`,
-    B'_s = scale B_s (1, 1, n_s, r) as `...lora_B.weight`."""
+    """Refresh the casts (the engine's slot: `bind_lora`), then (PEFT name, cast) of every
+    targeted slice: A_s (1, 1, r, K) as `...q_proj.lora_A.weight`, B'_s = scale B_s
+    (1, 1, n_s, r) as `...lora_B.weight`."""
     for m in lora_modules(model):
         m.refresh()
     out = []

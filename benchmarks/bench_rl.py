@@ -838,11 +838,11 @@ def main():
     )
     if a.worker:
         profile_to = Path(a.out).with_suffix(".profile.txt") if a.profile else None
-        from simple_rl import ConfigError
+        import simple_rl as rl
 
         try:
             result = measure(a.worker, a.model, **knobs, profile_to=profile_to)
-        except ConfigError as e:  # one sentence and exit 2, as simple_rl.py says it
+        except rl.ConfigError as e:  # one sentence and exit 2, as simple_rl.py says it
             print(f"bench_rl ({a.worker}): {e} (here --nproc is the GPUs)", file=sys.stderr)
             sys.exit(2)
         if int(os.environ.get("RANK", 0)) == 0:

@@ -301,7 +301,7 @@ def test_a_checkpoint_of_another_stack_says_so_in_one_line_and_goes_on(saved, tm
 
 def test_a_checkpoint_of_zero_steps_done_reads_as_whole(tmp_path):
     """A stop in the first step's tool or reward calls saves step_000000 (next_step 0): its
-    state.json is valid, not 'damaged'. (Mutant: next_step > 0.)"""
+    state.json is valid, not 'damaged'."""
     ckpt = tmp_path / "step_000000"
     ckpt.mkdir()
     (ckpt / "state.json").write_text(json.dumps({"next_step": 0, "world_size": 1, "shapes": {}}))
@@ -313,7 +313,7 @@ def test_a_checkpoint_of_zero_steps_done_reads_as_whole(tmp_path):
 
 def test_cuda_rng_states_must_be_byte_tensors(tmp_path):
     """read_rng refuses a CUDA state that is a tensor of another dtype (a float tensor would
-    reach torch.cuda.set_rng_state_all on a GPU resume). (Mutant: the dtype check dropped.)"""
+    reach torch.cuda.set_rng_state_all on a GPU resume)."""
     good = {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": [torch.zeros(16, dtype=torch.uint8)]}
     torch.save(good, tmp_path / "rng_rank0.pt")
@@ -325,8 +325,7 @@ def test_cuda_rng_states_must_be_byte_tensors(tmp_path):
 
 def test_a_save_removes_what_a_save_killed_mid_way_left(ckpt, tmp_path):
     """A kill inside remove_dir or replace_dir leaves checkpoints/.old_step_N; a kill while
-    writing leaves .tmp_step_N. The next save removes both and keeps the complete ones.
-    (Mutant: only .tmp_step_* globbed.)"""
+    writing leaves .tmp_step_N. The next save removes both and keeps the complete ones."""
     trainer = cpu_trainer_of_run(ckpt(), tmp_path)
     run_dir = tmp_path / "r"
     root = run_dir / "checkpoints"

@@ -324,7 +324,7 @@ def test_check_memory_suggests_the_largest_micro_batch_that_fits(monkeypatch, gi
 
 def test_the_arithmetic_task_may_hold_out_exactly_half_its_candidates():
     """--eval-size EVAL_CANDIDATES // 2 (2048) is the documented maximum, so it is accepted;
-    one more is refused. (Mutant: eval_size < EVAL_CANDIDATES // 2.)"""
+    one more is refused."""
     rl.validate(rl.Config(task="arithmetic", eval_size=rl.EVAL_CANDIDATES // 2))
     with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
         rl.validate(rl.Config(task="arithmetic", eval_size=rl.EVAL_CANDIDATES // 2 + 1))
@@ -332,7 +332,7 @@ def test_the_arithmetic_task_may_hold_out_exactly_half_its_candidates():
 
 def test_data_files_are_made_absolute_at_start(tmp_path, monkeypatch):
     """--data-files is read (and hashed for a resume) from the directory the run started in,
-    whatever a reward's chdir does later. (Mutant: data_files left as given.)"""
+    whatever a reward's chdir does later."""
     monkeypatch.chdir(tmp_path)
     cfg, passed = rl.parse_config(["--task", "jsonl", "--data-files", "train.jsonl"])
     assert cfg.data_files == str(tmp_path / "train.jsonl") and "data_files" in passed

@@ -180,7 +180,7 @@ def test_vllms_process_groups_end_before_ours(monkeypatch):
 
 def test_the_step_lines_eta_counts_the_steps_left_after_this_one(capsys):
     """step k of n (0-based) leaves n - k - 1 steps: at 60 s a step, step 8/10 shows ETA 2m00s
-    and the last step ETA 0s. (Mutant: n - k.)"""
+    and the last step ETA 0s."""
     trainer = SimpleNamespace(cfg=rl.Config(steps=10, parity_every=1000),
                               model=SimpleNamespace(ops=SimpleNamespace(name="reference")))
     parity = rl.Parity(n_tokens=6, n_mismatch=0, max_abs_diff=0.0, table="")

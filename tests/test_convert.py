@@ -156,7 +156,7 @@ def test_engine_weights_drop_the_padded_vocab_rows_of_the_embedding_and_the_head
 
 def test_the_exports_config_drops_the_hubs_stale_torch_dtype(tmp_path):
     """Hub configs name their dtype as torch_dtype: an fp32 export of a bf16 hub model must not
-    keep torch_dtype bfloat16 beside its dtype float32. (Mutant: torch_dtype kept.)"""
+    keep torch_dtype bfloat16 beside its dtype float32."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"model_type": "qwen3",

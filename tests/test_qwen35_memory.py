@@ -427,7 +427,7 @@ def test_qwen35_4b_at_the_defaults_picks_a_micro_batch_that_fits_an_h200():
 def test_vllm_groups_by_the_smaller_count_at_exactly_one_and_a_half():
     """vLLM takes the larger count as the group size only while max < 1.5 min (strictly):
     2 full-attention layers beside 3 Gated DeltaNet ones group by 2 (one full group, two GDN
-    groups, the second padded), not by 3. (Mutant: <= 1.5.)"""
+    groups, the second padded), not by 3."""
     args = qwen35_args(layer_types=["linear_attention"] * 3 + ["full_attention"] * 2, layers=5)
     A, b = 4096, 576  # the 4B preset's page: 2 x 4 kv heads x 256 x 2 bytes; 576-token blocks
     assert 2 * args.n_kv_heads * args.head_dim * 2 == A

@@ -292,8 +292,7 @@ def test_a_worker_whose_result_was_taken_at_once_goes_on_with_the_calls_left(mon
 
 
 def test_the_run_stops_once_exactly_max_abandoned_threads_still_run(monkeypatch):
-    """MAX_ABANDONED_THREADS stuck calls stop the run (ToolsStuck); one fewer lets the calls
-    run. (Mutant: stuck > MAX_ABANDONED_THREADS.)"""
+    """MAX_ABANDONED_THREADS stuck calls stop the run (ToolsStuck); one fewer lets calls run."""
     monkeypatch.setattr(rl, "MAX_ABANDONED_THREADS", 2)
     release = threading.Event()
     stuck = [threading.Thread(target=release.wait, daemon=True) for _ in range(2)]
@@ -314,8 +313,7 @@ def test_the_run_stops_once_exactly_max_abandoned_threads_still_run(monkeypatch)
 
 def test_without_a_timeout_the_wait_on_calls_still_polls_every_stop_poll_s():
     """With --tool-timeout 0 no call is ever late, and a wait still returns every STOP_POLL_S
-    to look for a stop request; with a timeout it returns when the first call turns late.
-    (Mutants: another poll without a timeout; the `if timeout` dropped, a 0 s busy wait.)"""
+    to look for a stop request; with a timeout it returns when the first call turns late."""
     me, now = threading.current_thread(), time.perf_counter()
     assert rl.next_late([me], [now - 100.0], 0) == rl.STOP_POLL_S
     assert rl.next_late([None], [0.0], 0) == rl.STOP_POLL_S
@@ -326,7 +324,7 @@ def test_without_a_timeout_the_wait_on_calls_still_polls_every_stop_poll_s():
 
 def test_a_child_forked_in_a_tool_call_exits_with_its_calls_status():
     """A child that comes back from the call exits at once: 0 if the call returned, 1 if it
-    raised, which the parent's waitpid sees. (Mutant: the two codes swapped.)"""
+    raised, which the parent's waitpid sees."""
     def forking(fail: bool):
         def call():
             pid = os.fork()
