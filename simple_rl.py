@@ -5,9 +5,9 @@ One file, the RL story first, in data-flow order:
     config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
            -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
 
-then, after one banner, the plumbing: validation, files, errors, ranks, vLLM patches, LoRA's
-engine slot, tools, the lookup task, checkpoints, run directory, logging, memory estimate,
-console, stops, parity debugger.
+then, after one banner, the plumbing: validation, files, errors, ranks, vLLM patches, Qwen3.5
+on vLLM, LoRA's engine slot, tools, the lookup task, checkpoints, run directory, logging,
+memory estimate, console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
 TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
@@ -148,8 +148,8 @@ class Config:
                      "HF hub id, or a local directory with config.json, *.safetensors, tokenizer")
     dtype: str = opt("model", "bfloat16", "compute dtype of trainer and vLLM (float32: CPU tests)",
                      ("bfloat16", "float32"))
-    kernels: str = opt("model", "auto", "auto (= vllm), vllm (batch-invariant GPU kernels) or "
-                       "reference (plain PyTorch, not bitwise)", ("auto", "vllm", "reference"))
+    kernels: str = opt("model", "auto", "auto (= vllm), vllm (batch-invariant; on a CPU, plain "
+                       "PyTorch) or reference (not bitwise)", ("auto", "vllm", "reference"))
     # --- lora
     lora_rank: int = opt("lora", 0, "LoRA rank r: train adapters on a frozen bf16 base that the "
                          "engine shares (0: full fine-tuning). vLLM serves r in 1, 8, 16, 32, 64, "
@@ -234,7 +234,8 @@ class Config:
                            "that differ)")
     parity_every: int = opt("logging", 10, "print the parity table every N steps (always when "
                             "a token differs)")
-    strict_parity: bool = opt("logging", False, "stop at the first step with a differing token")
+    strict_parity: bool = opt("logging", False, "stop at the first step with a differing token "
+                              "or a token routed to other experts")
     debug_parity: bool = opt("logging", False, "compare trainer and vLLM op by op on step 0's "
                              "first episode, every turn, print where they diverge, exit")
     log_param_deltas: bool = opt("logging", False, "log weight deltas per parameter, not only "
@@ -299,9 +300,10 @@ class LoRA(nn.Module):
     """A linear layer's low-rank update as vLLM's LoRA layers add it: on each output slice s
     (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output elsewhere)
         y_s <- y_s + (x A_s^T) B'_s^T,   B'_s = (alpha / r) B_s,
-    A_s (r, K) and B_s (n_s, r) fp32 masters. The forward computes with `casts`: (A_s, B'_s)
-    in the compute dtype, shaped as vLLM's lora_a_stacked / lora_b_stacked (1, 1, rows, cols);
-    once bound (`bind_lora`) they are the engine's own tensors, so refreshing them pushes."""
+    B_s (n_s, r) and A_s (r, K) fp32 masters (one A per PEFT module: groups). The forward
+    computes with `casts`: (A_s, B'_s) in the compute dtype, shaped as vLLM's lora_a_stacked /
+    lora_b_stacked (1, 1, rows, cols); once bound (`bind_lora`) they are the engine's own
+    tensors, so refreshing them pushes."""
 
     def __init__(self, d_in: int, sizes: list[int], names: tuple[str | None, ...], rank: int,
                  scale: float, ops: bib.Kernels, dtype: torch.dtype):
@@ -499,7 +501,7 @@ class TopK(nn.Module):
     """p = softmax(z) in fp32; the k largest p per token, renormalised to sum 1 if asked
     (norm_topk_prob): (gates (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
 
-    `ids` keeps the last call's choice (T, k), which the routing-parity forward reads.
+    `ids` keeps the last call's choice (T, k), which Qwen3.routed_ids reads after a forward.
     """
 
     def __init__(self, top_k: int, renormalize: bool, ops: bib.Kernels):
@@ -714,8 +716,9 @@ class LoRASpec:
 
 
 def add_lora(model: Qwen3, lora: LoRASpec) -> None:
-    """An adapter on every fused layer that holds a target; its untargeted slices (k_proj of
-    q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0 and so stay 0."""
+    """An adapter on every fused layer that holds a target; its untargeted slices (k_proj when
+    the targets are q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0
+    and so stay 0."""
     sizes = lora_slice_sizes(model.args)
     for block in model.layers:
         layers = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
@@ -754,7 +757,7 @@ def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
 def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ranks,
                  engine: Engine | None = None):
     """The policy and, with --kl-coef > 0, its KL reference: (model, ref_model or None), sharded
-    over the ranks (rank 0 holds hf_state; the others get their shards from it).
+    over the ranks (full fine-tuning: rank 0 holds hf_state, the others get their shards).
 
     LoRA: the base is the engine's own weights where it lends them (Engine.base_weights), else
     hf_state's (every rank's); the adapters start as PEFT's (lora_init), their casts bound to
@@ -1030,7 +1033,7 @@ def turn_tokens(cfg: Config, request: list[int]) -> int:
 
 class Engine:
     """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
-    `generate`, `sleep` and `push` (which returns the seconds it spent waking the engine).
+    `generate`, and in each subclass `sleep` and `push` (the seconds it spent waking).
     Every turn of every episode, the first included, is one `generate` call over the episodes
     that go on; `first_turn` is a step's first turn."""
 
@@ -1439,11 +1442,11 @@ RewardFn = Callable[[str, str], float]
 
 def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
-    """group_advantages of the rewards (B*G,); RewardError naming the largest reward of the
+    """group_advantages of the rewards (P*G,); RewardError naming the largest reward of the
     first group whose advantages are not finite (its mean or std overflows fp32).
     text(i): sample i's completion, read only for the message."""
     G = cfg.group_size
-    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (B*G,)
+    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (P*G,)
     bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
     if bad:
         first = bad[0] // G * G
@@ -1534,7 +1537,7 @@ class Episode:
     status: str = "running"  # then one of EPISODE_ENDS
     reward: float = 0.0  # the env's, or 0 if it ended without one
     tool_calls: int = 0  # tool messages the env gave
-    tool_s: float = 0.0  # seconds in env.step (its calls, each on a thread of its own)
+    tool_s: float = 0.0  # seconds in env.step (its calls: call_tools)
 
     def ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.context + turn.out.ids]
@@ -1630,10 +1633,10 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
 
 def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
              played: int) -> tuple[dict[int, str], float]:
-    """The envs of the live episodes read their last turn's text, in parallel (call_tools and
-    env_step's checks: "Tools", after the story ends): the tool message of each episode that
-    goes on ({episode: message}), and the seconds the calls took. end_turn ends the others; a
-    RewardError records how many turns were played (1: the env read the first)."""
+    """The envs of the live episodes read their last turn's text (--env's on threads, --reward's
+    inline: call_tools, "Tools"): the tool message of each episode that goes on ({episode:
+    message}), and the seconds the calls took. end_turn ends the others; a RewardError records
+    how many turns were played (1: the env read the first)."""
     texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
     t0 = time.perf_counter()
     called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
@@ -1840,7 +1843,8 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
     parts = micro_batch_parts(packed, cfg, n_micro, device)
     # L = sum over every rank's tokens / n_tokens; FSDP averages the ranks' gradients, so each
-    # rank's part is scaled by the world size (exact when it is a power of two).
+    # rank's part is scaled by the world size (exact when it is a power of two). E.g. 2 ranks
+    # of 100 and 60 tokens: each rank's sum times 2/160; FSDP's mean halves the sum of both.
     per_token = world_size() / n_tokens
     first = None
     for k in range(cfg.updates_per_batch):  # the k-th pass over the rollout
@@ -2116,11 +2120,11 @@ def roll_out(trainer: Trainer, step: int, mine: list[int],
 
 def rewards_and_advantages(trainer: Trainer,
                            rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each episode's reward, the env's (B*G,) fp32, and its advantage within its group. The
+    """Each episode's reward, the env's (P*G,) fp32, and its advantage within its group. The
     rewards come from the episodes' envs as they ended (for one turn, RewardEnv: --reward);
     RewardError on a group whose advantages overflow fp32."""
     episodes = rollout.episodes
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (B*G,)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (P*G,)
     adv = finite_advantages(rewards, trainer.cfg, lambda i: decode(
         trainer.tokenizer, [episodes[i].turns[-1].out.ids])[0])
     return rewards, adv
@@ -2380,16 +2384,12 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
     try:
         validate(cfg)
         run(cfg, passed, engine_factory, device_type)
-    except ConfigError as e:
+    except (ConfigError, RunStopped) as e:  # bad input (exit 2), or a stop and its exit code
+        said = f"simple_rl: {'error: ' if isinstance(e, ConfigError) else ''}{e}"
         if is_main():
-            print(f"simple_rl: error: {e}", file=sys.stderr)
-        tell_torchrun(f"simple_rl: error: {e}")
-        return 2
-    except RunStopped as e:
-        if is_main():
-            print(f"simple_rl: {e}", file=sys.stderr)
-        tell_torchrun(f"simple_rl: {e}")
-        return e.code
+            print(said, file=sys.stderr)
+        tell_torchrun(said)
+        return e.code if isinstance(e, RunStopped) else 2
     finally:
         end_process_groups()
     return 0
@@ -3561,7 +3561,7 @@ class RewardError(RuntimeError):
 
 # Exit codes (README "Safety"): 0 done, 2 bad input, and these stops.
 EXIT_NONFINITE = 3  # a NaN or Inf: nothing saved or pushed
-EXIT_PARITY = 4  # --strict-parity found a differing token
+EXIT_PARITY = 4  # --strict-parity found a differing token, or one routed elsewhere
 EXIT_OOM = 5  # out of GPU memory
 EXIT_DISK = 6  # the file system refused a write
 EXIT_REWARD = 7  # the reward raised or returned a non-finite number
