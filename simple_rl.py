@@ -1584,11 +1584,12 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     envs = [make() for _ in range(len(problems) * n)]
     firsts, late = reset_all(envs, problems, n, trainer.cfg)  # each episode's first message
     envs = [None if i in late else env for i, env in enumerate(envs)]
-    # a problem's n episodes got one first message (reset_all checks): its first episode's
-    own = [j for j, p in enumerate(problems) if firsts[j * n] != p.question]
+    # problems whose envs reset to another message than the question (reset_all: one a problem)
+    changed = [j for j, p in enumerate(problems) if firsts[j * n] != p.question]
     prompts = list(prompt_ids)
-    for j, ids in zip(own, first_prompt_ids([firsts[j * n] for j in own], trainer.tokenizer,
-                                            trainer.cfg, [j * n for j in own])):
+    new = first_prompt_ids([firsts[j * n] for j in changed], trainer.tokenizer, trainer.cfg,
+                           [j * n for j in changed])
+    for j, ids in zip(changed, new):
         prompts[j] = ids
     return envs, prompts
 
