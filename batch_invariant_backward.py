@@ -2018,6 +2018,40 @@ def gdn_prefill_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_lo
     return o[0], final  # (T, Hv, Dv), (B, Hv, Dv, Dk)
 
 
+# The modules of vLLM's prefill whose kernels Triton autotunes: a machine's first run of a head
+# shape times each candidate launch config and keeps the fastest in its Triton cache, and some
+# candidates sum in another order (on an H100 at Qwen3.5-9B's heads, the kkt kernel at BK 32
+# and 4 warps: 304 of 4.07M outputs differ). Engine and trainer share the winner (one process),
+# so parity holds; but a machine with an empty cache could pick another and end a run of one
+# seed at another sha256. pin_vllm_prefill leaves each kernel one config: Triton times nothing.
+VLLM_FLA = "vllm.third_party.flash_linear_attention.ops."
+VLLM_PREFILL_AUTOTUNED = ("cumsum", "chunk_scaled_dot_kkt", "solve_tril", "wy_fast",
+                          "chunk_delta_h", "chunk_o", "l2norm")
+
+
+def autotuners(module: str) -> dict[str, triton.runtime.Autotuner]:
+    """The Triton autotuners of a module's kernels, by kernel name (under heuristics too)."""
+    import importlib
+
+    found = {}
+    for name, fn in vars(importlib.import_module(module)).items():
+        while hasattr(fn, "fn") and not isinstance(fn, triton.runtime.Autotuner):
+            fn = fn.fn  # a triton.heuristics wraps the autotuner
+        if isinstance(fn, triton.runtime.Autotuner):
+            found[name] = fn
+    return found
+
+
+def pin_vllm_prefill() -> None:
+    """Each autotuned kernel of vLLM's prefill (VLLM_PREFILL_AUTOTUNED) on the first of its
+    candidate configs (each list starts at its fewest warps and stages), in this process:
+    with one candidate Triton neither times nor reads its cache, so every machine of a GPU kind
+    computes alike."""
+    for module in VLLM_PREFILL_AUTOTUNED:
+        for tuner in autotuners(VLLM_FLA + module).values():
+            tuner.configs = tuner.configs[:1]
+
+
 def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                     dt_bias: Tensor, state: Tensor) -> Tensor:
     """One sample's decode steps as vLLM runs a decode token (packed decode off): one launch of

@@ -3960,8 +3960,9 @@ GDN_NORM_ROWS_PER_BLOCK = 1
 def prepare_qwen35_engine() -> None:
     """In the engine's process, before its Qwen3.5 is built: let vLLM run Gated DeltaNet in
     batch-invariant mode (its backend declines by default: the two forms above), send every
-    decode token through the one recurrent kernel the trainer replays, and pin the gated
-    norm's rows per block (the engine runs without the prefix cache: VLLMEngine)."""
+    decode token through the one recurrent kernel the trainer replays, pin the gated norm's
+    rows per block and the prefill's launch configs (bib.pin_vllm_prefill: no machine's Triton
+    cache picks another) (the engine runs without the prefix cache: VLLMEngine)."""
     from vllm.models.qwen3_5.nvidia.ops import fused_gdn_gated_norm
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
 
@@ -3971,6 +3972,7 @@ def prepare_qwen35_engine() -> None:
     os.environ[PACKED_DECODE] = "0"
     GDNAttentionBackend.supports_batch_invariance = classmethod(lambda cls: True)
     fused_gdn_gated_norm.calc_rows_per_block = lambda n_rows, device: GDN_NORM_ROWS_PER_BLOCK
+    bib.pin_vllm_prefill()
 
 
 def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:

@@ -9,6 +9,8 @@ import types
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import batch_invariant_backward as bib
 import simple_rl as rl
@@ -30,6 +32,19 @@ class Scheduler:
 
     def _preempt_request(self, request, timestamp, drop_stale_output=False):
         self.preempted.append(request)
+
+
+@triton.jit
+def launch_configs_kernel(x, n, BLOCK: tl.constexpr):  # never launched: its autotuners' stand-in
+    pass
+
+
+def autotuned(under_heuristics: bool = False):
+    """A kernel Triton would autotune over two launch configs (the lighter first), as vLLM's
+    prefill kernels are declared."""
+    configs = [triton.Config({"BLOCK": 32}, num_warps=1), triton.Config({"BLOCK": 64}, num_warps=4)]
+    tuner = triton.autotune(configs=configs, key=["n"])(launch_configs_kernel)
+    return triton.heuristics({"n": lambda args: 1})(tuner) if under_heuristics else tuner
 
 
 def fake_vllm(monkeypatch) -> dict:
@@ -61,13 +76,17 @@ def fake_vllm(monkeypatch) -> dict:
             GDNAttentionBackend=GDNAttentionBackend),
         "vllm.models.qwen3_5.nvidia.ops": types.SimpleNamespace(fused_gdn_gated_norm=gated_norm),
     }
-    for name, module in modules.items():
+    prefill = {bib.VLLM_FLA + m: types.SimpleNamespace(kernel=autotuned(), helper=len,
+                                                      gated=autotuned(under_heuristics=True))
+               for m in bib.VLLM_PREFILL_AUTOTUNED}  # the prefill's modules, two kernels each
+    for name, module in {**modules, **prefill}.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(rl, "route_vllm_add_rms_norm_through_padded_rows", lambda: None)
     monkeypatch.setattr(rl, "route_vllm_linear_through_cublaslt", lambda: None)
     monkeypatch.setattr(rl, "engine_memory", lambda cfg, args, ranks, lora: (dict(
         max_num_seqs=8, max_num_batched_tokens=rl.batched_tokens(cfg, args, 8)), 0))
-    seen.update(backend=GDNAttentionBackend, gated_norm=gated_norm)
+    tuners = [m.kernel for m in prefill.values()] + [m.gated.fn for m in prefill.values()]
+    seen.update(backend=GDNAttentionBackend, gated_norm=gated_norm, tuners=tuners)
     return seen
 
 
@@ -84,7 +103,8 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
     """LLM() gets fla's chunked prefill, fp32 recurrent states, bf16 conv states, prompts
     prefilled whole (a budget that holds the longest), no prefix cache, the text model only;
     before it starts, the GDN backend accepts batch-invariant mode, packed decode is off and
-    the gated norm takes one row a block."""
+    the gated norm takes one row a block and each autotuned prefill kernel keeps its first
+    launch config alone."""
     engine, seen = start_engine(q35(), monkeypatch)
     kw = seen["kwargs"]
     assert {k: kw[k] for k in rl.QWEN35_ENGINE_ARGS} == dict(
@@ -96,6 +116,9 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
     assert seen["env"][rl.PACKED_DECODE] == "0"
     assert seen["backend"].supports_batch_invariance() is True
     assert seen["gated_norm"].calc_rows_per_block(600, None) == 1
+    assert len(seen["tuners"]) == 14 and all(
+        [(c.kwargs, c.num_warps) for c in t.configs] == [({"BLOCK": 32}, 1)]
+        for t in seen["tuners"])
     assert engine.preempted is not None and engine.preempted() == 0
 
 
@@ -109,6 +132,7 @@ def test_a_qwen3_engine_is_untouched(tmp_path, monkeypatch):
     assert kw["enable_prefix_caching"] is True and engine.preempted is None
     assert seen["backend"].supports_batch_invariance() is False
     assert rl.PACKED_DECODE not in seen["env"]
+    assert all(len(t.configs) == 2 for t in seen["tuners"])  # Triton autotunes as it would
 
 
 def test_packed_decode_set_to_one_is_refused(q35, monkeypatch):
