@@ -98,6 +98,7 @@ def make_qwen35_checkpoint(
     *,
     tied: bool = True,
     layers: int = 4,
+    attention_every: int = 4,
     vocab: int = 384,
     hidden: int = 64,
     heads: int = 4,
@@ -121,8 +122,9 @@ def make_qwen35_checkpoint(
     chat: bool = False,
 ) -> Path:
     """A random Qwen3.5 text model (Qwen3_5ForCausalLM; with `experts`, Qwen3_5MoeForCausalLM)
-    saved by transformers, plus a tokenizer: three linear-attention layers in four, each k
-    head serving v_heads / k_heads v heads, a quarter of each full-attention head rotated.
+    saved by transformers, plus a tokenizer: one full-attention layer in `attention_every`
+    (the published models: 4), the others linear attention, each k head serving v_heads /
+    k_heads v heads, a quarter of each full-attention head rotated.
 
     With `vision`, laid out as the hub's Qwen3.5 checkpoints are (ForConditionalGeneration):
     config.json with a text_config, the text weights under model.language_model., and a
@@ -137,6 +139,7 @@ def make_qwen35_checkpoint(
                  linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
                  linear_key_head_dim=k_dim, linear_value_head_dim=v_dim,
                  tie_word_embeddings=tied, max_position_embeddings=max_pos, eos_token_id=0,
+                 full_attention_interval=attention_every,
                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
                                   "partial_rotary_factor": 0.25})
     if experts:

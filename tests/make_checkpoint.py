@@ -69,6 +69,8 @@ if __name__ == "__main__":
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, help="the preset's layers cut to this many")
+    p.add_argument("--attention-every", type=int, help="Qwen3.5: one full-attention layer in "
+                   "this many (the published models: 4)")
     p.add_argument("--vision", action="store_true", help="Qwen3.5: the hub's vision-language "
                    "layout")
     p.add_argument("--chat", action="store_true", help="a tokenizer with a chat template")
@@ -76,6 +78,7 @@ if __name__ == "__main__":
     qwen35 = a.preset in QWEN35_PRESETS
     shape = {**(QWEN35_PRESETS if qwen35 else PRESETS)[a.preset],
              **({"layers": a.layers} if a.layers else {}), **({"vision": True} if a.vision else {}),
+             **({"attention_every": a.attention_every} if a.attention_every else {}),
              **({"chat": True} if a.chat else {})}
     from transformers.utils import logging
 
