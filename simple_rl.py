@@ -800,10 +800,10 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
             add_lora(model, lora)
     try:
         if world == 1 or lora:
-            # fp32 masters are copies (the KL reference is built from the same state)
-            model.load_state_dict({k: v.to(device=device, copy=k not in base, dtype=held_dtype(
-                k, dtype) if k in base else torch.float32) for k, v in state.items()},
-                                  strict=True, assign=True)
+            # the base adopted as given; the fp32 masters copies (the KL reference shares state)
+            held = {k: v.to(device, held_dtype(k, dtype)) if k in base
+                    else v.to(device, torch.float32, copy=True) for k, v in state.items()}
+            model.load_state_dict(held, strict=True, assign=True)
             for name, p in model.named_parameters():
                 p.requires_grad_(not (frozen or name in base))
             if world > 1:
@@ -1708,8 +1708,8 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     episode.reward = value or 0.0
     if message is None:
         last_turn = episode.turns[-1]
-        episode.end("completed" if last_turn.out.stopped else "max_model_len"
-                    if last_turn.capped else "length")
+        episode.end("completed" if last_turn.out.stopped
+                    else ("max_model_len" if last_turn.capped else "length"))
         return None
     episode.tool_calls += 1
     if last:
