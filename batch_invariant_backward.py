@@ -2035,8 +2035,8 @@ def autotuners(module: str) -> dict[str, triton.runtime.Autotuner]:
 
     found = {}
     for name, fn in vars(importlib.import_module(module)).items():
-        while hasattr(fn, "fn") and not isinstance(fn, triton.runtime.Autotuner):
-            fn = fn.fn  # a triton.heuristics wraps the autotuner
+        while isinstance(fn, triton.runtime.Heuristics):  # a triton.heuristics around it
+            fn = fn.fn
         if isinstance(fn, triton.runtime.Autotuner):
             found[name] = fn
     return found

@@ -76,6 +76,10 @@ if __name__ == "__main__":
     p.add_argument("--chat", action="store_true", help="a tokenizer with a chat template")
     a = p.parse_args()
     qwen35 = a.preset in QWEN35_PRESETS
+    if not qwen35 and (a.vision or a.attention_every):
+        p.error("--vision and --attention-every are for the Qwen3.5 presets")
+    if a.attention_every is not None and a.attention_every < 1:
+        p.error(f"--attention-every {a.attention_every}: one full-attention layer in N, N >= 1")
     shape = {**(QWEN35_PRESETS if qwen35 else PRESETS)[a.preset],
              **({"layers": a.layers} if a.layers else {}), **({"vision": True} if a.vision else {}),
              **({"attention_every": a.attention_every} if a.attention_every else {}),
