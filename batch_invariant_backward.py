@@ -2042,14 +2042,18 @@ def autotuners(module: str) -> dict[str, triton.runtime.Autotuner]:
     return found
 
 
+def vllm_prefill_autotuners() -> dict[str, triton.runtime.Autotuner]:
+    """The autotuners of vLLM's prefill (VLLM_PREFILL_AUTOTUNED's modules), by "module.kernel"."""
+    return {f"{module}.{name}": tuner for module in VLLM_PREFILL_AUTOTUNED
+            for name, tuner in autotuners(VLLM_FLA + module).items()}
+
+
 def pin_vllm_prefill() -> None:
-    """Each autotuned kernel of vLLM's prefill (VLLM_PREFILL_AUTOTUNED) on the first of its
-    candidate configs (each list starts at its fewest warps and stages), in this process:
-    with one candidate Triton neither times nor reads its cache, so every machine of a GPU kind
-    computes alike."""
-    for module in VLLM_PREFILL_AUTOTUNED:
-        for tuner in autotuners(VLLM_FLA + module).values():
-            tuner.configs = tuner.configs[:1]
+    """Each autotuned kernel of vLLM's prefill on the first of its candidate configs (each list
+    starts at its fewest warps and stages), in this process: with one candidate Triton neither
+    times nor reads its cache, so every machine of a GPU kind computes alike."""
+    for tuner in vllm_prefill_autotuners().values():
+        tuner.configs = tuner.configs[:1]
 
 
 def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,

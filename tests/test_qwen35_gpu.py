@@ -537,8 +537,7 @@ def test_p15_the_pinned_prefill_computes_alike_on_an_empty_triton_cache(gdn, tmp
 
     import batch_invariant_backward as bib
 
-    tuners = {name: tuner for m in bib.VLLM_PREFILL_AUTOTUNED
-              for name, tuner in bib.autotuners(bib.VLLM_FLA + m).items()}
+    tuners = bib.vllm_prefill_autotuners()
     mixed, _, b, a = _views(gdn, torch.cat(_rows(PREFILL_LENS)))
     q, k, v = mixed.split([gdn.h * K, gdn.h * K, gdn.hv * V], dim=-1)
     x = (q.unflatten(1, (gdn.h, K)), k.unflatten(1, (gdn.h, K)), v.unflatten(1, (gdn.hv, V)), a,
