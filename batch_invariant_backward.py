@@ -2049,11 +2049,21 @@ def vllm_prefill_autotuners() -> dict[str, triton.runtime.Autotuner]:
 
 
 def pin_vllm_prefill() -> None:
-    """Each autotuned kernel of vLLM's prefill on the first of its candidate configs (each list
-    starts at its fewest warps and stages), in this process: with one candidate Triton neither
-    times nor reads its cache, so every machine of a GPU kind computes alike."""
+    """Each autotuned kernel of vLLM's prefill on one of its candidate configs, in this process
+    (`prefill_pin_order`'s first): with one candidate Triton neither times nor reads its cache,
+    so every machine of a GPU kind computes alike."""
     for tuner in vllm_prefill_autotuners().values():
-        tuner.configs = tuner.configs[:1]
+        tuner.configs = [min(tuner.configs, key=prefill_pin_order)]
+
+
+def prefill_pin_order(config: triton.Config) -> tuple[int, int, int]:
+    """The pin's preference: 64-wide tiles (BK, BV, ... where a kernel has them), then the
+    fewest warps and stages. Not merely a list's first: chunk_o builds its tiles from a
+    shared-memory probe made at import, which fails where CUDA is not yet initialised (vLLM
+    asks NVML, not CUDA, whether there is a GPU), so one process lists [64, 128] and another
+    [32, 64] (an H100: 29 of 4.07M outputs differed). 64 is on every list they build."""
+    off = sum(v != 64 for k, v in config.kwargs.items() if k.startswith("B"))
+    return off, config.num_warps, config.num_stages
 
 
 def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,

@@ -40,9 +40,9 @@ def launch_configs_kernel(x, n, BLOCK: tl.constexpr):  # never launched: its aut
 
 
 def autotuned(under_heuristics: bool = False):
-    """A kernel Triton would autotune over two launch configs (the lighter first), as vLLM's
-    prefill kernels are declared."""
-    configs = [triton.Config({"BLOCK": 32}, num_warps=1), triton.Config({"BLOCK": 64}, num_warps=4)]
+    """A kernel Triton would autotune over three launch configs (the lightest first), as vLLM's
+    prefill kernels are declared; the pin's is the third (64-wide, then the fewest warps)."""
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((32, 1), (64, 4), (64, 2))]
     tuner = triton.autotune(configs=configs, key=["n"])(launch_configs_kernel)
     return triton.heuristics({"n": lambda args: 1})(tuner) if under_heuristics else tuner
 
@@ -103,8 +103,8 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
     """LLM() gets fla's chunked prefill, fp32 recurrent states, bf16 conv states, prompts
     prefilled whole (a budget that holds the longest), no prefix cache, the text model only;
     before it starts, the GDN backend accepts batch-invariant mode, packed decode is off and
-    the gated norm takes one row a block and each autotuned prefill kernel keeps its first
-    launch config alone."""
+    the gated norm takes one row a block and each autotuned prefill kernel keeps one launch
+    config alone, the pin's."""
     engine, seen = start_engine(q35(), monkeypatch)
     kw = seen["kwargs"]
     assert {k: kw[k] for k in rl.QWEN35_ENGINE_ARGS} == dict(
@@ -117,7 +117,7 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
     assert seen["backend"].supports_batch_invariance() is True
     assert seen["gated_norm"].calc_rows_per_block(600, None) == 1
     assert len(seen["tuners"]) == 14 and all(
-        [(c.kwargs, c.num_warps) for c in t.configs] == [({"BLOCK": 32}, 1)]
+        [(c.kwargs, c.num_warps) for c in t.configs] == [({"BLOCK": 64}, 2)]
         for t in seen["tuners"])
     assert engine.preempted is not None and engine.preempted() == 0
 
@@ -132,7 +132,24 @@ def test_a_qwen3_engine_is_untouched(tmp_path, monkeypatch):
     assert kw["enable_prefix_caching"] is True and engine.preempted is None
     assert seen["backend"].supports_batch_invariance() is False
     assert rl.PACKED_DECODE not in seen["env"]
-    assert all(len(t.configs) == 2 for t in seen["tuners"])  # Triton autotunes as it would
+    assert all(len(t.configs) == 3 for t in seen["tuners"])  # Triton autotunes as it would
+
+
+def test_the_prefill_pin_is_one_config_on_either_tile_list():
+    """chunk_o's candidates as vLLM builds them after its shared-memory probe passed ([64, 128]
+    tiles) and where it failed before CUDA started ([32, 64]), 2 or 4 warps, 2 to 4 stages:
+    the pin keeps one config on both, 64-wide and light; the lists' first configs differ."""
+    def configs(tiles):
+        return [triton.Config({"BK": k, "BV": v}, num_warps=w, num_stages=s)
+                for k in tiles for v in tiles for w in (2, 4) for s in (2, 3, 4)]
+
+    lists = [configs([64, 128]), configs([32, 64])]
+    pins = [min(c, key=bib.prefill_pin_order) for c in lists]
+    assert [(p.kwargs, p.num_warps, p.num_stages) for p in pins] == [
+        ({"BK": 64, "BV": 64}, 2, 2)] * 2
+    assert lists[0][0].kwargs != lists[1][0].kwargs
+    solve = [triton.Config({}, num_warps=w, num_stages=s) for w in (1, 2) for s in (2, 3)]
+    assert min(solve, key=bib.prefill_pin_order) is solve[0]  # no tiles: the lightest
 
 
 def test_packed_decode_set_to_one_is_refused(q35, monkeypatch):
