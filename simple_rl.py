@@ -230,8 +230,8 @@ class Config:
     log_dir: str = opt("logging", "runs", "TensorBoard root; a run logs to LOG_DIR/RUN_NAME")
     run_name: str = opt("logging", "", "run name: letters, digits, . _ - (default: time stamp)")
     output_dir: str = opt("logging", "", "final HF checkpoint (default: LOG_DIR/RUN_NAME/final)")
-    parity_rows: int = opt("logging", 8, "rows of the parity table (first tokens, or first "
-                           "that differ)")
+    parity_rows: int = opt("logging", 8, "rows of the parity table (first tokens, or the "
+                           "first samples that differ)")
     parity_every: int = opt("logging", 10, "print the parity table every N steps (always when "
                             "a token differs)")
     strict_parity: bool = opt("logging", False, "stop at the first step with a differing token "
@@ -615,8 +615,7 @@ class Qwen3(nn.Module):
         sparse_at, gdn_at = sparse_layers(args), gdn_layers(args)
         self.layers = nn.ModuleList(Block(args, ops, dtype, i in sparse_at, i in gdn_at)
                                     for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype,
-                            gemma=qwen35(args) is not None)
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops, dtype, gemma=qwen35(args) is not None)
         tied = args.enable_weight_tying
         self.output = None if tied else Linear(args.dim, args.vocab_size, ops)
         self.rope: torch.Tensor | None = None  # (max_seq_len, rotary dims) cos|sin: init_rope
@@ -778,8 +777,7 @@ def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ran
         return model, None
     if lora:
         return model, BasePolicy(model)
-    return model, build_model(args, state, ops, dtype, ranks.device, ranks.world,
-                              frozen=True)
+    return model, build_model(args, state, ops, dtype, ranks.device, ranks.world, frozen=True)
 
 
 def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, device,
@@ -861,8 +859,7 @@ def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
     adapter (PEFT names, (rows, cols)); on rank 0 ({} elsewhere)."""
     keep = is_main()
     items = adapter_weights(model) if lora_modules(model) else hf_weights(model, False)
-    return {k: v.reshape(v.shape[-2:]).cpu() if "lora_" in k else v.cpu()
-            for k, v in items if keep}
+    return {k: v.reshape(v.shape[-2:]).cpu() if "lora_" in k else v.cpu() for k, v in items if keep}
 
 
 # ==========================================================================
@@ -1554,8 +1551,7 @@ class Episode:
 # --max-new-tokens; max_model_len: the turn or the tool's message ran into --max-model-len;
 # max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError;
 # tool_timeout: step or reset ran past --tool-timeout
-EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error",
-                "tool_timeout")
+EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error", "tool_timeout")
 
 
 @dataclass
@@ -1860,8 +1856,7 @@ def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: 
             first = this_pass._replace(grad_norm=norm.detach())
         optimizer.step()
         if not weights_finite(model, device):
-            raise NonFiniteError("weights after the optimizer step", [], k,
-                                 cfg.updates_per_batch)
+            raise NonFiniteError("weights after the optimizer step", [], k, cfg.updates_per_batch)
     optimizer.zero_grad(set_to_none=True)  # the gradients' memory is the rollout's until next step
     return first
 
@@ -1924,9 +1919,9 @@ class Parity:
     """One step's check: the trainer's logprob of every generated token (and, for Qwen3-MoE,
     its experts) against vLLM's, bit for bit. It checks, it does not block: the update's first
     forward is its trainer side, so the step updates and pushes whatever it finds. A mismatch
-    is printed with a table of the first tokens that differ, and charted in TensorBoard (a
-    run total); --strict-parity stops the run after that step, exit 4, keeping the last
-    checkpoint; --debug-parity shows which op differs first."""
+    is printed with a table of where each differing sample first differs, and charted in
+    TensorBoard (a run total); --strict-parity stops the run after that step, exit 4, keeping
+    the last checkpoint; --debug-parity shows which op differs first."""
     n_tokens: int
     n_mismatch: int
     max_abs_diff: float
@@ -1955,22 +1950,26 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
-                  rows: int) -> Parity:
-    """Compare int32 views of two fp32 vectors (N,): equal bits are the same float (-0, NaN)."""
-    a = vllm_lp.float().cpu()
-    b = trainer_lp.detach().float().cpu()
+                  lengths: list[int], rows: int) -> Parity:
+    """Compare int32 views of two fp32 vectors (N,), the generated tokens in sample order
+    (lengths: per sample): equal bits are the same float (-0, NaN). The table: where each of the
+    first `rows` differing samples first differs (its later tokens follow from there), and
+    how many of its tokens differ; or, with none, the first tokens."""
+    a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
     bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
-    bad = (bits_a != bits_b).nonzero()[:, 0]
-    delta = (a - b).abs()
-    head = f"{'token':>8} {'vllm':>14} {'trainer':>14} {'vllm bits':>10} {'trainer bits':>12}"
-    lines = [head + f" {'delta':>10}"]
-    show = bad[:rows].tolist() if len(bad) else range(min(rows, len(a)))  # the first that differ
-    for i in show:
-        lines.append(f"{int(tokens[i]):>8} {a[i].item():>14.8f} {b[i].item():>14.8f} "
-                     f"{bits_a[i].item() & 0xFFFFFFFF:>10x} {bits_b[i].item() & 0xFFFFFFFF:>12x} "
-                     f"{delta[i].item():>10.3g}")
-    max_abs = float(delta.max()) if len(a) else 0.0
-    return Parity(len(a), len(bad), max_abs, "\n".join(lines))
+    n, bad, delta = len(a), bits_a != bits_b, (a - b).abs()
+    sample = torch.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (N,)
+    first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
+        0, sample, torch.where(bad, torch.arange(n), n), "amin")
+    lines = [f"{'sample':>7} {'pos/len':>9} {'differ':>6} {'token':>8} {'vllm':>14} "
+             f"{'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
+    for i in first[first < n][:rows].tolist() if bad.any() else range(min(rows, n)):
+        s = int(sample[i])
+        lines.append(f"{s:>7} {f'{i - sum(lengths[:s])}/{lengths[s]}':>9} "
+                     f"{int(bad[sample == s].sum()):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
+                     f"{b[i].item():>14.8f} {bits_a[i].item() & 0xFFFFFFFF:>10x} "
+                     f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {delta[i].item():>10.3g}")
+    return Parity(n, int(bad.sum()), float(delta.max()) if n else 0.0, "\n".join(lines))
 
 
 def parity_over_ranks(p: Parity, device) -> Parity:
@@ -2161,7 +2160,8 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
         e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
-    parity = parity_report(rollout.logprobs, update.logprobs, packed.targets, cfg.parity_rows)
+    parity = parity_report(rollout.logprobs, update.logprobs, packed.targets,
+                           generated_lengths(rollout), cfg.parity_rows)
     if rollout.routed is not None:  # (none from a Qwen3.5-MoE's engine: no prefix cache)
         parity.routes_checked = True
         parity.routing_tokens, parity.routing_mismatch = routing_report(

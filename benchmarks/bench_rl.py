@@ -583,7 +583,8 @@ def user_step(step, warmup, engine, trainer, prompts, cfg, ranks, files) -> dict
     adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).to(dev)
     _, n_tokens = rl.batch_over_ranks(packed, cfg, dev)
     logp = trainer.step(ro, adv, n_tokens)
-    parity = rl.parity_over_ranks(rl.parity_report(ro.logprobs, logp, packed.targets, 0), dev)
+    parity = rl.parity_over_ranks(rl.parity_report(ro.logprobs, logp, packed.targets,
+                                                      rl.generated_lengths(ro), 0), dev)
     sync(dev)
     peak = max(peak, device_used_gib(ranks))
     t2 = time.perf_counter()

@@ -154,7 +154,7 @@ def parity(args) -> dict:
             model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg, n_micro, n_tokens
         )
         sums, logp = update.sums, update.logprobs
-        par = rl.parity_report(ro.logprobs, logp, packed.targets, 6)
+        par = rl.parity_report(ro.logprobs, logp, packed.targets, rl.generated_lengths(ro), 6)
         t2 = time.perf_counter()
         engine.push(rl.hf_weights(model))
         torch.cuda.synchronize()

@@ -31,7 +31,7 @@ def test_one_parity_line_and_one_step_line_per_step_and_the_table_every_n(ckpt, 
     assert [int(STEP_LINE.match(s).group(1)) for s in steps] == [1, 2, 3, 4, 5], steps
     assert not [s for s in steps if " kl " in s]  # --kl-coef 0: no reference model, no KL
     assert sum(line.startswith("parity: identical=yes | 0/") for line in out) == 5
-    tables = [i for i, line in enumerate(out) if line.split()[:2] == ["token", "vllm"]]
+    tables = [i for i, line in enumerate(out) if line.split()[:2] == ["sample", "pos/len"]]
     assert len(tables) == 3  # steps 0, 2 and 4 (--parity-every 2)
     assert steps[-1].endswith("ETA 0s") and out[-1].startswith("saved ")
     # the held-out eval: before the first step, in its line, and after the last, in its own
@@ -110,7 +110,7 @@ def test_reference_kernels_say_once_that_tokens_may_differ(ckpt, tmp_path, capsy
     out = capsys.readouterr().out.splitlines()
     assert sum("only --kernels vllm on a GPU is bitwise" in line for line in out) == 1
     assert not [line for line in out if line.startswith("parity:")]
-    assert not [line for line in out if line.split()[:2] == ["token", "vllm"]]
+    assert not [line for line in out if line.split()[:2] == ["sample", "pos/len"]]
     steps = [line for line in out if line.startswith("step ")]
     assert len(steps) == 3 and all(re.search(r"mismatched [1-9]\d*/", s) for s in steps)
 

@@ -67,29 +67,37 @@ def test_parity_report_compares_bits():
     b = torch.tensor(
         [-1.0, -2.5, -0.0, float(torch.nextafter(torch.tensor(-3.0), torch.tensor(0.0)))]
     )
-    rep = rl.parity_report(a, b, torch.tensor([7, 8, 9, 10]), rows=4)
+    rep = rl.parity_report(a, b, torch.tensor([7, 8, 9, 10]), [2, 1, 1], rows=4)
     assert rep.n_tokens == 4 and rep.n_mismatch == 2  # -0.0 vs 0.0 differs in bits; one ulp differs
     assert 0 < rep.max_abs_diff < 1e-6
     lines = rep.table.splitlines()
-    assert len(lines) == 3  # with differences, the table shows the differing tokens
-    assert lines[1].split()[0] == "9" and "80000000" in lines[1]
-    assert lines[2].split()[0] == "10" and "c0400000" in lines[2] and "c03fffff" in lines[2]
-    same = rl.parity_report(a, a.clone(), torch.arange(4), rows=2)
-    assert same.n_mismatch == 0 and same.max_abs_diff == 0.0 and len(same.table.splitlines()) == 3
+    assert len(lines) == 3  # with differences, the table shows where each differing sample starts
+    assert lines[1].split()[:4] == ["1", "0/1", "1", "9"] and "80000000" in lines[1]
+    assert lines[2].split()[:4] == ["2", "0/1", "1", "10"]
+    assert "c0400000" in lines[2] and "c03fffff" in lines[2]
+    same = rl.parity_report(a, a.clone(), torch.arange(4), [4], rows=2)
+    assert same.n_mismatch == 0 and same.max_abs_diff == 0.0
+    assert [row.split()[:4] for row in same.table.splitlines()[1:]] == [
+        ["0", "0/4", "0", "0"], ["0", "1/4", "0", "1"]]  # none differ: the first tokens
 
 
-def test_the_table_shows_the_first_rows_that_differ_and_the_line_counts_bits():
-    """Three of four tokens differ: --parity-rows 2 shows the first two of them, 0 only the
-    header. A logprob of 0.0 against -0.0 (a certain token) differs in its bits though |delta|
-    is 0: the line says identical=no. A NaN delta on a rank is the largest over the ranks."""
-    a = torch.tensor([-1.0, -2.0, -3.0, -4.0])
-    b = a + torch.tensor([1e-3, 0.0, 2e-3, 3e-3])
-    rep = rl.parity_report(a, b, torch.tensor([11, 12, 13, 14]), rows=2)
+def test_the_table_shows_where_each_differing_sample_first_differs():
+    """Samples of 3, 2 and 4 tokens; the first differs at its 2nd and 3rd, the last from its
+    2nd on, the middle nowhere: the table shows each differing sample's first differing token
+    and its count, --parity-rows 1 the first such sample only, 0 only the header. A logprob of
+    0.0 against -0.0 (a certain token) differs in its bits though |delta| is 0: the line says
+    identical=no. A NaN delta on a rank is the largest over the ranks."""
+    a = -torch.arange(1.0, 10.0)
+    b = a + torch.tensor([0, 1e-3, 2e-3, 0, 0, 0, 3e-3, 4e-3, 5e-3])
+    rep = rl.parity_report(a, b, torch.arange(11, 20), [3, 2, 4], rows=8)
     head, *rows = rep.table.splitlines()
-    assert rep.n_mismatch == 3 and [row.split()[0] for row in rows] == ["11", "13"]
-    assert rl.parity_report(a, b, torch.arange(4), rows=0).table.splitlines() == [head]
+    assert rep.n_mismatch == 5
+    assert [row.split()[:4] for row in rows] == [["0", "1/3", "2", "12"], ["2", "1/4", "3", "17"]]
+    one = rl.parity_report(a, b, torch.arange(11, 20), [3, 2, 4], rows=1).table.splitlines()
+    assert one == [head, rows[0]]
+    assert rl.parity_report(a, b, torch.arange(9), [3, 2, 4], rows=0).table.splitlines() == [head]
     zero = rl.parity_report(torch.tensor([0.0, -1.0]), torch.tensor([-0.0, -1.0]),
-                            torch.arange(2), rows=2)
+                            torch.arange(2), [2], rows=2)
     assert (zero.n_mismatch, zero.max_abs_diff) == (1, 0.0)
     assert rl.parity_line(zero) == "parity: identical=no | 1/2 tokens differ | max |delta| 0"
     nan = rl.parity_over_ranks(rl.Parity(4, 1, math.nan, "t"), torch.device("cpu"))

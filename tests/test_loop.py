@@ -132,7 +132,8 @@ def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckp
 
 
 def test_parity_report_flags_nan():
-    rep = rl.parity_report(torch.tensor([-1.0]), torch.tensor([float("nan")]), torch.tensor([3]), 1)
+    nan = torch.tensor([float("nan")])
+    rep = rl.parity_report(torch.tensor([-1.0]), nan, torch.tensor([3]), [1], 1)
     assert rep.n_mismatch == 1
 
 
