@@ -124,7 +124,7 @@ def test_qwen35_35b_a3b_layers_every_token_equal(tmp_path_factory):
             "--preset", "qwen3.5-35b-a3b", "--layers", "2", "--attention-every", "2",
             "--device", "cuda"]
     subprocess.run(make, check=True, env=_env(), timeout=900)
-    check_moe_run(*simple_rl(tmp, tmp / "ckpt", "q35a3b"), routes=False)
+    check_moe_run(*simple_rl(tmp, tmp / "ckpt", "q35a3b", "--parity-rows", "32"), routes=False)
 
 
 def test_qwen3_30b_a3b_layers_on_two_gpus(a3b, tmp_path):
