@@ -112,22 +112,27 @@ def test_qwen3_30b_a3b_layers_every_token_and_route_equal(a3b, tmp_path):
     check_memory_estimate(out, rows)
 
 
-@pytest.mark.parametrize("graphs", ["cuda-graphs", "eager"])
-def test_qwen35_35b_a3b_layers_every_token_equal(tmp_path_factory, graphs):
-    """Qwen3.5-35B-A3B's layer shapes (2 of its 40 layers: one Gated DeltaNet, one gated full
-    attention, each with 256 experts of 512 rows, 8 a token, and a gated shared expert; ~69 GiB
-    estimated and 67 in use on an H100; 4 layers take ~84), 8 steps (an H100 run had one step
-    in five differ): every token equal to vLLM's. vLLM 0.34 returns a request's experts through
-    its prefix cache's block hashes, and a Qwen3.5 runs with that cache off: the routes are not
-    compared. Eager too: its decode steps have no padding rows (a CUDA graph's batch is padded
-    once a sample has stopped)."""
+@pytest.fixture(scope="module")
+def q35_a3b(tmp_path_factory):
+    """Qwen3.5-35B-A3B's layer shapes, 2 of its 40 layers: one Gated DeltaNet, one gated full
+    attention, each with 256 experts of 512 rows, 8 a token, and a gated shared expert."""
     _need_gpu_stack()
-    tmp = tmp_path_factory.mktemp("q35a3b")
-    make = [sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(tmp / "ckpt"),
+    ckpt = tmp_path_factory.mktemp("q35a3b") / "ckpt"
+    make = [sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(ckpt),
             "--preset", "qwen3.5-35b-a3b", "--layers", "2", "--attention-every", "2",
             "--device", "cuda"]
     subprocess.run(make, check=True, env=_env(), timeout=900)
-    run = simple_rl(tmp, tmp / "ckpt", "q35a3b", "--parity-rows", "32", f"--{graphs}", steps=8)
+    return ckpt
+
+
+@pytest.mark.parametrize("graphs", ["cuda-graphs", "no-cuda-graphs"])
+def test_qwen35_35b_a3b_layers_every_token_equal(q35_a3b, tmp_path, graphs):
+    """q35_a3b (~69 GiB estimated and 67 in use on an H100; 4 layers take ~84), 8 steps (an
+    H100 run had one step in five differ): every token equal to vLLM's. vLLM 0.34 returns a
+    request's experts through its prefix cache's block hashes, and a Qwen3.5 runs with that
+    cache off: the routes are not compared. Eager too: its decode steps have no padding rows
+    (a CUDA graph's batch is padded once a sample has stopped)."""
+    run = simple_rl(tmp_path, q35_a3b, "q35a3b", "--parity-rows", "32", f"--{graphs}", steps=8)
     check_moe_run(*run, steps=8, routes=False)
 
 
