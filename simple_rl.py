@@ -1959,6 +1959,7 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
     bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
     n, bad, delta = len(a), bits_a != bits_b, (a - b).abs()
     sample = torch.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (N,)
+    assert len(sample) == n, f"the samples' lengths sum to {len(sample)}, not to the {n} tokens"
     first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
         0, sample, torch.where(bad, torch.arange(n), n), "amin")
     lines = [f"{'sample':>7} {'pos/len':>9} {'differ':>6} {'token':>8} {'vllm':>14} "

@@ -6,9 +6,9 @@ every output row is bitwise what the Triton kernel gives, whatever the number of
 checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and two of the
 trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
 Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention, router), of
-Qwen3.5-9B and 35B-A3B (gated attention, the Gated DeltaNet's projections, the MLP; the router,
-the shared expert and its one-column gate) and of the shards a TP = 2 engine's ranks hold for
-Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
+Qwen3.5-9B and 35B-A3B (gated attention, the Gated DeltaNet's projections, the MLP, the LM head;
+the router, the shared expert and its one-column gate) and of the shards a TP = 2 engine's ranks
+hold for Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
 On vLLM 0.26 the Triton kernel's tiles did not depend on N, so a column slice of its GEMM had
 the full GEMM's bits; 0.34 picks them by (N, K), so whether a shard's GEMM equals the full
 GEMM's columns is a check of its own (docs/tensor_parallel.md).
@@ -55,7 +55,8 @@ def shapes() -> list[tuple[str, int, int, bool]]:
         out += [(f"q3.5-{m}/qkv", 2 * heads * 256 + 2 * kv * 256, hidden, True),
                 (f"q3.5-{m}/o", hidden, heads * 256, True),
                 (f"q3.5-{m}/qkvz", 2 * 16 * 128 + 2 * v * 128, hidden, True),
-                (f"q3.5-{m}/ba", 2 * v, hidden, True), (f"q3.5-{m}/gdn_out", hidden, v * 128, True)]
+                (f"q3.5-{m}/ba", 2 * v, hidden, True), (f"q3.5-{m}/gdn_out", hidden, v * 128, True),
+                (f"q3.5-{m}/lm_head", 248320, hidden, False)]
     out += [("q3.5-9b/gate_up", 2 * 12288, 4096, True), ("q3.5-9b/down", 4096, 12288, True),
             ("q3.5-35b-a3b/router", 256, 2048, True),  # and its shared expert, gated by a GEMV
             ("q3.5-35b-a3b/shared_gate", 1, 2048, True),
