@@ -5,7 +5,9 @@
      at many token counts; its moe_topk is vLLM's `fused_topk`, checked against fp32 softmax;
   2. batch invariance: rows computed in calls of 1, 7, 256, 257 and 1000 tokens equal the rows of
      one 3000-token call (the router's and the experts');
-  3. the custom backward against the fp64 gradients, and bitwise repeatable.
+  3. the custom backward against the fp64 gradients, and bitwise repeatable;
+  4. Qwen3.5-35B-A3B's sparse MLP (256 experts, a gated shared expert): decode rows keep their
+     bits beside a padding row of garbage and in smaller calls.
 
 Its time is a benchmark: benchmarks/bench_moe_layer.py.
 
@@ -198,3 +200,36 @@ def test_gpu_grouped_backward_on_uneven_loads(layer, load):
             assert torch.equal(a, b), _diff(f"d{name} vs the loop", a, b)
     for d in got[1:3]:
         assert torch.all(d[~used] == 0) and d[used].abs().amax(dim=(1, 2)).min() > 0
+
+
+@pytest.mark.parametrize("pad", ["nan", "inf", "huge"])
+def test_gpu_qwen35_moe_block_rows_ignore_a_graphs_padding_rows(pad):
+    """Qwen3.5-35B-A3B's sparse MLP as the trainer runs it on vLLM's ops (router GEMM, top 8 of
+    256, the experts, the one-column gate of the 512-row shared expert): 127 decode rows alone,
+    then with a 128th row of garbage appended (a CUDA graph's batch padded once a sample has
+    stopped; vLLM leaves the Gated DeltaNet's output uninitialised there), then in calls of 1
+    and 7 rows: the 127 rows keep their bits every time."""
+    _need_vllm()
+    d, e, k, inter = 2048, 256, 8, 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).bfloat16()
+    x, router, shared_gate = r(127, d), r(e, d, scale=0.02), r(1, d, scale=0.02)
+    w13, w2 = r(e, 2 * inter, d, scale=0.02), r(e, d, inter, scale=0.02)
+    s13, s2 = r(2 * inter, d, scale=0.02), r(d, inter, scale=0.02)
+    vf = bib.vllm_forwards()
+
+    def block(h):
+        w, ids = vf.moe_topk(vf.linear(h, router), k, True)
+        shared = vf.linear(vf.silu_and_mul(vf.linear(h, s13)), s2)
+        return vf.moe_experts(h, w13, w2, w, ids) + vf.sigmoid_gate_mul(
+            shared, vf.linear(h, shared_gate))
+
+    want = block(x)
+    garbage = {"nan": float("nan"), "inf": float("inf"), "huge": 3e38}[pad]
+    padded = torch.cat([x, torch.full((1, d), garbage, device="cuda").bfloat16()])
+    lines = [_diff(f"padded with {pad}", block(padded)[:127], want)]
+    lines += [_diff(f"calls of {n}", torch.cat([block(h) for h in x.split(n)]), want)
+              for n in (1, 7)]
+    lines = [s for s in lines if s]
+    print("\n".join(lines) or f"{pad}: the 127 rows bit-equal alone, padded and split")
+    assert not lines, "\n".join(lines)
