@@ -2051,19 +2051,16 @@ def vllm_prefill_autotuners() -> dict[str, triton.runtime.Autotuner]:
 def pin_vllm_prefill() -> None:
     """Each autotuned kernel of vLLM's prefill on one of its candidate configs, in this process
     (`prefill_pin_order`'s first): with one candidate Triton neither times nor reads its cache,
-    so every machine of a GPU kind computes alike. CUDA is started first: chunk_o and cumsum
-    size their tile lists at import by a shared-memory probe that fails before it starts (vLLM
-    asks NVML, not CUDA, whether there is a GPU, and Triton's probe does not start CUDA)."""
-    if torch.cuda.is_available():
-        torch.cuda.init()  # a no-op once started
+    so every machine of a GPU kind computes alike."""
     for tuner in vllm_prefill_autotuners().values():
         tuner.configs = [min(tuner.configs, key=prefill_pin_order)]
 
 
 def prefill_pin_order(config: triton.Config) -> tuple[int, int, int]:
     """The pin's preference: 64-wide tiles (BK, BV, ... where a kernel has them), then the
-    fewest warps and stages. Not merely a list's first: where vLLM's prefill modules were
-    imported before CUDA started, chunk_o lists tiles of [32, 64], not [64, 128] (a fresh
+    fewest warps and stages. Not merely a list's first: chunk_o sizes its tiles at import by a
+    shared-memory probe that fails where CUDA has not started yet (vLLM asks NVML whether there
+    is a GPU, and Triton's probe does not start CUDA), listing [32, 64], not [64, 128] (a fresh
     process pinning first computed 29 of 4.07M outputs otherwise on an H100); 64 is on both.
     (cumsum's vector kernel, [16, 32] or [32, 64], is not in the Gated DeltaNet's prefill.)"""
     off = sum(v != 64 for k, v in config.kwargs.items() if k.startswith("B"))
