@@ -1,23 +1,24 @@
 """Time one Qwen3.5 Gated DeltaNet rule (the linear attention's core, after the conv) as
-simple_rl's trainer runs it, against fla's chunked kernels alone:
+simple_rl's trainer runs it, against its earlier backward and fla's chunked kernels alone:
 
     python benchmarks/bench_gdn.py --out gdn.json
 
 simple_rl: `bib.GatedDeltaRuleFn` on vLLM's kernels in the engine's schedule (each sample's
 prompt through the chunked rule vLLM ships, its generated tokens through the recurrent decode
-kernel), its backward the autograd of the fp32 reference (`ref_gated_delta_rule`) over every
-sample in its own chunks. fla: `chunk_gated_delta_rule` from flash-linear-attention (what
-transformers' Qwen3.5 calls when fla is installed), its gates, beta and L2 norms in its kernels,
-forward and its own chunked backward. Qwen3.5-4B's shape by default (16 k heads and 32 v heads
-of 128), B samples of --prompt + --completion tokens, at each B of --samples, bf16 inputs.
+kernel), its backward fla's chunked one (`gated_delta_rule_backward_fla`). fp32-bwd: the same
+forward, its backward the autograd of the fp32 reference (`gated_delta_rule_backward`) over
+every sample in its own chunks: the reference the gradients are compared with. fla:
+`chunk_gated_delta_rule` from flash-linear-attention (what transformers' Qwen3.5 calls), its
+L2 norms in its kernels, forward and its own chunked backward. Qwen3.5-4B's shape by default
+(16 k heads and 32 v heads of 128), B samples of --prompt + --completion tokens, at each B of
+--samples, bf16 inputs.
 
 Each row: one warm-up (Triton compiles), then the mean over --repeats of a forward and of its
 backward, each synchronised; `peak`, the most memory in use above the inputs; `grad_rel`, the
-largest relative difference, over q, k, v, a, b, between the two designs' input gradients (fla's
-backward is the gradient of its own bf16 chunked forward: a candidate for simple_rl's backward
-if it is close and fast). About a minute on one H200.
+largest relative difference, over q, k, v, a, b, between a design's input gradients and
+fp32-bwd's. About a minute on one GPU.
 
---device cpu: simple_rl's side only, on the reference forms at a tiny shape (a smoke test).
+--device cpu: fp32-bwd only, on the reference forms at a tiny shape (a smoke test).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default="gdn.json")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
-    ops = bib.vllm_kernels() if cuda else bib.custom_backward_kernels(bib.reference_forwards())
+    fwd = bib.vllm_forwards() if cuda else bib.reference_forwards()
+    fp32 = bib.custom_backward_kernels(fwd, bib.TORCH_BACKWARDS)  # the rule's: the reference's
     try:
         import fla  # noqa: F401
         have_fla = cuda
@@ -120,15 +122,16 @@ def main(argv=None) -> list[dict]:
         x, cu, prefill = rule_inputs(n, a.prompt, a.completion, a.k_heads, a.v_heads, a.dim,
                                      a.device)
         go = torch.randn(len(x[0]), a.v_heads, a.dim, device=a.device, dtype=x[2].dtype)
-        designs = {"simple_rl": lambda x: trainer_rule(ops, x, cu, prefill)}
-        if have_fla:
+        designs = {"fp32-bwd": lambda x: trainer_rule(fp32, x, cu, prefill)}
+        if have_fla:  # simple_rl's backward is fla's: without it, only the reference's
+            designs["simple_rl"] = lambda x: trainer_rule(bib.vllm_kernels(), x, cu, prefill)
             designs["fla"] = lambda x: fla_rule(x, cu, prefill)
         got = {name: timed(fn, x, go, a.repeats, a.device) for name, fn in designs.items()}
         for name, r in got.items():
             rel = None
-            if name != "simple_rl":
+            if name != "fp32-bwd":
                 rel = max(((g - w).norm() / w.norm()).item()
-                          for g, w in zip(r["grads"], got["simple_rl"]["grads"]))
+                          for g, w in zip(r["grads"], got["fp32-bwd"]["grads"]))
             row = dict(samples=n, tokens=len(x[0]), design=name, grad_rel=rel,
                        **{k: v for k, v in r.items() if k != "grads"})
             rows.append(row)
@@ -136,7 +139,7 @@ def main(argv=None) -> list[dict]:
             print(f"{n:>5} {row['tokens']:>7} {name:>9} {row['forward_ms']:8.2f} "
                   f"{row['backward_ms']:8.2f} {row['peak_gib']:9.2f} {rel_s}")
     if not have_fla and cuda:
-        print("fla is not installed (pip install flash-linear-attention): simple_rl's side only")
+        print("fla is not installed (pip install flash-linear-attention): the fp32 backward only")
     Path(a.out).write_text(json.dumps(dict(args=vars(a), rows=rows), indent=1))
     print(f"wrote {a.out}")
     return rows

@@ -696,9 +696,9 @@ def test_bench_rl_without_a_gpu_says_so_in_one_sentence(ckpt, tmp_path):
     assert not (tmp_path / "b.json").exists()
 
 
-def test_gdn_bench_times_simple_rls_rule_forward_and_backward(tmp_path):
-    """benchmarks/bench_gdn.py on CPU at a tiny shape (simple_rl's side only: the reference
-    forms under GatedDeltaRuleFn): a row per batch size, timed, its gradients taken, saved."""
+def test_gdn_bench_times_the_rules_forward_and_backward(tmp_path):
+    """benchmarks/bench_gdn.py on CPU at a tiny shape (fp32-bwd only: the reference forms under
+    GatedDeltaRuleFn): a row per batch size, timed, its gradients taken, saved."""
     import bench_gdn
 
     out = tmp_path / "gdn.json"
@@ -706,7 +706,7 @@ def test_gdn_bench_times_simple_rls_rule_forward_and_backward(tmp_path):
                            "--completion", "4", "--k-heads", "2", "--v-heads", "4", "--dim", "8",
                            "--repeats", "2", "--out", str(out)])
     assert [(r["samples"], r["tokens"], r["design"]) for r in rows] == [
-        (1, 9, "simple_rl"), (3, 27, "simple_rl")]
+        (1, 9, "fp32-bwd"), (3, 27, "fp32-bwd")]
     assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["grad_rel"] is None
                for r in rows)
     assert json.loads(out.read_text())["rows"] == rows

@@ -471,6 +471,30 @@ def test_the_rules_backward_is_the_references_autograd():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_the_rules_backward_is_the_kernel_sets():
+    """GatedDeltaRuleFn hands the kernel set's backward (on the GPU: fla's chunked one) the
+    saved inputs, cu_seqlens, the longest sample and the output's gradient, and returns its
+    gradients as the inputs' own."""
+    x, cu, L, P = rule_batch(*SCHEDULES["across chunks"], seed=1)
+    seen = []
+
+    def backward(*args):
+        seen.append(args)
+        return tuple(torch.full_like(t, n + 1.0) for n, t in enumerate(args[:7]))
+
+    ops = bib.custom_backward_kernels(replayed_forwards(),
+                                      {**bib.TORCH_BACKWARDS, "gated_delta_rule": backward})
+    gy = torch.randn(x[2].shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad(ops.gated_delta_rule(*x, cu, L, P), x, gy)
+    (args,) = seen
+    assert all(torch.equal(a, b) for a, b in zip(args[:7], x)) and torch.equal(args[7], cu)
+    assert args[8] == L == 150 and torch.equal(args[9], gy)
+    assert [g.unique().tolist() for g in grads] == [[1.0], [2.0], [3.0], [4.0], [5.0], [6.0],
+                                                    [7.0]]
+    assert bib.TORCH_BACKWARDS["gated_delta_rule"] is bib.gated_delta_rule_backward
+    assert bib.TRITON_BACKWARDS["gated_delta_rule"] is bib.gated_delta_rule_backward_fla
+
+
 def test_the_convs_and_the_qk_preps_backward_are_the_references_autograd():
     """CausalConv1dFn (recomputed through the fp32 reference) and GatedQKNormRopeFn (the
     rotation's transpose, then the Gemma norm's backward; the gate passed through) against

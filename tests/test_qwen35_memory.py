@@ -257,7 +257,8 @@ def test_gdn_backward_peak_is_at_most_its_bound(Hk, Hv, Dk, Dv, lengths):
               torch.randn(Hv, generator=gen).requires_grad_(), r(Hv)]
     prefill = torch.tensor([max(1, n // 2) for n in lengths])
     o = bib.GatedDeltaRuleFn.apply(*inputs, cu, max(lengths), prefill,
-                                   bib.reference_forwards().gated_delta_rule)
+                                   bib.reference_forwards().gated_delta_rule,
+                                   bib.gated_delta_rule_backward)
     go = torch.randn(o.shape, generator=gen).bfloat16()
     peak = peak_bytes(lambda: torch.autograd.grad(o, inputs, go))
     padded = sum(-(-n // 64) * 64 for n in lengths)  # each sample in whole chunks
