@@ -3978,6 +3978,8 @@ def prepare_qwen35_engine() -> None:
 
 def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     """What a Qwen3.5 on vLLM cannot do yet, refused before vLLM starts (nothing for others)."""
+    import importlib.util
+
     if qwen35(args) is None:
         return
     need(not (cfg.prefix_caching and "prefix_caching" in passed), "--prefix-caching: a "
@@ -3986,6 +3988,10 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     need(not cfg.debug_parity, "--debug-parity: the op-by-op debugger does not follow a "
          "Qwen3.5's schedule (a prompt prefilled whole, then a step a token) yet; drop the flag "
          "(every step's parity check still compares every token).")
+    # the GPU's package: --check asks no GPU question (it runs on a laptop)
+    need(cfg.check or cfg.kernels == "reference" or importlib.util.find_spec("fla") is not None,
+         "a Qwen3.5's linear attention takes its backward from flash-linear-attention's "
+         "kernels: pip install flash-linear-attention")
 
 
 def preemption_counter(llm) -> Callable[[], int]:

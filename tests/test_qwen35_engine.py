@@ -4,6 +4,7 @@ adoption of the engine's tensors, Packed's prefill lengths, the refusals, the pr
 check, and vLLM's schedule of the gated delta rule replayed with the reference forms standing
 in for vLLM's kernels, forward and backward."""
 
+import importlib.util
 import sys
 import types
 
@@ -189,9 +190,13 @@ def test_a_preemption_stops_the_generate_in_one_sentence(q35, monkeypatch):
 # --- refusals ------------------------------------------------------------------------------
 
 
-def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35, tmp_path, capsys):
+def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35, tmp_path, capsys,
+                                                                            monkeypatch):
     path = q35()
     args = model_args(path)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "fla" else find_spec(name, *a))
     rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)  # episodes: each turn replayed
     with pytest.raises(rl.ConfigError, match=r"^--debug-parity: the op-by-op debugger does not "
                        r"follow a Qwen3\.5's schedule \(a prompt prefilled whole, then a step "
@@ -209,6 +214,22 @@ def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35,
         "cached prefix resumes its linear attention from a saved state, a split the trainer "
         "does not replay); drop the flag.\n")
     assert not (tmp_path / "logs" / "r").exists()
+
+
+def test_a_qwen35_without_fla_is_refused_unless_on_the_reference_kernels(q35, monkeypatch):
+    """The rule's backward on the GPU is fla's: without the package a Qwen3.5 is refused before
+    vLLM starts (not at its first backward), naming the install; --kernels reference runs."""
+    args = model_args(q35())
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fla" else find_spec(name, *a))
+    with pytest.raises(rl.ConfigError, match=r"^a Qwen3\.5's linear attention takes its backward "
+                       r"from flash-linear-attention's kernels: pip install "
+                       r"flash-linear-attention$"):
+        rl.check_qwen35_engine(rl.Config(), set(), args)
+    rl.check_qwen35_engine(rl.Config(kernels="reference"), set(), args)
+    rl.check_qwen35_engine(rl.Config(check=True), set(), args)  # --check: no GPU question
+    rl.check_qwen35_engine(rl.Config(), set(), None)  # a Qwen3: nothing asked
 
 
 # --- weights -------------------------------------------------------------------------------
