@@ -36,6 +36,7 @@ Triton backwards).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -1649,8 +1650,12 @@ def gated_delta_rule_backward_fla(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b:
     Qwen3.5 trains with): its forward over every sample in 64-token chunks, the L2 norms in its
     kernel, then its fused backward; the gates (gdn_gates, fp32) through autograd. This is the
     gradient of fla's bf16 chunked forward at the same inputs, not of the fp32 reference: at
-    Qwen3.5-4B's heads within 0.6% of it, 14x faster and in 0.3x the memory
-    (results/h100_q35_lora_sha_gdn/)."""
+    Qwen3.5-4B's heads within 0.6% of it for q, k, v, a, b, about 9x faster (fla's forward runs
+    again inside) and in 0.3x the memory (results/h100_q35_lora_sha_gdn/)."""
+    # fla hands these calls to other packages' kernels where they are installed (FlashQLA,
+    # TileLang, Gluon: other bits); its own Triton kernels only. The first is read at its import.
+    os.environ.update(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
+                      FLA_GLUON="0")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     with torch.enable_grad():

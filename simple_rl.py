@@ -3991,7 +3991,7 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     # the GPU's package: --check asks no GPU question (it runs on a laptop)
     need(cfg.check or cfg.kernels == "reference" or importlib.util.find_spec("fla") is not None,
          "a Qwen3.5's linear attention takes its backward from flash-linear-attention's "
-         "kernels: pip install flash-linear-attention")
+         "kernels: pip install flash-linear-attention==0.6.0")
 
 
 def preemption_counter(llm) -> Callable[[], int]:
@@ -6215,7 +6215,8 @@ def gdn_backward_bytes(args, padded: int) -> int:
     (tests/test_qwen35_memory.py). The conv's (bib.CausalConv1dFn, over T + B (K - 1) rows: its
     zeros before each sample) holds 4 x 7 (2 Hk Dk + Hv Dv) a row (6.3-6.5 measured), the gated
     norm's backward about 8 Hv Dv fp32 values a token: less at Qwen3.5's shapes. 0 without
-    Gated DeltaNet."""
+    Gated DeltaNet. On the GPU the rule's backward is fla's (bib.gated_delta_rule_backward_fla),
+    whose peak was 0.3x this one's at 4B's heads: the estimate stays high there until fitted."""
     if not gdn_layers(args):
         return 0
     c = qwen35(args)

@@ -110,6 +110,7 @@ def main(argv=None) -> list[dict]:
     cuda = a.device == "cuda"
     fwd = bib.vllm_forwards() if cuda else bib.reference_forwards()
     fp32 = bib.custom_backward_kernels(fwd, bib.TORCH_BACKWARDS)  # the rule's: the reference's
+    ops = bib.vllm_kernels() if cuda else None
     try:
         import fla  # noqa: F401
         have_fla = cuda
@@ -124,7 +125,7 @@ def main(argv=None) -> list[dict]:
         go = torch.randn(len(x[0]), a.v_heads, a.dim, device=a.device, dtype=x[2].dtype)
         designs = {"fp32-bwd": lambda x: trainer_rule(fp32, x, cu, prefill)}
         if have_fla:  # simple_rl's backward is fla's: without it, only the reference's
-            designs["simple_rl"] = lambda x: trainer_rule(bib.vllm_kernels(), x, cu, prefill)
+            designs["simple_rl"] = lambda x: trainer_rule(ops, x, cu, prefill)
             designs["fla"] = lambda x: fla_rule(x, cu, prefill)
         got = {name: timed(fn, x, go, a.repeats, a.device) for name, fn in designs.items()}
         for name, r in got.items():

@@ -3,7 +3,6 @@ made: flags out of range or past what fp32 and a step can hold, damaged or incom
 files, a chat template that fails, and data files that are empty or not JSON lines. (The
 parser's own errors and the environment's: test_config.py.)"""
 
-import importlib.util
 import json
 import re
 import shutil
@@ -238,13 +237,10 @@ def test_check_refuses_the_flags_a_qwen35_run_refuses(q35, tmp_path, capsys, fla
 
 
 def test_a_qwen3_run_resumed_onto_a_qwen35_stops_before_the_engine(saved, q35, tmp_path,
-                                                                   capsys, monkeypatch):
+                                                                   capsys):
     """--resume of a Qwen3 run with --model a Qwen3.5 (--allow-changed-files: the base changed
     on purpose): before, the engine started and the restore then refused, and --check passed;
     now both stop at the checkpoint's shapes, and the run keeps its checkpoint."""
-    find_spec = importlib.util.find_spec  # as on a GPU machine: fla installed
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "fla" else find_spec(name, *a))
     ckpt = copy_checkpoint(saved, tmp_path)
     for check in ([], ["--check"]):
         argv = latest(tmp_path, "--model", q35(), "--allow-changed-files", *check)

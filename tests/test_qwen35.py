@@ -156,16 +156,24 @@ def test_causal_conv1d_runs_each_sequence_from_zeros():
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
-def test_logits_match_transformers_fp32(q35, kind):
+def test_logits_match_transformers_fp32(q35, kind, monkeypatch):
     """The trainer's packed forward (reference kernels, fp32) against transformers' own
     Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM) on the same random weights, one sequence at a
     time; 80 tokens run two chunks of the linear attention."""
+    import inspect
+
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    for module in (modeling_qwen3_5, modeling_qwen3_5_moe):  # its torch rule, even beside fla
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
 
     path = q35(**MOE) if kind == "moe" else q35(tied=kind == "tied")
     model = trainer(path)
     cls = Qwen3_5MoeForCausalLM if kind == "moe" else Qwen3_5ForCausalLM
-    ref = cls.from_pretrained(path, dtype=torch.float32).eval()  # fla absent: its torch path
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
     assert ref.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     ids = seqs([33, 7, 80, 1])
     p = rl.pack(ids, [[] for _ in ids])

@@ -225,7 +225,7 @@ def test_a_qwen35_without_fla_is_refused_unless_on_the_reference_kernels(q35, mo
                         lambda name, *a: None if name == "fla" else find_spec(name, *a))
     with pytest.raises(rl.ConfigError, match=r"^a Qwen3\.5's linear attention takes its backward "
                        r"from flash-linear-attention's kernels: pip install "
-                       r"flash-linear-attention$"):
+                       r"flash-linear-attention==0\.6\.0$"):
         rl.check_qwen35_engine(rl.Config(), set(), args)
     rl.check_qwen35_engine(rl.Config(kernels="reference"), set(), args)
     rl.check_qwen35_engine(rl.Config(check=True), set(), args)  # --check: no GPU question

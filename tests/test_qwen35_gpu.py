@@ -310,9 +310,10 @@ def test_p12_the_trainers_replay_gives_the_engines_bits(gdn):
 def test_p13_the_rules_backward_on_fla_is_its_gradient(gdn):
     """The GPU kernel set's backward of the rule (bib.gated_delta_rule_backward_fla: fla's
     chunked kernels, the gates through autograd) over the packed batch of P12, for a random
-    output gradient: every input's gradient within 2% (relative norm) of float64 autograd
-    through the reference (bf16 kernels: 0.6% measured at 4B's heads; the fp32 reference's own
-    distance printed beside it), and bit-equal when run again (a run's sha256 rests on it)."""
+    output gradient: every input's gradient near float64 autograd through the reference (bf16
+    kernels: 0.6% measured at 4B's heads; the fp32 reference's own distance printed beside it),
+    and bit-equal when run again in this process (fla autotunes: a fresh process may choose
+    other configs, which P13 does not see)."""
     import batch_invariant_backward as bib
 
     lens = [p + g for p, g in REPLAY]
@@ -333,7 +334,10 @@ def test_p13_the_rules_backward_on_fla_is_its_gradient(gdn):
     print(f"P13 {gdn.name} (fla's, the fp32 reference's) relative error:", errors)
     assert not _report(f"P13 {gdn.name} fla's backward run twice",
                        [_diff(n, g, h) for n, g, h in zip(names, got, again)])
-    assert all(fla < 2e-2 for fla, _ in errors.values()), errors
+    # q, k, v, a, b measured within 0.6% (bench_gdn); A_log's and dt_bias' gradients sum over
+    # every token (cancelling terms): looser until a GPU run has measured them
+    bound = dict(q=2e-2, k=2e-2, v=2e-2, a=2e-2, b=2e-2, A_log=1e-1, dt_bias=1e-1)
+    assert all(errors[n][0] < bound[n] for n in names), errors
 
 
 # ----------------------------------------------------------------------------- conv (P2)
