@@ -6202,27 +6202,35 @@ def token_layer_bytes(args) -> float:
     return total / args.n_layers
 
 
-def gdn_backward_bytes(args, padded: int) -> int:
-    """Peak bytes of one Gated DeltaNet layer's backward, over `padded` rows (`padded_rows`):
-    the rule's fp32 recomputation (bib.GatedDeltaRuleFn: autograd through the chunked form,
-    gated_delta_rule_varlen) holds, per row,
-        4 (Hv (9 Dk + 7 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)        (C = bib.GDN_CHUNK)
+def gdn_backward_bytes(args, padded: int, fla: bool = True) -> int:
+    """Peak bytes of one Gated DeltaNet layer's backward, over `padded` rows (`padded_rows`),
+    C = bib.GDN_CHUNK. On the GPU the rule's backward is fla's (bib.gated_delta_rule_backward_fla:
+    its forward again, then its chunked backward; fla 0.6.0's allocations), per row
+        2 (2 Hv Dk Dv / C + 5 Hv (Dk + Dv) + 2 Hk Dk + Hv C)
+    in bf16: the state entering each chunk and its gradient (h, dh), ten tensors a v head (w,
+    dq, dk, dw, the WY form's dk; u, the new values, dv twice, the output), the L2-normed q and
+    k, the chunks' A. At 4B's heads, 124 KiB a row: bench_gdn measured 124.1. Without fla
+    (--kernels reference, and the CPU) it is the fp32 reference's autograd through the chunked
+    form (bib.gated_delta_rule_backward), per row
+        4 (Hv (9 Dk + 7 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)
     per v head: q and k repeated to it, gathered into chunks, their decayed chunks and W (Dk
     each), v gathered, U, E, the chunks' outputs and their concatenation (Dv each), six C-wide
     chunk matrices a row (decay, k k^T, beta k k^T, A, q k^T, masked), the state entering each
     chunk (Dk Dv / C a row, twice that in one-chunk samples), then the gradients the backward
     adds; per k head the fp32 q and k. Its peak measured on CPU lies at 0.85-1.0 of this
     (tests/test_qwen35_memory.py). The conv's (bib.CausalConv1dFn, over T + B (K - 1) rows: its
-    zeros before each sample) holds 4 x 7 (2 Hk Dk + Hv Dv) a row (6.3-6.5 measured), the gated
-    norm's backward about 8 Hv Dv fp32 values a token: less at Qwen3.5's shapes. 0 without
-    Gated DeltaNet. On the GPU the rule's backward is fla's (bib.gated_delta_rule_backward_fla),
-    whose peak was 0.3x this one's at 4B's heads: the estimate stays high there until fitted."""
+    zeros before each sample) holds 4 x 7 (2 Hk Dk + Hv Dv) a row (6.3-6.5 measured): at
+    Qwen3.5's heads more than fla's rule. The gated norm's backward, about 8 Hv Dv fp32 values
+    a token, is less. 0 without Gated DeltaNet."""
     if not gdn_layers(args):
         return 0
     c = qwen35(args)
     C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
-    rule = Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk
-    return 4 * padded * max(rule, 7 * (2 * Hk * Dk + Hv * Dv))
+    if fla:
+        rule = 2 * (2 * Hv * Dk * Dv // C + 5 * Hv * (Dk + Dv) + 2 * Hk * Dk + Hv * C)
+    else:
+        rule = 4 * (Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk)
+    return padded * max(rule, 4 * 7 * (2 * Hk * Dk + Hv * Dv))
 
 
 def memory_estimate(cfg: Config, args, world: int,
@@ -6246,7 +6254,8 @@ def memory_estimate(cfg: Config, args, world: int,
     per_token_layer = token_layer_bytes(args)
     turns = samples_an_episode(cfg, args)
     rows, generated = trained_rows(cfg, world, prompts, turns)
-    transient = layer_backward_bytes(args, rows, padded_rows(cfg, world, prompts, turns))
+    transient = layer_backward_bytes(args, rows, padded_rows(cfg, world, prompts, turns),
+                                     fla=cfg.kernels != "reference")
     root = args.vocab_size * args.dim * (1 if args.enable_weight_tying else 2)
     gathered = 2 * 2 * n / max(args.n_layers, 1) + 8 * root  # two blocks; root bf16 + grads
     a = lora_params(cfg, args)  # LoRA: the trained parameters; the base is the engine's
@@ -6283,17 +6292,18 @@ def memory_estimate(cfg: Config, args, world: int,
     return est
 
 
-def layer_backward_bytes(args, rows: int, padded: int) -> float:
+def layer_backward_bytes(args, rows: int, padded: int, fla: bool = True) -> float:
     """Peak bytes one layer's backward makes beyond what the forward kept, over `rows` trained
     rows (`padded`: the Gated DeltaNet rule's, each sample to whole chunks): a sparse layer's
     grouped experts recompute their inner activations (h, a, W2^T g in fp32, dh and dx a slot,
     the fp32 sum of dx a token: 15.5 KiB a slot measured at Qwen3-30B-A3B's shape), a Gated
-    DeltaNet layer its rule and conv in fp32 (`gdn_backward_bytes`); the larger of the two."""
+    DeltaNet layer its rule (fla's, or the fp32 reference's) and conv (`gdn_backward_bytes`);
+    the larger of the two."""
     moe = 0
     if sparse_layers(args):
         m = args.moe_args
         moe = rows * (m.top_k * (14 * args.moe_inter_dim + 2 * args.dim) + 4 * args.dim)
-    return max(moe, gdn_backward_bytes(args, padded))
+    return max(moe, gdn_backward_bytes(args, padded, fla))
 
 
 def late_gradients(cfg: Config, world: int, prompts: tuple[int, int], turns: int,

@@ -317,8 +317,10 @@ def test_p13_the_rules_backward_on_fla_is_its_gradient(gdn):
     output gradient: every input's gradient near float64 autograd through the reference (bf16
     kernels: 0.6% measured at 4B's heads; the fp32 reference's own distance printed beside it),
     and bit-equal when run again in this process (fla autotunes: a fresh process may choose
-    other configs, which P13b checks)."""
+    other configs, which P13b checks). Its peak memory, above the inputs, is within
+    simple_rl's estimate of a GDN layer's backward (gdn_backward_bytes)."""
     import batch_invariant_backward as bib
+    import simple_rl as rl
 
     pytest.importorskip("fla")
 
@@ -331,7 +333,18 @@ def test_p13_the_rules_backward_on_fla_is_its_gradient(gdn):
          gdn.A_log, gdn.dt_bias]
     go = torch.randn(len(rows), gdn.hv, V, device="cuda",
                      generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     got = bib.gated_delta_rule_backward_fla(*x, cu, L, go)
+    peak = torch.cuda.max_memory_allocated() - base
+    padded = sum(-(-n // 64) * 64 for n in lens)  # each sample in whole 64-token chunks
+    shape = rl.Qwen35Args(layer_types=("linear_attention",), k_heads=gdn.h, v_heads=gdn.hv,
+                          k_dim=K, v_dim=V, conv_kernel=4, rotary_dim=0)
+    bound = rl.gdn_backward_bytes(SimpleNamespace(qwen35=shape), padded)
+    print(f"P13 {gdn.name}: peak {peak / padded / 1024:.1f} KiB a padded row, bound "
+          f"{bound / padded / 1024:.1f}")
+    assert peak <= bound
     again = bib.gated_delta_rule_backward_fla(*x, cu, L, go)
     fp32 = bib.gated_delta_rule_backward(*x, cu, L, go)
     exact = bib.gated_delta_rule_backward(*(t.double() for t in x), cu, L, go.double())

@@ -264,7 +264,7 @@ def test_gdn_backward_peak_is_at_most_its_bound(Hk, Hv, Dk, Dv, lengths):
     padded = sum(-(-n // 64) * 64 for n in lengths)  # each sample in whole chunks
     shape = rl.Qwen35Args(layer_types=("linear_attention",), k_heads=Hk, v_heads=Hv, k_dim=Dk,
                           v_dim=Dv, conv_kernel=4, rotary_dim=0)
-    bound = rl.gdn_backward_bytes(SimpleNamespace(qwen35=shape), padded)
+    bound = rl.gdn_backward_bytes(SimpleNamespace(qwen35=shape), padded, fla=False)
     assert 0.8 * bound < peak <= bound, (peak, bound)
 
 
@@ -400,29 +400,32 @@ def test_a_qwen35s_episodes_packed_by_turn_stay_within_the_bounds():
 def test_qwen35_4b_at_the_defaults_picks_a_micro_batch_that_fits_an_h200():
     """Qwen3.5-4B at the defaults (16 prompts x 8 samples, 1024 tokens), prompts of 20 to 60
     tokens: 4096 tokens a micro-batch fit 140 GiB and 8192 do not. The activations are 32 layers
-    of token_layer_bytes a row plus the largest transient: one GDN layer's backward over
-    128 samples in whole chunks, 4096 + 128 x 63 rows (416 KiB a row), above the head's
-    logits."""
+    of token_layer_bytes a row plus the larger transient: the head's logits, or one GDN layer's
+    backward over 128 samples in whole chunks, 4096 + 128 x 63 rows. The latter is 224 KiB a
+    row on fla's rule (the conv's: fla's rule needs 124), below the head's logits; 416 KiB a
+    row on the fp32 reference's (--kernels reference), above them."""
     args = qwen35_args()
     h200, prompts = 140 * GIB, (20, 60)
-    cfg = rl.Config()
-    size = rl.auto_micro_batch(cfg, args, 1, h200, prompts)
-    assert size == 4096
-    est = rl.memory_estimate(rl.dataclasses.replace(cfg, micro_batch_tokens=size), args, 1,
-                             prompts)
-    assert est["peak"] <= h200
-    grown = rl.dataclasses.replace(cfg, micro_batch_tokens=8192)
-    assert rl.memory_estimate(grown, args, 1, prompts)["peak"] > h200
-    padded = rl.padded_rows(rl.dataclasses.replace(cfg, micro_batch_tokens=size), 1, prompts)
-    gdn = rl.gdn_backward_bytes(args, padded)
-    assert padded == 4096 + 128 * 63 and gdn == 4 * padded * (
-        32 * (9 * 128 + 7 * 128 + 9 * 64 + 2 * 128 * 128 // 64) + 3 * 16 * 128)
-    rows, generated = rl.trained_rows(rl.dataclasses.replace(cfg, micro_batch_tokens=size), 1,
-                                      prompts)
-    head = generated * args.vocab_size * 4
-    assert gdn > head
-    assert est["activations"] == (rows * 32 * rl.token_layer_bytes(args) + gdn
-                                  + bib.LOGPROB_ROWS * args.vocab_size * 4)
+    for kernels in ("auto", "reference"):
+        cfg = rl.Config(kernels=kernels)
+        size = rl.auto_micro_batch(cfg, args, 1, h200, prompts)
+        assert size == 4096
+        cfg = rl.dataclasses.replace(cfg, micro_batch_tokens=size)
+        est = rl.memory_estimate(cfg, args, 1, prompts)
+        assert est["peak"] <= h200
+        grown = rl.dataclasses.replace(cfg, micro_batch_tokens=8192)
+        assert rl.memory_estimate(grown, args, 1, prompts)["peak"] > h200
+        padded = rl.padded_rows(cfg, 1, prompts)
+        rows, generated = rl.trained_rows(cfg, 1, prompts)
+        transient = max(generated * args.vocab_size * 4,
+                        rl.gdn_backward_bytes(args, padded, fla=kernels == "auto"))
+        assert est["activations"] == (rows * 32 * rl.token_layer_bytes(args) + transient
+                                      + bib.LOGPROB_ROWS * args.vocab_size * 4)
+    assert padded == 4096 + 128 * 63
+    assert rl.gdn_backward_bytes(args, 1) == 4 * 7 * (2 * 16 * 128 + 32 * 128) == 224 * 1024
+    assert rl.gdn_backward_bytes(args, 1, fla=False) == 4 * (
+        32 * (9 * 128 + 7 * 128 + 9 * 64 + 2 * 128 * 128 // 64) + 3 * 16 * 128) == 416 * 1024
+    assert 224 * 1024 * padded < generated * args.vocab_size * 4 < 416 * 1024 * padded
 
 
 def test_vllm_groups_by_the_smaller_count_at_exactly_one_and_a_half():
