@@ -6203,34 +6203,42 @@ def token_layer_bytes(args) -> float:
 
 
 def gdn_backward_bytes(args, padded: int, fla: bool = True) -> int:
-    """Peak bytes of one Gated DeltaNet layer's backward, over `padded` rows (`padded_rows`),
-    C = bib.GDN_CHUNK. On the GPU the rule's backward is fla's (bib.gated_delta_rule_backward_fla:
-    its forward again, then its chunked backward; fla 0.6.0's allocations), per row
-        2 (2 Hv Dk Dv / C + 5 Hv (Dk + Dv) + 2 Hk Dk + Hv C)
-    in bf16: the state entering each chunk and its gradient (h, dh), ten tensors a v head (w,
-    dq, dk, dw, the WY form's dk; u, the new values, dv twice, the output), the L2-normed q and
-    k, the chunks' A. At 4B's heads, 124 KiB a row: bench_gdn measured 124.1. Without fla
-    (--kernels reference, and the CPU) it is the fp32 reference's autograd through the chunked
-    form (bib.gated_delta_rule_backward), per row
+    """Peak bytes of one Gated DeltaNet layer's backward, over `padded` rows (`padded_rows`):
+    the rule's (`gdn_rule_bytes` a row) or the conv's, the larger. The conv's
+    (bib.CausalConv1dFn, over T + B (K - 1) rows: its zeros before each sample) holds
+    4 x 7 (2 Hk Dk + Hv Dv) a row (6.3-6.5 measured): at Qwen3.5's heads more than fla's rule,
+    less than the fp32 reference's. The gated norm's backward, about 8 Hv Dv fp32 values a
+    token, is less. 0 without Gated DeltaNet."""
+    if not gdn_layers(args):
+        return 0
+    c = qwen35(args)
+    conv = 4 * 7 * (2 * c.k_heads * c.k_dim + c.v_heads * c.v_dim)
+    return padded * max(gdn_rule_bytes(c, fla), conv)
+
+
+def gdn_rule_bytes(c: Qwen35Args, fla: bool) -> int:
+    """Peak bytes a row of the gated delta rule's backward, C = bib.GDN_CHUNK. On the GPU it is
+    fla's (bib.gated_delta_rule_backward_fla: its forward again, then its chunked backward), in
+    fla 0.6.0's allocations at their peak (in its WY form's backward):
+        2 (2 Hv Dk Dv / C + 3 Hv Dk + 6 Hv Dv + 5 Hk Dk + Hv C + 12 Hv)
+    the state entering each chunk and its gradient (h, dh); per v head w, dw and the WY form's
+    dk (Dk), u, the new values, dv twice, the output and fla's copy of the strided v (Dv); per
+    k head the L2-normed q and k, dq, dk and the WY dk summed to it; the chunks' A; the gates'
+    fp32 values and gradients. At 4B's heads 128.75 KiB (bench_gdn's contiguous inputs, no
+    copy of v: 121.2 measured). Without fla (--kernels reference, and the CPU) it is the fp32
+    reference's autograd through the chunked form (bib.gated_delta_rule_backward):
         4 (Hv (9 Dk + 7 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)
     per v head: q and k repeated to it, gathered into chunks, their decayed chunks and W (Dk
     each), v gathered, U, E, the chunks' outputs and their concatenation (Dv each), six C-wide
     chunk matrices a row (decay, k k^T, beta k k^T, A, q k^T, masked), the state entering each
     chunk (Dk Dv / C a row, twice that in one-chunk samples), then the gradients the backward
     adds; per k head the fp32 q and k. Its peak measured on CPU lies at 0.85-1.0 of this
-    (tests/test_qwen35_memory.py). The conv's (bib.CausalConv1dFn, over T + B (K - 1) rows: its
-    zeros before each sample) holds 4 x 7 (2 Hk Dk + Hv Dv) a row (6.3-6.5 measured): at
-    Qwen3.5's heads more than fla's rule. The gated norm's backward, about 8 Hv Dv fp32 values
-    a token, is less. 0 without Gated DeltaNet."""
-    if not gdn_layers(args):
-        return 0
-    c = qwen35(args)
+    (tests/test_qwen35_memory.py)."""
     C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
     if fla:
-        rule = 2 * (2 * Hv * Dk * Dv // C + 5 * Hv * (Dk + Dv) + 2 * Hk * Dk + Hv * C)
-    else:
-        rule = 4 * (Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk)
-    return padded * max(rule, 4 * 7 * (2 * Hk * Dk + Hv * Dv))
+        return 2 * (2 * Hv * Dk * Dv // C + 3 * Hv * Dk + 6 * Hv * Dv + 5 * Hk * Dk + Hv * C
+                    + 12 * Hv)
+    return 4 * (Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk)
 
 
 def memory_estimate(cfg: Config, args, world: int,
