@@ -1643,6 +1643,51 @@ def gated_delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Ten
         return torch.autograd.grad(o, leaves, go)
 
 
+# The fla kernels gated_delta_rule_backward_fla launches (its forward's and its backward's), by
+# module. fla picks each one's launch config by timing its candidates (Triton's autotuner), and
+# some candidates sum in another order (the L2 norm's over a head; dqkwg's for the gates'
+# gradient): a process with an empty Triton cache could get other gradient bits. Read in
+# fla 0.6.0's source; its kernels' names are checked on the GPU (tests/test_qwen35_gpu.py).
+FLA_KERNELS = {
+    "fla.modules.norm.l2norm": ("l2norm_fwd_kernel", "l2norm_bwd_kernel"),
+    "fla.ops.utils.cumsum": ("chunk_local_cumsum_scalar_kernel",),
+    "fla.ops.gated_delta_rule.chunk_fwd": ("chunk_gated_delta_rule_fwd_kkt_solve_kernel",),
+    "fla.ops.gated_delta_rule.wy_fast": ("recompute_w_u_fwd_kernel", "prepare_wy_repr_bwd_kernel"),
+    "fla.ops.common.chunk_delta_h": ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+                                     "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"),
+    "fla.ops.common.chunk_o": ("chunk_fwd_kernel_o", "chunk_bwd_kernel_dv_local",
+                               "chunk_bwd_kernel_dqkwg"),
+}
+
+
+@functools.cache
+def pin_fla() -> dict[str, object]:
+    """fla's own Triton kernels, each on one launch config: the first of the candidates fla
+    lists for this GPU (valid on it by fla's choice; no timing, so every process gets the same
+    bits). Also off: fla's hand-off of these calls to other packages' kernels where they are
+    installed (FlashQLA, TileLang, Gluon: other bits), read at fla's import. Returns the
+    autotuners by kernel name."""
+    os.environ.update(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
+                      FLA_GLUON="0")
+    tuners = {name: fla_autotuner(module, name)
+              for module, names in FLA_KERNELS.items() for name in names}
+    for tuner in tuners.values():
+        tuner.configs = tuner.configs[:1]
+    return tuners
+
+
+def fla_autotuner(module: str, name: str):
+    """The Triton autotuner of fla's kernel `name` in `module` (under its heuristics, if any)."""
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    tuner = getattr(importlib.import_module(module), name)
+    while not isinstance(tuner, Autotuner):
+        tuner = tuner.fn
+    return tuner
+
+
 def gated_delta_rule_backward_fla(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
                                   A_log: Tensor, dt_bias: Tensor, cu_seqlens: Tensor,
                                   max_seqlen: int, go: Tensor) -> tuple[Tensor, ...]:
@@ -1652,10 +1697,7 @@ def gated_delta_rule_backward_fla(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b:
     gradient of fla's bf16 chunked forward at the same inputs, not of the fp32 reference: at
     Qwen3.5-4B's heads within 0.6% of it for q, k, v, a, b, about 9x faster (fla's forward runs
     again inside) and in 0.3x the memory (results/h100_q35_lora_sha_gdn/)."""
-    # fla hands these calls to other packages' kernels where they are installed (FlashQLA,
-    # TileLang, Gluon: other bits); its own Triton kernels only. The first is read at its import.
-    os.environ.update(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
-                      FLA_GLUON="0")
+    pin_fla()  # before fla's first import: its environment
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     with torch.enable_grad():

@@ -6227,8 +6227,9 @@ def gdn_rule_bytes(c: Qwen35Args, fla: bool) -> int:
     strided q and k; the chunks' A; the gates' fp32 values and gradients; and one more Dv a v
     head that no allocation we read accounts for, fitted to the peaks measured on an H100 with
     the trainer's strided inputs: 75.5 KiB a row at 0.8B's heads and 141.5 at 9B's, 0.87 and
-    0.98 of this (results/h100_q35_t07_27b_fla/). Without fla (--kernels reference, and the CPU) it is the fp32
-    reference's autograd through the chunked form (bib.gated_delta_rule_backward):
+    0.98 of this (results/h100_q35_t07_27b_fla/). Without fla (--kernels reference, and the
+    CPU) it is the fp32 reference's autograd through the chunked form
+    (bib.gated_delta_rule_backward):
         4 (Hv (9 Dk + 7 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)
     per v head: q and k repeated to it, gathered into chunks, their decayed chunks and W (Dk
     each), v gathered, U, E, the chunks' outputs and their concatenation (Dv each), six C-wide

@@ -34,8 +34,9 @@ Qwen3.5-0.8B and 9B.
       4097 rows, equal the same rows in one call of 8192.
   P12 the trainer's replay (bib.vllm_gated_delta_rule) over a packed batch equals the engine's
       schedule: prompts prefilled in one call, then one decode launch a step.
-  P13 the rule's backward on fla's chunked kernels: near float64 autograd, repeatable; and
-      (P13b) the same bits in two fresh processes, each autotuning anew.
+  P13 the rule's backward on fla's chunked kernels: near float64 autograd, repeatable; (P13d)
+      each of fla's kernels kept on one config; (P13b) the same bits in two fresh processes,
+      each with an empty Triton cache; (P13c) its peak memory within the estimate.
   P11 fused_qk_rmsnorm_rope_gate: M-RoPE positions of three equal rows equal 1-D positions;
       rows alone or in small calls equal the rows of one call.
   prefill vs decode: the prefill's output for the last prompt token is NOT the recurrent
@@ -51,6 +52,7 @@ as the design leaves them.
 """
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -311,6 +313,37 @@ def test_p12_the_trainers_replay_gives_the_engines_bits(gdn):
                        [_diff("outputs", got, want)])
 
 
+# One process: each pinned fla kernel's candidates before and after bib.pin_fla, and the
+# dispatch switch, as JSON.
+PIN_FLA = """
+import json, os, batch_invariant_backward as bib
+names = [(m, n) for m, kernels in bib.FLA_KERNELS.items() for n in kernels]
+before = {n: [str(c) for c in bib.fla_autotuner(m, n).configs] for m, n in names}
+after = {n: [str(c) for c in t.configs] for n, t in bib.pin_fla().items()}
+same = all(t is bib.fla_autotuner(m, n) for (m, n), t in zip(names, bib.pin_fla().values()))
+print(json.dumps([before, after, same, os.environ["FLA_DISABLE_BACKEND_DISPATCH"]]))
+"""
+
+
+def test_p13d_the_fla_kernels_of_the_rules_backward_each_keep_one_config():
+    """In a fresh process, pin_fla finds every kernel FLA_KERNELS names in the fla installed (a
+    rename in another fla fails here) and leaves each on the first of the candidates fla lists
+    for this GPU, where it had several: Triton then times nothing, and every process launches
+    the same config. fla's hand-off to other packages' kernels is off."""
+    _need_vllm()
+    pytest.importorskip("fla")
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    out = subprocess.run([sys.executable, "-c", PIN_FLA], check=True, env=env, timeout=300,
+                         capture_output=True, text=True).stdout
+    before, after, same, dispatch = json.loads(out.splitlines()[-1])
+    print("P13d fla's pinned configs:", after)
+    assert len(after) == 11 and same and dispatch == "1"
+    for name, configs in after.items():
+        assert len(before[name]) > 1 and configs == before[name][:1], name
+
+
 def test_p13_the_rules_backward_on_fla_is_its_gradient(gdn):
     """The GPU kernel set's backward of the rule (bib.gated_delta_rule_backward_fla: fla's
     chunked kernels, the gates through autograd) over the packed batch of P12, for a random
@@ -393,9 +426,10 @@ torch.save([t.cpu() for t in grads], sys.argv[1])
 
 
 def test_p13b_the_rules_backward_on_fla_gives_the_same_bits_in_fresh_processes(tmp_path):
-    """fla's kernels are autotuned, the winner kept in Triton's cache: two fresh processes, each
-    with an empty cache (as on a new machine), must give the rule's gradients bit for bit, or a
-    Qwen3.5 run's sha256 would depend on the machine's timings."""
+    """fla autotunes its kernels, and some of its candidates sum in another order: two fresh
+    processes, each with an empty Triton cache (as on a new machine), must give the rule's
+    gradients bit for bit with fla's kernels pinned (P13d), or a Qwen3.5 run's sha256 would
+    depend on the machine's timings."""
     _need_vllm()
     pytest.importorskip("fla")
     root = Path(__file__).resolve().parents[1]
