@@ -1643,11 +1643,12 @@ def gated_delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Ten
         return torch.autograd.grad(o, leaves, go)
 
 
-# The fla kernels gated_delta_rule_backward_fla launches (its forward's and its backward's), by
-# module. fla picks each one's launch config by timing its candidates (Triton's autotuner), and
-# some candidates sum in another order (the L2 norm's over a head; dqkwg's for the gates'
-# gradient): a process with an empty Triton cache could get other gradient bits. Read in
-# fla 0.6.0's source; its kernels' names are checked on the GPU (tests/test_qwen35_gpu.py).
+# The fla kernels whose config can change the bits of gated_delta_rule_backward_fla's gradient
+# (its forward's and its backward's, by module; the output's kernel, chunk_fwd_kernel_o, only
+# makes o, which the gradient never reads). fla picks each kernel's launch config by timing its
+# candidates (Triton's autotuner), and some candidates sum in another order (the L2 norm's over
+# a head; dqkwg's for the gates' gradient): a process with an empty Triton cache could get other
+# gradient bits. Read in fla 0.6.0's source; checked on the GPU (tests/test_qwen35_gpu.py, P13d).
 FLA_KERNELS = {
     "fla.modules.norm.l2norm": ("l2norm_fwd_kernel", "l2norm_bwd_kernel"),
     "fla.ops.utils.cumsum": ("chunk_local_cumsum_scalar_kernel",),
@@ -1655,25 +1656,36 @@ FLA_KERNELS = {
     "fla.ops.gated_delta_rule.wy_fast": ("recompute_w_u_fwd_kernel", "prepare_wy_repr_bwd_kernel"),
     "fla.ops.common.chunk_delta_h": ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
                                      "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"),
-    "fla.ops.common.chunk_o": ("chunk_fwd_kernel_o", "chunk_bwd_kernel_dv_local",
-                               "chunk_bwd_kernel_dqkwg"),
+    "fla.ops.common.chunk_o": ("chunk_bwd_kernel_dv_local", "chunk_bwd_kernel_dqkwg"),
 }
+# fla's switches, read at its import: its hand-off of these calls to other packages' kernels
+# where they are installed (FlashQLA, TileLang, Gluon), and its opt-in fast math and intra-card
+# context parallelism: each gives other bits.
+FLA_ENV = dict(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
+               FLA_GLUON="0", FLA_USE_FAST_OPS="0", FLA_INTRACARD_CP="0")
 
 
 @functools.cache
-def pin_fla() -> dict[str, object]:
-    """fla's own Triton kernels, each on one launch config: the first of the candidates fla
-    lists for this GPU (valid on it by fla's choice; no timing, so every process gets the same
-    bits). Also off: fla's hand-off of these calls to other packages' kernels where they are
-    installed (FlashQLA, TileLang, Gluon: other bits), read at fla's import. Returns the
-    autotuners by kernel name."""
-    os.environ.update(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
-                      FLA_GLUON="0")
-    tuners = {name: fla_autotuner(module, name)
-              for module, names in FLA_KERNELS.items() for name in names}
-    for tuner in tuners.values():
-        tuner.configs = tuner.configs[:1]
-    return tuners
+def pin_fla() -> dict[str, tuple[object, list]]:
+    """fla's switches off (FLA_ENV), then each of FLA_KERNELS on one launch config: the first
+    of the candidates fla lists for this GPU (each one light: 1 or 2 warps), so Triton times
+    nothing and every process gets the same bits. Returns each kernel's autotuner and its
+    candidates as they were. Refuses an fla imported before it could set the switches."""
+    import sys
+
+    late = [k for k, v in FLA_ENV.items() if os.environ.get(k, "0") != v]  # unset: fla's 0
+    if "fla" in sys.modules and late:
+        raise RuntimeError(f"fla was imported before {late[0]} was set to {FLA_ENV[late[0]]} "
+                           "(read at its import; else other gradient bits): set it in the "
+                           "environment, or import fla after bib.pin_fla().")
+    os.environ.update(FLA_ENV)
+    pinned = {}
+    for module, names in FLA_KERNELS.items():
+        for name in names:
+            tuner = fla_autotuner(module, name)
+            pinned[name] = tuner, tuner.configs
+            tuner.configs = tuner.configs[:1]
+    return pinned
 
 
 def fla_autotuner(module: str, name: str):

@@ -3977,7 +3977,8 @@ def prepare_qwen35_engine() -> None:
 
 
 def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
-    """What a Qwen3.5 on vLLM cannot do yet, refused before vLLM starts (nothing for others)."""
+    """What a Qwen3.5 on vLLM cannot do yet, refused before vLLM starts (nothing for others);
+    its fla kernels pinned (bib.pin_fla)."""
     import importlib.util
 
     if qwen35(args) is None:
@@ -3992,6 +3993,8 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     need(cfg.check or cfg.kernels == "reference" or importlib.util.find_spec("fla") is not None,
          "a Qwen3.5's linear attention takes its backward from flash-linear-attention's "
          "kernels: pip install flash-linear-attention==0.6.0")
+    if not cfg.check and cfg.kernels != "reference":
+        bib.pin_fla()  # fla's switches are read at its import: set before vLLM starts
 
 
 def preemption_counter(llm) -> Callable[[], int]:
@@ -6218,18 +6221,17 @@ def gdn_backward_bytes(args, padded: int, fla: bool = True) -> int:
 
 def gdn_rule_bytes(c: Qwen35Args, fla: bool) -> int:
     """Peak bytes a row of the gated delta rule's backward, C = bib.GDN_CHUNK. On the GPU it is
-    fla's (bib.gated_delta_rule_backward_fla: its forward again, then its chunked backward), in
-    fla 0.6.0's allocations at their peak (in its WY form's backward):
-        2 (2 Hv Dk Dv / C + 3 Hv Dk + 7 Hv Dv + 7 Hk Dk + Hv C + 12 Hv)
-    the state entering each chunk and its gradient (h, dh); per v head w, dw and the WY form's
-    dk (Dk), u, the new values, dv twice, the output and fla's copy of the strided v (Dv); per
-    k head the L2-normed q and k, dq, dk, the WY dk summed to it and fla's copies of the
-    strided q and k; the chunks' A; the gates' fp32 values and gradients; and one more Dv a v
-    head that no allocation we read accounts for, fitted to the peaks measured on an H100 with
-    the trainer's strided inputs: 75.5 KiB a row at 0.8B's heads and 141.5 at 9B's, 0.87 and
-    0.98 of this (results/h100_q35_t07_27b_fla/). Without fla (--kernels reference, and the
-    CPU) it is the fp32 reference's autograd through the chunked form
-    (bib.gated_delta_rule_backward):
+    fla's (bib.gated_delta_rule_backward_fla: its forward again, then its chunked backward):
+        2 (2 Hv Dk Dv / C + 4 Hv Dk + 7 Hv Dv + 6 Hk Dk + Hv C + 12 Hv)
+    fitted to the peaks an H100 measured with the trainer's strided inputs: 75.5 KiB a row at
+    0.8B's heads and 141.5 at 9B's (4.1 a v head between them), 0.87 and 0.95 of this, about
+    0.98 at 27B's 48 v heads on that slope (results/h100_q35_t07_27b_fla/). fla 0.6.0's
+    allocations read one by one (the state entering each chunk and its gradient; per v head w,
+    dw, the WY form's dk, u, the new values, dv twice, the output, its copy of the strided v;
+    per k head the L2-normed q and k, dq, dk, its copies of the strided q and k; the chunks' A;
+    the gates' fp32 values and gradients) come to 2 (Hv Dk + Hv Dv - Hk Dk) bytes less. Without
+    fla (--kernels reference, and the CPU) it is the fp32 reference's autograd through the
+    chunked form (bib.gated_delta_rule_backward):
         4 (Hv (9 Dk + 7 Dv + 9 C + 2 Dk Dv / C) + 3 Hk Dk)
     per v head: q and k repeated to it, gathered into chunks, their decayed chunks and W (Dk
     each), v gathered, U, E, the chunks' outputs and their concatenation (Dv each), six C-wide
@@ -6239,7 +6241,7 @@ def gdn_rule_bytes(c: Qwen35Args, fla: bool) -> int:
     (tests/test_qwen35_memory.py)."""
     C, Hk, Dk, Hv, Dv = bib.GDN_CHUNK, c.k_heads, c.k_dim, c.v_heads, c.v_dim
     if fla:
-        return 2 * (2 * Hv * Dk * Dv // C + 3 * Hv * Dk + 7 * Hv * Dv + 7 * Hk * Dk + Hv * C
+        return 2 * (2 * Hv * Dk * Dv // C + 4 * Hv * Dk + 7 * Hv * Dv + 6 * Hk * Dk + Hv * C
                     + 12 * Hv)
     return 4 * (Hv * (9 * Dk + 7 * Dv + 9 * C - (-2 * Dk * Dv // C)) + 3 * Hk * Dk)
 

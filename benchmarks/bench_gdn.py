@@ -9,7 +9,8 @@ kernel), its backward fla's chunked one (`gated_delta_rule_backward_fla`). fp32-
 forward, its backward the autograd of the fp32 reference (`gated_delta_rule_backward`) over
 every sample in its own chunks: the reference the gradients are compared with. fla:
 `chunk_gated_delta_rule` from flash-linear-attention (what transformers' Qwen3.5 calls), its
-L2 norms in its kernels, forward and its own chunked backward. Qwen3.5-4B's shape by default
+L2 norms in its kernels, forward and its own chunked backward, its kernels on the configs
+simple_rl pins (`bib.pin_fla`). Qwen3.5-4B's shape by default
 (16 k heads and 32 v heads of 128), B samples of --prompt + --completion tokens, at each B of
 --samples, bf16 inputs.
 
@@ -24,6 +25,7 @@ fp32-bwd's. About a minute on one GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -111,11 +113,9 @@ def main(argv=None) -> list[dict]:
     fwd = bib.vllm_forwards() if cuda else bib.reference_forwards()
     fp32 = bib.custom_backward_kernels(fwd, bib.TORCH_BACKWARDS)  # the rule's: the reference's
     ops = bib.vllm_kernels() if cuda else None
-    try:
-        import fla  # noqa: F401
-        have_fla = cuda
-    except ImportError:
-        have_fla = False
+    have_fla = cuda and importlib.util.find_spec("fla") is not None
+    if have_fla:
+        bib.pin_fla()  # before fla's import, as in a run
     rows = []
     head = f"{'B':>5} {'tokens':>7} {'design':>9} {'fwd ms':>8} {'bwd ms':>8} {'peak GiB':>9} "
     print(head + f"{'grad_rel':>9}")

@@ -197,6 +197,8 @@ def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35,
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "fla" else find_spec(name, *a))
+    pinned = []  # fla's kernels pinned by every Qwen3.5 check that passes, before vLLM starts
+    monkeypatch.setattr(rl.bib, "pin_fla", lambda: pinned.append(1))
     rl.check_qwen35_engine(rl.Config(env="calc"), set(), args)  # episodes: each turn replayed
     with pytest.raises(rl.ConfigError, match=r"^--debug-parity: the op-by-op debugger does not "
                        r"follow a Qwen3\.5's schedule \(a prompt prefilled whole, then a step "
@@ -206,6 +208,8 @@ def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35,
     rl.check_qwen35_engine(rl.Config(), set(), args)  # prefix caching on by default: turned off
     rl.check_qwen35_engine(rl.Config(prefix_caching=False), {"prefix_caching"}, args)
     rl.check_qwen35_engine(rl.Config(env="calc"), {"prefix_caching"}, None)  # Qwen3: nothing
+    rl.check_qwen35_engine(rl.Config(kernels="reference"), set(), args)  # no fla
+    assert len(pinned) == 3
     capsys.readouterr()
     argv = cpu_argv(path, tmp_path / "logs", run_name="r", prefix_caching=True)
     assert rl.main(argv, device_type="cpu") == 2  # a run that would start vLLM

@@ -313,35 +313,47 @@ def test_p12_the_trainers_replay_gives_the_engines_bits(gdn):
                        [_diff("outputs", got, want)])
 
 
-# One process: each pinned fla kernel's candidates before and after bib.pin_fla, and the
-# dispatch switch, as JSON.
+# One fresh process: simple_rl's pin first, then fla's dispatch switch as fla read it, each
+# pinned kernel's candidates before and after, and the kernels Triton autotuned in one backward
+# of the rule, as JSON.
 PIN_FLA = """
-import json, os, batch_invariant_backward as bib
-names = [(m, n) for m, kernels in bib.FLA_KERNELS.items() for n in kernels]
-before = {n: [str(c) for c in bib.fla_autotuner(m, n).configs] for m, n in names}
-after = {n: [str(c) for c in t.configs] for n, t in bib.pin_fla().items()}
-same = all(t is bib.fla_autotuner(m, n) for (m, n), t in zip(names, bib.pin_fla().values()))
-print(json.dumps([before, after, same, os.environ["FLA_DISABLE_BACKEND_DISPATCH"]]))
+import json, torch, triton, batch_invariant_backward as bib
+pinned = bib.pin_fla()
+import fla.backends
+tuned = []
+triton.knobs.autotuning.listener = lambda fn, **kw: tuned.append(fn.__name__)
+g = torch.Generator(device="cuda").manual_seed(0)
+lens, H, HV, D = [70, 3, 130], 16, 32, 128
+T = sum(lens)
+r = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+x = [r(T, H, D), r(T, H, D), r(T, HV, D), r(T, HV), r(T, HV),
+     torch.rand(HV, device="cuda", generator=g).add(1e-3).log(), r(HV)]
+cu = torch.tensor([0, 70, 73, 203], dtype=torch.int32, device="cuda")
+bib.gated_delta_rule_backward_fla(*x, cu, max(lens), r(T, HV, D))
+print(json.dumps([fla.backends._DISPATCH_DISABLED, sorted(set(tuned)),
+                  {n: [[str(c) for c in cs], [str(c) for c in t.configs]]
+                   for n, (t, cs) in pinned.items()}]))
 """
 
 
-def test_p13d_the_fla_kernels_of_the_rules_backward_each_keep_one_config():
-    """In a fresh process, pin_fla finds every kernel FLA_KERNELS names in the fla installed (a
-    rename in another fla fails here) and leaves each on the first of the candidates fla lists
-    for this GPU, where it had several: Triton then times nothing, and every process launches
-    the same config. fla's hand-off to other packages' kernels is off."""
+def test_p13d_the_fla_kernels_of_the_rules_backward_each_keep_one_config(tmp_path):
+    """In a fresh process with an empty Triton cache, pin_fla (before any fla import) finds
+    every kernel FLA_KERNELS names in the fla installed and leaves each on the first of the
+    candidates fla lists for this GPU; one backward of the rule then has Triton time no kernel
+    but fla's output kernel (whose config the gradient never sees); fla's hand-off to other
+    packages' kernels is off as fla itself read it."""
     _need_vllm()
     pytest.importorskip("fla")
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, "-c", PIN_FLA], check=True, env=env, timeout=300,
+    env = dict(os.environ, PYTHONPATH=path, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    out = subprocess.run([sys.executable, "-c", PIN_FLA], check=True, env=env, timeout=600,
                          capture_output=True, text=True).stdout
-    before, after, same, dispatch = json.loads(out.splitlines()[-1])
-    print("P13d fla's pinned configs:", after)
-    assert len(after) == 11 and same and dispatch == "1"
-    for name, configs in after.items():
-        assert len(before[name]) > 1 and configs == before[name][:1], name
+    dispatch_off, tuned, configs = json.loads(out.splitlines()[-1])
+    print("P13d autotuned:", tuned, "pinned:", {n: after for n, (_, after) in configs.items()})
+    assert dispatch_off and set(tuned) <= {"chunk_fwd_kernel_o"} and len(configs) == 10
+    for name, (before, after) in configs.items():
+        assert before and after == before[:1], name
 
 
 def test_p13_the_rules_backward_on_fla_is_its_gradient(gdn):
