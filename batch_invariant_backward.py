@@ -1658,11 +1658,12 @@ FLA_KERNELS = {
                                      "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"),
     "fla.ops.common.chunk_o": ("chunk_bwd_kernel_dv_local", "chunk_bwd_kernel_dqkwg"),
 }
-# fla's switches, read at its import: its hand-off of these calls to other packages' kernels
-# where they are installed (FlashQLA, TileLang, Gluon), and its opt-in fast math and intra-card
-# context parallelism: each gives other bits.
+# fla's switches: its hand-off of these calls to other packages' kernels where they are
+# installed (off at its import, or each package's switch at each call: FlashQLA, TileLang,
+# Gluon, intra-card context parallelism), and its opt-in fast exp and log (read at its import).
+# Each gives other bits.
 FLA_ENV = dict(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
-               FLA_GLUON="0", FLA_USE_FAST_OPS="0", FLA_INTRACARD_CP="0")
+               FLA_GLUON="0", FLA_INTRACARD_CP="0", FLA_USE_FAST_OPS="0")
 
 
 @functools.cache
@@ -1670,14 +1671,12 @@ def pin_fla() -> dict[str, tuple[object, list]]:
     """fla's switches off (FLA_ENV), then each of FLA_KERNELS on one launch config: the first
     of the candidates fla lists for this GPU (each one light: 1 or 2 warps), so Triton times
     nothing and every process gets the same bits. Returns each kernel's autotuner and its
-    candidates as they were. Refuses an fla imported before it could set the switches."""
+    candidates as they were. Refuses an fla imported before with its fast exp and log on."""
     import sys
 
-    late = [k for k, v in FLA_ENV.items() if os.environ.get(k, "0") != v]  # unset: fla's 0
-    if "fla" in sys.modules and late:
-        raise RuntimeError(f"fla was imported before {late[0]} was set to {FLA_ENV[late[0]]} "
-                           "(read at its import; else other gradient bits): set it in the "
-                           "environment, or import fla after bib.pin_fla().")
+    if "fla" in sys.modules and os.environ.get("FLA_USE_FAST_OPS", "0") != "0":
+        raise RuntimeError("fla was imported with FLA_USE_FAST_OPS set (its approximate exp "
+                           "and log: other gradient bits); unset it.")
     os.environ.update(FLA_ENV)
     pinned = {}
     for module, names in FLA_KERNELS.items():
