@@ -321,11 +321,21 @@ def test_p12_the_trainers_replay_gives_the_engines_bits(gdn):
 # pinned kernel's candidates before and after, and the kernels Triton autotuned in one backward
 # of the rule, as JSON.
 PIN_FLA = """
-import json, torch, triton, batch_invariant_backward as bib
+import ctypes, json, torch, triton, batch_invariant_backward as bib
+from triton.compiler.compiler import CompiledKernel
 pinned = bib.pin_fla()
 import fla.backends
-tuned = []
+tuned, local = [], {}
 triton.knobs.autotuning.listener = lambda fn, **kw: tuned.append(fn.__name__)
+load = CompiledKernel._init_handles
+def init_handles(self):  # each loaded kernel's local memory a thread (Triton: n_spills = bytes/4)
+    load(self)
+    local[self.name] = max(local.get(self.name, 0), 4 * self.n_spills)
+CompiledKernel._init_handles = init_handles
+def stack_limit():  # CU_LIMIT_STACK_SIZE: the local memory a thread; it grows, never shrinks
+    size = ctypes.c_size_t()
+    ctypes.CDLL("libcuda.so.1").cuCtxGetLimit(ctypes.byref(size), 0)
+    return size.value
 g = torch.Generator(device="cuda").manual_seed(0)
 lens, H, HV, D = [70, 3, 130], 16, 32, 128
 T = sum(lens)
@@ -335,10 +345,12 @@ x = [r(T, H, D), r(T, H, D), r(T, HV, D), r(T, HV), r(T, HV),
 cu = torch.tensor([0, 70, 73, 203], dtype=torch.int32, device="cuda")
 go = r(T, HV, D)
 torch.cuda.synchronize()
-free, reserved = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+free, reserved, stack = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved(), stack_limit()
 bib.gated_delta_rule_backward_fla(*x, cu, max(lens), go)
 torch.cuda.synchronize()
 outside = free - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - reserved)
+print("P13d stack limit", stack, "->", stack_limit(), "bytes a thread; local memory a thread:",
+      sorted(local.items(), key=lambda kv: -kv[1])[:6])
 print(json.dumps([fla.backends._DISPATCH_DISABLED, sorted(set(tuned)),
                   {n: [[str(c) for c in cs], [str(c) for c in t.configs]]
                    for n, (t, cs) in pinned.items()}, outside]))
@@ -358,6 +370,7 @@ def test_p13d_the_fla_kernels_of_the_rules_backward_each_keep_one_config(tmp_pat
     env = dict(os.environ, PYTHONPATH=path, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     out = subprocess.run([sys.executable, "-c", PIN_FLA], check=True, env=env, timeout=600,
                          capture_output=True, text=True).stdout
+    print(*[line for line in out.splitlines() if line.startswith("P13d")], sep="\n")
     dispatch_off, tuned, configs, outside = json.loads(out.splitlines()[-1])
     print("P13d autotuned:", tuned, "pinned:", {n: after for n, (_, after) in configs.items()})
     # GPU memory the first backward took outside PyTorch's allocator: 27B's layers held 5 GiB
