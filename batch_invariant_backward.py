@@ -1681,22 +1681,10 @@ def pin_fla() -> dict[str, tuple[object, list]]:
     pinned = {}
     for module, names in FLA_KERNELS.items():
         for name in names:
-            tuner = fla_autotuner(module, name)
+            tuner = autotuners(module)[name]
             pinned[name] = tuner, tuner.configs
             tuner.configs = tuner.configs[:1]
     return pinned
-
-
-def fla_autotuner(module: str, name: str):
-    """The Triton autotuner of fla's kernel `name` in `module` (under its heuristics, if any)."""
-    import importlib
-
-    from triton.runtime.autotuner import Autotuner
-
-    tuner = getattr(importlib.import_module(module), name)
-    while not isinstance(tuner, Autotuner):
-        tuner = tuner.fn
-    return tuner
 
 
 def gated_delta_rule_backward_fla(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
