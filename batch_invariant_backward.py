@@ -1658,20 +1658,32 @@ FLA_KERNELS = {
                                      "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"),
     "fla.ops.common.chunk_o": ("chunk_bwd_kernel_dv_local", "chunk_bwd_kernel_dqkwg"),
 }
+# The config each keeps: Triton's pick on an H100 at Qwen3.5-4B's heads, (tiles, warps,
+# stages). Not the first of fla's candidates (1 or 2 warps): there chunk_bwd_kernel_dqkwg took
+# 21,552 bytes of local memory a thread, for which the driver held 5.3 GiB of the GPU for the
+# rest of the process, and the backward ran 7x slower (bench_gdn, 128 samples: 77 ms, 11 ms).
+FLA_PINS = {"l2norm_fwd_kernel": ({"BT": 64}, 4, 3), "l2norm_bwd_kernel": ({"BT": 8}, 2, 3),
+            "chunk_local_cumsum_scalar_kernel": ({}, 2, 3),
+            "chunk_gated_delta_rule_fwd_kkt_solve_kernel": ({"BK": 64}, 1, 3),
+            "recompute_w_u_fwd_kernel": ({}, 4, 3), "prepare_wy_repr_bwd_kernel": ({}, 4, 3),
+            "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": ({"BV": 64}, 4, 2),
+            "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": ({"BV": 32}, 4, 2),
+            "chunk_bwd_kernel_dv_local": ({}, 4, 3), "chunk_bwd_kernel_dqkwg": ({}, 4, 3)}
 # fla's switches: its hand-off of these calls to other packages' kernels where they are
 # installed (off at its import, or each package's switch at each call: FlashQLA, TileLang,
 # Gluon, intra-card context parallelism), and its opt-in fast exp and log (read at its import).
 # Each gives other bits.
 FLA_ENV = dict(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
-               FLA_GLUON="0", FLA_INTRACARD_CP="0", FLA_USE_FAST_OPS="0")
+               FLA_GLUON="0", FLA_INTRACARD_CP="0", FLA_USE_FAST_OPS="0",
+               FLA_CACHE_MODE="disabled")  # (its shipped configs: they would replace the pins)
 
 
 @functools.cache
 def pin_fla() -> dict[str, tuple[object, list]]:
-    """fla's switches off (FLA_ENV), then each of FLA_KERNELS on one launch config: the first
-    of the candidates fla lists for this GPU (each one light: 1 or 2 warps), so Triton times
-    nothing and every process gets the same bits. Returns each kernel's autotuner and its
-    candidates as they were. Refuses an fla imported before with its fast exp and log on."""
+    """fla's switches off (FLA_ENV), then each of FLA_KERNELS on one launch config, FLA_PINS's
+    (on a GPU whose candidates lack it, fla's first), so Triton times nothing and every process
+    gets the same bits. Returns each kernel's autotuner and its candidates as they were.
+    Refuses an fla imported before with its fast exp and log on."""
     import sys
 
     if "fla" in sys.modules and os.environ.get("FLA_USE_FAST_OPS", "0") != "0":
@@ -1683,7 +1695,10 @@ def pin_fla() -> dict[str, tuple[object, list]]:
         for name in names:
             tuner = autotuners(module)[name]
             pinned[name] = tuner, tuner.configs
-            tuner.configs = tuner.configs[:1]
+            want = FLA_PINS[name]
+            tuner.configs = [next((c for c in tuner.configs
+                                   if (c.kwargs, c.num_warps, c.num_stages) == want),
+                                  tuner.configs[0])]
     return pinned
 
 
