@@ -1674,16 +1674,16 @@ FLA_PINS = {"l2norm_fwd_kernel": ({"BT": 64}, 4, 3), "l2norm_bwd_kernel": ({"BT"
 # Gluon, intra-card context parallelism), and its opt-in fast exp and log (read at its import).
 # Each gives other bits.
 FLA_ENV = dict(FLA_DISABLE_BACKEND_DISPATCH="1", FLA_FLASH_QLA="0", FLA_TILELANG="0",
-               FLA_GLUON="0", FLA_INTRACARD_CP="0", FLA_USE_FAST_OPS="0",
-               FLA_CACHE_MODE="disabled")  # (its shipped configs: they would replace the pins)
+               FLA_GLUON="0", FLA_INTRACARD_CP="0", FLA_USE_FAST_OPS="0")
 
 
 @functools.cache
 def pin_fla() -> dict[str, tuple[object, list]]:
     """fla's switches off (FLA_ENV), then each of FLA_KERNELS on one launch config, FLA_PINS's
-    (on a GPU whose candidates lack it, fla's first), so Triton times nothing and every process
-    gets the same bits. Returns each kernel's autotuner and its candidates as they were.
-    Refuses an fla imported before with its fast exp and log on."""
+    (on a GPU other than a Hopper, whose candidates may lack it, fla's first), so Triton times
+    nothing and every process gets the same bits. Returns each kernel's autotuner and its
+    candidates as they were. Refuses an fla imported before with its fast exp and log on, and
+    on a Hopper an fla whose candidates lack a pin (another fla than 0.6.0)."""
     import sys
 
     if "fla" in sys.modules and os.environ.get("FLA_USE_FAST_OPS", "0") != "0":
@@ -1695,10 +1695,12 @@ def pin_fla() -> dict[str, tuple[object, list]]:
         for name in names:
             tuner = autotuners(module)[name]
             pinned[name] = tuner, tuner.configs
-            want = FLA_PINS[name]
-            tuner.configs = [next((c for c in tuner.configs
-                                   if (c.kwargs, c.num_warps, c.num_stages) == want),
-                                  tuner.configs[0])]
+            pin = [c for c in tuner.configs
+                   if (c.kwargs, c.num_warps, c.num_stages) == FLA_PINS[name]]
+            if not pin and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+                raise RuntimeError(f"fla's {name} has no candidate {FLA_PINS[name]} (tiles, "
+                                   f"warps, stages): not fla 0.6.0's kernels; install that.")
+            tuner.configs = (pin or tuner.configs)[:1]
     return pinned
 
 
