@@ -1933,6 +1933,24 @@ def fused_add_rms_norm_rows(x: Tensor, residual: Tensor, w: Tensor, eps: float) 
     r2.copy_(rp[:n])
 
 
+# Output columns below which a linear layer keeps vLLM's batch-invariant Triton matmul, in the
+# engine (route_vllm_linear_through_cublaslt) and the trainer: cuBLASLt may run a GEMM of one
+# column as a GEMV, whose sums need not keep one order at every row count, and bf16 rounding
+# hides all but a rare flip (Qwen3.5-35B-A3B's shared-expert gate: a step in five differed).
+# A Triton tile is 128 columns wide, so such a layer costs what it did.
+NARROW_LINEAR = 128
+
+
+def vllm_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x W^T as the engine's linear layers compute it: cuBLASLt (F.linear), or below
+    NARROW_LINEAR output columns vLLM's Triton matmul (CUDA; F.linear elsewhere)."""
+    if w.shape[0] >= NARROW_LINEAR or not x.is_cuda:
+        return F.linear(x, w)
+    from vllm.model_executor.determinism.batch_invariant import linear_batch_invariant
+
+    return linear_batch_invariant(x, w)
+
+
 def vllm_moe_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """vLLM's Qwen3-MoE router: `FusedTopKRouter` -> `fused_topk` -> the CUDA `topk_softmax`
     (softmax in fp32 of the bf16 logits, top k, renormalised if asked), ids int32. CUDA only."""
@@ -2239,15 +2257,15 @@ def vllm_forwards() -> Kernels:
     # vLLM 0.34's linear layers and LM head call its Triton persistent matmul in batch-invariant
     # mode; simple_rl routes them on Hopper to F.linear, which the trainer calls too: cuBLASLt
     # with split-K off, bit-equal to the Triton kernel at every row count checked
-    # (tests/test_gemm_gpu.py) and faster. On Ampere vLLM routes aten::linear to the Triton
-    # kernel itself.
+    # (tests/test_gemm_gpu.py) and faster; narrow layers stay on the Triton kernel
+    # (vllm_linear). On Ampere vLLM routes aten::linear to the Triton kernel itself.
     return Kernels(
         name="vllm",
         rms_norm=bi.rms_norm_batch_invariant,
         add_rms_norm=add_rms_norm,
         rotary=rotary,
         silu_and_mul=silu_and_mul,
-        linear=F.linear,
+        linear=vllm_linear,
         attention=attention,
         logprobs_entropy=logprobs_entropy_triton,  # ours, with the bits of vLLM's sampler
         moe_topk=vllm_moe_topk,

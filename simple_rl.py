@@ -3906,8 +3906,9 @@ def route_vllm_linear_through_cublaslt() -> None:
     step's few hundred rows. On Hopper that mode also turns cuBLASLt's split-K off (no
     workspace), and cuBLASLt then gives the Triton kernel's bits: tests/test_gemm_gpu.py checks
     every row count M = 1..1024 and seven prefill and micro-batch sizes at the dense Qwen3
-    shapes and Qwen3-30B-A3B's. Elsewhere (Ampere, Blackwell, ROCm: not measured) and for a
-    layer with a bias (cuBLASLt would add it before rounding) vLLM's own path stays.
+    shapes and Qwen3-30B-A3B's. Elsewhere (Ampere, Blackwell, ROCm: not measured), for a
+    layer with a bias (cuBLASLt would add it before rounding) and for a narrow one
+    (bib.NARROW_LINEAR, which the trainer keeps there too) vLLM's own path stays.
     """
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers import vocab_parallel_embedding as vocab
@@ -3921,7 +3922,7 @@ def route_vllm_linear_through_cublaslt() -> None:
             continue
 
         def apply(self, layer, x, bias=None, _plain=plain):
-            if bias is not None or not x.is_cuda:
+            if bias is not None or not x.is_cuda or len(layer.weight) < bib.NARROW_LINEAR:
                 return _plain(self, layer, x, bias)
             return nn.functional.linear(x, layer.weight)
 
