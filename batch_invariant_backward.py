@@ -1937,7 +1937,7 @@ def fused_add_rms_norm_rows(x: Tensor, residual: Tensor, w: Tensor, eps: float) 
 # engine (route_vllm_linear_through_cublaslt) and the trainer: cuBLASLt may run a GEMM of one
 # column as a GEMV, whose sums need not keep one order at every row count, and bf16 rounding
 # hides all but a rare flip (Qwen3.5-35B-A3B's shared-expert gate: a step in five differed).
-# A Triton tile is 128 columns wide, so such a layer costs what it did.
+# A Triton tile is at least 128 columns wide, so such a layer costs what it did.
 NARROW_LINEAR = 128
 
 

@@ -3922,7 +3922,9 @@ def route_vllm_linear_through_cublaslt() -> None:
             continue
 
         def apply(self, layer, x, bias=None, _plain=plain):
-            if bias is not None or not x.is_cuda or len(layer.weight) < bib.NARROW_LINEAR:
+            # narrow by the whole layer's width, as the trainer sees it (a TP rank holds a shard)
+            narrow = getattr(layer, "output_size", len(layer.weight)) < bib.NARROW_LINEAR
+            if bias is not None or not x.is_cuda or narrow:
                 return _plain(self, layer, x, bias)
             return nn.functional.linear(x, layer.weight)
 
