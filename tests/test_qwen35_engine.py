@@ -548,3 +548,34 @@ def test_the_convs_and_the_qk_preps_backward_are_the_references_autograd():
     for a, b in zip(ours, theirs):
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_and_the_trainer_run_a_layer_on_the_same_gemm(monkeypatch):
+    """route_vllm_linear_through_cublaslt (the engine, on a Hopper) sends a layer of at least
+    bib.NARROW_LINEAR output rows to F.linear (cuBLASLt) and leaves a narrower one, judged by
+    its whole width (a TP rank holds a shard), on vLLM's own path (its Triton matmul);
+    bib.vllm_linear (the trainer) chooses alike at the same widths."""
+    class Method:
+        def apply(self, layer, x, bias=None):
+            return "vllm"
+
+    linear = types.SimpleNamespace(UnquantizedLinearMethod=Method)
+    vocab = types.SimpleNamespace(UnquantizedEmbeddingMethod=type("Vocab", (Method,), {}))
+    platform = types.SimpleNamespace(is_cuda=lambda: True)
+    triton_matmul = types.SimpleNamespace(linear_batch_invariant=lambda x, w: "vllm")
+    for name, module in {
+            "vllm.model_executor.layers": types.SimpleNamespace(
+                linear=linear, vocab_parallel_embedding=vocab),
+            "vllm.platforms": types.SimpleNamespace(current_platform=platform),
+            "vllm.model_executor.determinism.batch_invariant": triton_matmul}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: "cublaslt")
+    rl.route_vllm_linear_through_cublaslt()
+    x = types.SimpleNamespace(is_cuda=True)
+    n = bib.NARROW_LINEAR
+    for rows, whole, want in ((n, n, "cublaslt"), (n - 1, n - 1, "vllm"), (1, 1, "vllm"),
+                              (n // 2, n, "cublaslt")):  # the last: a TP rank's half
+        layer = types.SimpleNamespace(weight=torch.empty(rows, 4), output_size=whole)
+        assert Method().apply(layer, x) == want, (rows, whole)
+        assert bib.vllm_linear(x, torch.empty(whole, 4)) == want, whole
