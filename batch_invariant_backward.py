@@ -1556,31 +1556,41 @@ def ref_prefill_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_lo
 
 
 def ref_decode_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                    dt_bias: Tensor, state: Tensor) -> Tensor:
-    """One sample's decode steps in the recurrent form, in fp32, from the state its prefill
-    left (state (Hv, Dk, Dv)): the reference's stand-in for vLLM's (gdn_decode_vllm).
-    q, k (L, Hk, Dk), v (L, Hv, Dv), a, b (L, Hv) -> o (L, Hv, Dv) in v's dtype."""
+                    dt_bias: Tensor, states: Tensor, lens: list[int]) -> Tensor:
+    """N samples' decode steps in the recurrent form, in fp32, each from the state its prefill
+    left: the reference's stand-in for vLLM's (gdn_decode_vllm). The samples' rows are back to
+    back, lens[n] of sample n; they run as one batch padded to the longest (a padded step
+    comes after a sample's last and changes none of its outputs).
+    q, k (L, Hk, Dk), v (L, Hv, Dv), a, b (L, Hv), states (N, Hv, Dk, Dv), L = sum(lens)
+    -> o (L, Hv, Dv) in v's dtype."""
+    n = torch.tensor(lens, device=q.device)
+    steps = torch.arange(int(n.max()), device=q.device)
+    real = steps < n[:, None]  # (N, Lmax)
+    rows = torch.where(real, (n.cumsum(0) - n)[:, None] + steps, 0)  # (N, Lmax) into the L
     group = v.shape[1] // k.shape[1]
-    q, k = (l2_normalize(_wide(x)).transpose(0, 1).repeat_interleave(group, dim=0)[None]
-            for x in (q, k))  # (1, Hv, L, Dk)
-    g, beta = (x.transpose(0, 1)[None] for x in gdn_gates(a, b, A_log, dt_bias))  # (1, Hv, L)
-    o, _ = gated_delta_rule_recurrent(q, k, _wide(v).transpose(0, 1)[None], g, beta,
-                                      _wide(state)[None])
-    return o[0].transpose(0, 1).to(v.dtype)  # (L, Hv, Dv)
+    q, k = (l2_normalize(_wide(x))[rows].transpose(1, 2).repeat_interleave(group, dim=1)
+            for x in (q, k))  # (N, Hv, Lmax, Dk)
+    g, beta = (x[rows].transpose(1, 2) for x in gdn_gates(a, b, A_log, dt_bias))  # (N, Hv, Lmax)
+    o, _ = gated_delta_rule_recurrent(q, k, _wide(v)[rows].transpose(1, 2), g, beta,
+                                      _wide(states))
+    return o.transpose(1, 2)[real].to(v.dtype)  # (L, Hv, Dv)
 
 
-def prefill_schedule(cu_seqlens: Tensor, prefill: Tensor) -> tuple[Tensor, Tensor, list]:
+def prefill_schedule(cu_seqlens: Tensor, prefill: Tensor) -> tuple[Tensor, Tensor, Tensor,
+                                                                   Tensor]:
     """The rows vLLM prefilled and those it decoded, in a packed batch of B samples whose first
     prefill[n] tokens (its prompt) were prefilled in one pass and the rest decoded one a step:
-    (prompt rows (Tp,) of the packed batch, their cu_seqlens (B+1,) int32 (on CPU),
-    [(start, stop)] of each sample's decoded rows)."""
+    (prompt rows (Tp,) of the packed batch, their cu_seqlens (B+1,) int32 (on CPU), decoded
+    rows (Td,), each sample's decoded count (B,)), rows on cu_seqlens' device."""
     starts = cu_seqlens[:-1].long().cpu()
-    stops = cu_seqlens[1:].long().cpu()
+    L = cu_seqlens[1:].long().cpu() - starts
     P = prefill.long().cpu()
-    assert bool(((P >= 1) & (P <= stops - starts)).all()), "a prefill is 1 to L tokens"
-    rows = torch.cat([torch.arange(s, s + p) for s, p in zip(starts.tolist(), P.tolist())])
+    assert bool(((P >= 1) & (P <= L)).all()), "a prefill is 1 to L tokens"
+    offset = torch.arange(int(L.sum())) - torch.repeat_interleave(starts, L)  # within its sample
+    prompt = offset < torch.repeat_interleave(P, L)  # (T,)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), P.cumsum(0)]).int()
-    return rows.to(cu_seqlens.device), cu, list(zip((starts + P).tolist(), stops.tolist()))
+    on = cu_seqlens.device
+    return prompt.nonzero()[:, 0].to(on), cu, (~prompt).nonzero()[:, 0].to(on), L - P
 
 
 def replay_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
@@ -1588,19 +1598,20 @@ def replay_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tenso
                             prefill_form: Callable, decode_form: Callable) -> Tensor:
     """The gated delta rule over a packed batch as vLLM's engine scheduled it: every sample's
     prompt rows through `prefill_form` (one call over all prompts, each from a zero state),
-    then each sample's generated rows through `decode_form` from the state its prompt left.
-    The forms are vLLM's kernels (gdn_prefill_vllm, gdn_decode_vllm) or the reference's
-    (ref_prefill_form, ref_decode_form); exact arithmetic gives ref_gated_delta_rule.
+    then every sample's generated rows through `decode_form` (one call over them all), each
+    from the state its prompt left. The forms are vLLM's kernels (gdn_prefill_vllm,
+    gdn_decode_vllm) or the reference's (ref_prefill_form, ref_decode_form); exact arithmetic
+    gives ref_gated_delta_rule.
     q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv), prefill (B,) -> o (T, Hv, Dv)."""
-    rows, cu_prompt, spans = prefill_schedule(cu_seqlens, prefill)
+    rows, cu_prompt, decoded, counts = prefill_schedule(cu_seqlens, prefill)
     o = v.new_empty(v.shape)  # (T, Hv, Dv)
     o_prompt, states = prefill_form(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias,
                                     cu_prompt.to(q.device))
     o[rows] = o_prompt
-    for n, (start, stop) in enumerate(spans):
-        if stop > start:
-            part = (x[start:stop] for x in (q, k, v, a, b))
-            o[start:stop] = decode_form(*part, A_log, dt_bias, states[n])
+    going = counts > 0  # samples that generated a token
+    if going.any():
+        o[decoded] = decode_form(*(x[decoded] for x in (q, k, v, a, b)), A_log, dt_bias,
+                                 states[going.to(states.device)], counts[going].tolist())
     return o
 
 
@@ -2179,23 +2190,25 @@ def prefill_pin_order(config: triton.Config) -> tuple[int, int, int]:
 
 
 def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                    dt_bias: Tensor, state: Tensor) -> Tensor:
-    """One sample's decode steps as vLLM runs a decode token (packed decode off): one launch of
-    fused_sigmoid_gating_delta_rule_update over its L tokens (its arithmetic per token does
-    not depend on how many tokens a launch covers; the state stays fp32), gates, L2 norms and
-    scale inside the kernel, from the state its prefill left in slot 1 (slot 0: the null
-    block), the 1-D slot index of the engine's decode (one entry a token: the token's state
-    is written back there). state (Hv, Dv, Dk) fp32 -> o (L, Hv, Dv)."""
+                    dt_bias: Tensor, states: Tensor, lens: list[int]) -> Tensor:
+    """N samples' decode steps as vLLM runs decode tokens (packed decode off), in one launch of
+    fused_sigmoid_gating_delta_rule_update over all their rows, back to back (lens[n] of sample
+    n): gates, L2 norms and scale inside the kernel, each from the state its prefill left, in
+    slot n + 1 (slot 0: the null block), through a 2-D slot index, row n all n + 1 (each token's
+    state is written back there). Its arithmetic per token does not depend on how many tokens
+    or samples a launch covers (the state stays fp32 in registers): the engine's decode steps'
+    bits (tests/test_qwen35_gpu.py, P3 and P12). states (N, Hv, Dv, Dk) fp32 -> o (L, Hv, Dv)."""
     from vllm.third_party.flash_linear_attention.ops import (
         fused_sigmoid_gating_delta_rule_update)
 
-    L = q.shape[0]
     i32 = dict(dtype=torch.int32, device=q.device)
-    slots = torch.stack([torch.zeros_like(state), state])  # (2, Hv, Dv, Dk)
+    slots = torch.cat([torch.zeros_like(states[:1]), states])  # (N + 1, Hv, Dv, Dk)
+    index = torch.arange(1, len(lens) + 1, **i32)[:, None].expand(len(lens), max(lens))
+    cu = torch.tensor([0, *lens], **i32).cumsum(0, dtype=torch.int32)  # (N + 1,)
     o, _ = fused_sigmoid_gating_delta_rule_update(
         A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q[None], k=k[None], v=v[None],
-        initial_state=slots, inplace_final_state=True, cu_seqlens=torch.tensor([0, L], **i32),
-        ssm_state_indices=torch.ones(L, **i32), use_qk_l2norm_in_kernel=True)
+        initial_state=slots, inplace_final_state=True, cu_seqlens=cu,
+        ssm_state_indices=index.contiguous(), use_qk_l2norm_in_kernel=True)
     return o[0]  # (L, Hv, Dv)
 
 

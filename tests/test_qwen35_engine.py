@@ -331,9 +331,10 @@ def test_packed_holds_each_samples_prefill_length():
     for r in (range(0, 1), range(0, 2), range(1, 2), range(1, 3), range(2, 3)):
         part, _ = rl.sub_pack(three, r)  # a micro-batch holds its own samples' lengths only
         assert part.prefill.tolist() == [3, 1, 2][r.start:r.stop] == three.prefill[r].tolist()
-    rows, cu, spans = bib.prefill_schedule(p.cu_seqlens, p.prefill)
+    rows, cu, decoded, counts = bib.prefill_schedule(p.cu_seqlens, p.prefill)
     assert rows.tolist() == [0, 1, 2, 5] and cu.tolist() == [0, 3, 4]
-    assert spans == [(3, 5), (6, 9)]  # the rows vLLM decoded, one a step
+    assert decoded.tolist() == [3, 4, 6, 7, 8]  # the rows vLLM decoded, one a step
+    assert counts.tolist() == [2, 3]
 
 
 def worked_episodes(routed=None) -> list:
