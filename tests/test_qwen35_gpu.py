@@ -697,7 +697,7 @@ from vllm.third_party.flash_linear_attention.ops import chunk_o
 tuned = []
 triton.knobs.autotuning.listener = lambda fn, **kw: tuned.append(fn.__name__)
 out = bib.gdn_prefill_vllm(*torch.load(sys.argv[1]))
-pins = {n: str(t.configs) for n, t in bib.vllm_prefill_autotuners().items()}
+pins = {n: [str(c) for c in t.configs] for n, t in bib.vllm_prefill_autotuners().items()}
 torch.save([*out, tuned, pins, chunk_o.BKV_LIST], sys.argv[2])
 """
 
@@ -755,7 +755,7 @@ def test_p15_the_pinned_prefill_computes_alike_on_an_empty_triton_cache(gdn, tmp
         assert all(bib.autotuners(bib.VLLM_FLA + m) for m in bib.VLLM_PREFILL_AUTOTUNED)
         assert all(t.configs == [min(saved[n], key=bib.prefill_pin_order)]
                    for n, t in tuners.items())
-        pins = {n: str(t.configs) for n, t in tuners.items()}
+        pins = {n: [str(c) for c in t.configs] for n, t in tuners.items()}
         want = bib.gdn_prefill_vllm(*x)
         torch.save([t.contiguous() for t in x], tmp_path / "x.pt")
         root = Path(__file__).resolve().parents[1]
