@@ -5,9 +5,8 @@ off by batch-invariant mode) instead of vLLM's Triton persistent matmul. That is
 every output row is bitwise what the Triton kernel gives, whatever the number of rows; a layer
 of fewer than bib.NARROW_LINEAR output columns stays on the Triton kernel (on an H100 cuBLASLt's
 one-column GEMM gave other rows at M = 239, 241-247, 249, 250, ...), so F.linear is only reported
-there. This
-checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and two of the
-trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
+there. This checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and two
+of the trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
 Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention, router), of
 Qwen3.5-9B and 35B-A3B (gated attention, the Gated DeltaNet's projections, the MLP, the LM head;
 the router, the shared expert and its one-column gate) and of the shards a TP = 2 engine's ranks
