@@ -4,13 +4,13 @@ simple_rl routes vLLM's unquantized linear layers and LM head to `F.linear` (cuB
 off by batch-invariant mode) instead of vLLM's Triton persistent matmul. That is only allowed if
 every output row is bitwise what the Triton kernel gives, whatever the number of rows; a layer
 of fewer than bib.NARROW_LINEAR output columns stays on the Triton kernel (on an H100 cuBLASLt's
-one-column GEMM gave other rows at M = 239, 241-247, 249, 250, ...), so F.linear is only reported
-there. This checks every decode batch size M = 1..1024, five prefill sizes up to 8192 and two
-of the trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes of the dense
-Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention, router), of
-Qwen3.5-9B and 35B-A3B (gated attention, the Gated DeltaNet's projections, the MLP, the LM head;
-the router, the shared expert and its one-column gate) and of the shards a TP = 2 engine's ranks
-hold for Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
+one-column GEMM gave other rows at M = 239, 241-247, 249, 250, ...), so F.linear is only
+reported there. This checks every decode batch size M = 1..1024, five prefill sizes up to 8192
+and two of the trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes
+of the dense Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention,
+router), of Qwen3.5-9B and 35B-A3B (gated attention, the Gated DeltaNet's projections, the MLP,
+the LM head; the router, the shared expert and its one-column gate) and of the shards a TP = 2
+engine's ranks hold for Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
 On vLLM 0.26 the Triton kernel's tiles did not depend on N, so a column slice of its GEMM had
 the full GEMM's bits; 0.34 picks them by (N, K), so whether a shard's GEMM equals the full
 GEMM's columns is a check of its own (docs/tensor_parallel.md).
