@@ -8,9 +8,10 @@ one-column GEMM gave other rows at M = 239, 241-247, 249, 250, ...), so F.linear
 reported there. This checks every decode batch size M = 1..1024, five prefill sizes up to 8192
 and two of the trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes
 of the dense Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention,
-router), of Qwen3.5-9B and 35B-A3B (gated attention, the Gated DeltaNet's projections, the MLP,
-the LM head; the router, the shared expert and its one-column gate) and of the shards a TP = 2
-engine's ranks hold for Qwen3-1.7B and 8B, against Triton calls of 8192 rows.
+router), of Qwen3.5-0.8B, 4B, 9B, 27B and 35B-A3B (gated attention, the Gated DeltaNet's
+projections, the MLP, the LM head; the router, the shared expert and its one-column gate) and of
+the shards a TP = 2 engine's ranks hold for Qwen3-1.7B and 8B, against Triton calls of 8192
+rows.
 On vLLM 0.26 the Triton kernel's tiles did not depend on N, so a column slice of its GEMM had
 the full GEMM's bits; 0.34 picks them by (N, K), so whether a shard's GEMM equals the full
 GEMM's columns is a check of its own (docs/tensor_parallel.md).
@@ -37,8 +38,11 @@ MODELS = {"0.6b": (1024, 2048, 1024, 3072), "1.7b": (2048, 2048, 1024, 6144),
           "4b": (2560, 4096, 1024, 9728), "8b": (4096, 4096, 1024, 12288),
           "14b": (5120, 5120, 1024, 17408), "32b": (5120, 8192, 1024, 25600)}
 DECODE = range(1, 1025)
-# Qwen3.5's (hidden, heads, kv heads, Gated DeltaNet v heads; head dim 256, the rule's 128)
-QWEN35 = {"9b": (4096, 16, 4, 32), "35b-a3b": (2048, 16, 2, 32)}
+# Qwen3.5's (hidden, heads, kv heads, Gated DeltaNet v heads, FFN or 0 for the MoE; head dim
+# 256, the rule's 128)
+QWEN35 = {"0.8b": (1024, 8, 2, 16, 3584), "4b": (2560, 16, 4, 32, 9216),
+          "9b": (4096, 16, 4, 32, 12288), "27b": (5120, 24, 4, 48, 17408),
+          "35b-a3b": (2048, 16, 2, 32, 0)}
 PREFILL = [1031, 2048, 3001, 4096, 8192]  # prefill chunks (max_num_batched_tokens is 8192)
 TRAIN = [16384, 24576]  # the trainer's micro-batches
 
@@ -53,14 +57,15 @@ def shapes() -> list[tuple[str, int, int, bool]]:
     out += [(f"{m}/lm_head", VOCAB, h, False) for m, (h, *_) in MODELS.items() if m != "32b"]
     out += [("30b-a3b/qkv", 4096 + 2 * 512, 2048, True), ("30b-a3b/o", 2048, 4096, True),
             ("30b-a3b/router", 128, 2048, True)]
-    for m, (hidden, heads, kv, v) in QWEN35.items():  # gated attention: q and its gate
+    for m, (hidden, heads, kv, v, ffn) in QWEN35.items():  # gated attention: q and its gate
         out += [(f"q3.5-{m}/qkv", 2 * heads * 256 + 2 * kv * 256, hidden, True),
                 (f"q3.5-{m}/o", hidden, heads * 256, True),
                 (f"q3.5-{m}/qkvz", 2 * 16 * 128 + 2 * v * 128, hidden, True),
                 (f"q3.5-{m}/ba", 2 * v, hidden, True), (f"q3.5-{m}/gdn_out", hidden, v * 128, True),
                 (f"q3.5-{m}/lm_head", 248320, hidden, False)]
-    out += [("q3.5-9b/gate_up", 2 * 12288, 4096, True), ("q3.5-9b/down", 4096, 12288, True),
-            ("q3.5-35b-a3b/router", 256, 2048, True),  # and its shared expert, gated by a GEMV
+        out += [(f"q3.5-{m}/gate_up", 2 * ffn, hidden, True),
+                (f"q3.5-{m}/down", hidden, ffn, True)] if ffn else []
+    out += [("q3.5-35b-a3b/router", 256, 2048, True),  # and its shared expert, gated by a GEMV
             ("q3.5-35b-a3b/shared_gate", 1, 2048, True),
             ("q3.5-35b-a3b/shared_gate_up", 1024, 2048, True),
             ("q3.5-35b-a3b/shared_down", 2048, 512, True)]
