@@ -1693,13 +1693,15 @@ def pin_fla() -> dict[str, tuple[object, list]]:
     """fla's switches off (FLA_ENV), then each of FLA_KERNELS on one launch config, FLA_PINS's
     (on a GPU other than a Hopper, whose candidates may lack it, fla's first), so Triton times
     nothing and every process gets the same bits. Returns each kernel's autotuner and its
-    candidates as they were. Refuses an fla imported before with its fast exp and log on, and
-    on a Hopper an fla whose candidates lack a pin (another fla than 0.6.0)."""
+    candidates as they were. Refuses an fla whose exp and log are its fast ones (chosen at its
+    import by FLA_USE_FAST_OPS), and on a Hopper an fla whose candidates lack a pin (another fla
+    than 0.6.0)."""
     import sys
 
-    if "fla" in sys.modules and os.environ.get("FLA_USE_FAST_OPS", "0") != "0":
-        raise RuntimeError("fla was imported with FLA_USE_FAST_OPS set (its approximate exp "
-                           "and log: other gradient bits); unset it.")
+    op = sys.modules.get("fla.ops.utils.op")  # what fla read, not the environment now
+    if op is not None and "fast_expf" in op.exp.fn.__code__.co_names:
+        raise RuntimeError("fla was imported with FLA_USE_FAST_OPS=1 (its approximate exp and "
+                           "log: other gradient bits); unset it.")
     os.environ.update(FLA_ENV)
     pinned = {}
     for module, names in FLA_KERNELS.items():

@@ -236,6 +236,30 @@ def test_a_qwen35_without_fla_is_refused_unless_on_the_reference_kernels(q35, mo
     rl.check_qwen35_engine(rl.Config(), set(), None)  # a Qwen3: nothing asked
 
 
+def test_pin_fla_refuses_an_fla_that_took_its_fast_exp_at_import(monkeypatch):
+    """fla picks its exp and log once, at import (FLA_USE_FAST_OPS=1: libdevice's approximate
+    ones, other gradient bits): pin_fla reads the one fla took, whatever the environment says
+    now, and refuses the fast one; the exact one passes."""
+    import triton.language.extra.libdevice as tldevice
+
+    @triton.jit
+    def fast(x):
+        return tldevice.fast_expf(x.to(tl.float32))
+
+    @triton.jit
+    def exact(x):
+        return tl.exp(x.to(tl.float32))
+
+    for name in bib.FLA_ENV:  # pin_fla sets them: restored after the test
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(bib, "FLA_KERNELS", {})
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.op", types.SimpleNamespace(exp=fast))
+    with pytest.raises(RuntimeError, match=r"^fla was imported with FLA_USE_FAST_OPS=1 "):
+        bib.pin_fla()
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.op", types.SimpleNamespace(exp=exact))
+    assert bib.pin_fla() == {}
+
+
 # --- weights -------------------------------------------------------------------------------
 
 # What vLLM's Qwen3_5ForCausalLM (vllm/models/qwen3_5/nvidia/model.py) names its parameters,
