@@ -254,10 +254,11 @@ def test_pin_fla_refuses_an_fla_that_took_its_fast_exp_at_import(monkeypatch):
         monkeypatch.setenv(name, "0")
     monkeypatch.setattr(bib, "FLA_KERNELS", {})
     monkeypatch.setitem(sys.modules, "fla.ops.utils.op", types.SimpleNamespace(exp=fast))
+    pin_fla = bib.pin_fla.__wrapped__  # not its process-wide cache
     with pytest.raises(RuntimeError, match=r"^fla was imported with FLA_USE_FAST_OPS=1 "):
-        bib.pin_fla()
+        pin_fla()
     monkeypatch.setitem(sys.modules, "fla.ops.utils.op", types.SimpleNamespace(exp=exact))
-    assert bib.pin_fla() == {}
+    assert pin_fla() == {}
 
 
 # --- weights -------------------------------------------------------------------------------
