@@ -1585,7 +1585,7 @@ def prefill_schedule(cu_seqlens: Tensor, prefill: Tensor) -> tuple[Tensor, Tenso
     starts = cu_seqlens[:-1].long().cpu()
     L = cu_seqlens[1:].long().cpu() - starts
     P = prefill.long().cpu()
-    assert bool(((P >= 1) & (P <= L)).all()), "a prefill is 1 to L tokens"
+    assert starts[0] == 0 and bool(((P >= 1) & (P <= L)).all()), "from row 0; prefills of 1 to L"
     offset = torch.arange(int(L.sum())) - torch.repeat_interleave(starts, L)  # within its sample
     prompt = offset < torch.repeat_interleave(P, L)  # (T,)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), P.cumsum(0)]).int()
@@ -1698,8 +1698,8 @@ def pin_fla() -> dict[str, tuple[object, list]]:
     than 0.6.0)."""
     import sys
 
-    op = sys.modules.get("fla.ops.utils.op")  # what fla read, not the environment now
-    if op is not None and "fast_expf" in op.exp.fn.__code__.co_names:
+    exp = getattr(getattr(sys.modules.get("fla.ops.utils.op"), "exp", None), "fn", None)
+    if exp is not None and "fast_expf" in exp.__code__.co_names:  # what fla read at import
         raise RuntimeError("fla was imported with FLA_USE_FAST_OPS=1 (its approximate exp and "
                            "log: other gradient bits); unset it.")
     os.environ.update(FLA_ENV)
@@ -2205,12 +2205,16 @@ def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log
 
     i32 = dict(dtype=torch.int32, device=q.device)
     slots = torch.cat([torch.zeros_like(states[:1]), states])  # (N + 1, Hv, Dv, Dk)
-    index = torch.arange(1, len(lens) + 1, **i32)[:, None].expand(len(lens), max(lens))
+    # the index's row stride is a compile-time constant of the kernel: its width rounded up to a
+    # power of two compiles it a few times per run, not once per longest decode; contiguous, as
+    # the kernel ignores the column stride (an expanded index would read other samples' slots)
+    width = 1 << (max(lens) - 1).bit_length()
+    index = torch.arange(1, len(lens) + 1, **i32)[:, None].expand(len(lens), width).contiguous()
     cu = torch.tensor([0, *lens], **i32).cumsum(0, dtype=torch.int32)  # (N + 1,)
     o, _ = fused_sigmoid_gating_delta_rule_update(
         A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q[None], k=k[None], v=v[None],
         initial_state=slots, inplace_final_state=True, cu_seqlens=cu,
-        ssm_state_indices=index.contiguous(), use_qk_l2norm_in_kernel=True)
+        ssm_state_indices=index, use_qk_l2norm_in_kernel=True)
     return o[0]  # (L, Hv, Dv)
 
 
