@@ -2203,19 +2203,23 @@ def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log
     from vllm.third_party.flash_linear_attention.ops import (
         fused_sigmoid_gating_delta_rule_update)
 
-    i32 = dict(dtype=torch.int32, device=q.device)
     slots = torch.cat([torch.zeros_like(states[:1]), states])  # (N + 1, Hv, Dv, Dk)
-    # the index's row stride is a compile-time constant of the kernel: its width rounded up to a
-    # power of two compiles it a few times per run, not once per longest decode; contiguous, as
-    # the kernel ignores the column stride (an expanded index would read other samples' slots)
-    width = 1 << (max(lens) - 1).bit_length()
-    index = torch.arange(1, len(lens) + 1, **i32)[:, None].expand(len(lens), width).contiguous()
-    cu = torch.tensor([0, *lens], **i32).cumsum(0, dtype=torch.int32)  # (N + 1,)
+    cu = torch.tensor([0, *lens], dtype=torch.int32, device=q.device).cumsum(0, dtype=torch.int32)
     o, _ = fused_sigmoid_gating_delta_rule_update(
         A_log=A_log, a=a, b=b, dt_bias=dt_bias, q=q[None], k=k[None], v=v[None],
         initial_state=slots, inplace_final_state=True, cu_seqlens=cu,
-        ssm_state_indices=index, use_qk_l2norm_in_kernel=True)
+        ssm_state_indices=decode_slot_index(lens, q.device), use_qk_l2norm_in_kernel=True)
     return o[0]  # (L, Hv, Dv)
+
+
+def decode_slot_index(lens: list[int], device) -> Tensor:
+    """gdn_decode_vllm's slot index: row n all n + 1, at least max(lens) wide, rounded up to a
+    power of two (the kernel's row stride is a compile-time constant: a few compiles per run,
+    not one per longest decode), contiguous (the kernel ignores the column stride: an expanded
+    index would read other samples' slots) -> (N, W) int32."""
+    width = 1 << (max(lens) - 1).bit_length()
+    n = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=device)
+    return n[:, None].expand(len(lens), width).contiguous()
 
 
 def vllm_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, max_seqlen,

@@ -362,6 +362,16 @@ def test_packed_holds_each_samples_prefill_length():
     assert counts.tolist() == [2, 3]
 
 
+def test_the_decode_slot_index_is_a_power_of_two_wide_and_contiguous():
+    """Row n of gdn_decode_vllm's index names slot n + 1 at every one of its W >= max(lens)
+    columns, W a power of two, in contiguous memory (vLLM's kernel strides rows by W only)."""
+    for lens, width in (([3, 1, 5], 8), ([1], 1), ([128, 2], 128), ([129], 256), ([2], 2)):
+        index = bib.decode_slot_index(lens, "cpu")
+        assert index.shape == (len(lens), width) and index.dtype == torch.int32, lens
+        assert index.is_contiguous() and index.stride() == (width, 1)
+        assert index.tolist() == [[n + 1] * width for n in range(len(lens))]
+
+
 def worked_episodes(routed=None) -> list:
     """The worked example's episodes: 0 of one turn, 1 of three; routed[k]: turn k's experts."""
     routed = routed or [None] * 4
