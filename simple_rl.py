@@ -3905,7 +3905,7 @@ def route_vllm_linear_through_cublaslt() -> None:
     persistent matmul, whose 128 x 128 tiles leave most of an H200's SMs idle at a decode
     step's few hundred rows. On Hopper that mode also turns cuBLASLt's split-K off (no
     workspace), and cuBLASLt then gives the Triton kernel's bits: tests/test_gemm_gpu.py checks
-    every row count M = 1..1024 and seven prefill and micro-batch sizes at the shapes of the
+    every row count M = 1..1024 and fifteen prefill and micro-batch sizes at the shapes of the
     dense Qwen3s, Qwen3-30B-A3B and the Qwen3.5s. Elsewhere (Ampere, Blackwell, ROCm: not
     measured), for a layer with a bias (cuBLASLt would add it before rounding) and for a
     narrow one (bib.NARROW_LINEAR: a one-column GEMM's rows on cuBLASLt differed at some row

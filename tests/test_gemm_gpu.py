@@ -5,8 +5,8 @@ off by batch-invariant mode) instead of vLLM's Triton persistent matmul. That is
 every output row is bitwise what the Triton kernel gives, whatever the number of rows; a layer
 of fewer than bib.NARROW_LINEAR output columns stays on the Triton kernel (on an H100 cuBLASLt's
 one-column GEMM gave other rows at M = 239, 241-247, 249, 250, ...), so F.linear is only
-reported there. This checks every decode batch size M = 1..1024, five prefill sizes up to 8192
-and two of the trainer's micro-batches (16384, 24576; not for the LM head), at the linear shapes
+reported there. This checks every decode batch size M = 1..1024, nine prefill sizes up to 8192
+and six of the trainer's micro-batch sizes to 24576 (not for the LM head), at the linear shapes
 of the dense Qwen3 models (q/k/v, o, gate/up, down, LM head), of Qwen3-30B-A3B (attention,
 router), of Qwen3.5-0.8B, 4B, 9B, 27B and 35B-A3B (gated attention, the Gated DeltaNet's
 projections, the MLP, the LM head; the router, the shared expert and its one-column gate) and of
@@ -43,8 +43,10 @@ DECODE = range(1, 1025)
 QWEN35 = {"0.8b": (1024, 8, 2, 16, 3584), "4b": (2560, 16, 4, 32, 9216),
           "9b": (4096, 16, 4, 32, 12288), "27b": (5120, 24, 4, 48, 17408),
           "35b-a3b": (2048, 16, 2, 32, 0)}
-PREFILL = [1031, 2048, 3001, 4096, 8192]  # prefill chunks (max_num_batched_tokens is 8192)
-TRAIN = [16384, 24576]  # the trainer's micro-batches
+# prefill chunks (max_num_batched_tokens is 8192) and the trainer's micro-batches, whose sizes
+# follow the samples' lengths: round and odd ones (16,300: a step with early stops)
+PREFILL = [1031, 1500, 2047, 2048, 3001, 4096, 5000, 6143, 8192]
+TRAIN = [9999, 12289, 16300, 16384, 20001, 24576]
 
 
 def shapes() -> list[tuple[str, int, int, bool]]:
