@@ -44,7 +44,7 @@ QWEN35 = {"0.8b": (1024, 8, 2, 16, 3584), "4b": (2560, 16, 4, 32, 9216),
           "9b": (4096, 16, 4, 32, 12288), "27b": (5120, 24, 4, 48, 17408),
           "35b-a3b": (2048, 16, 2, 32, 0)}
 # prefill chunks (max_num_batched_tokens is 8192) and the trainer's micro-batches, whose sizes
-# follow the samples' lengths: round and odd ones (16,300: a step with early stops)
+# follow the samples' lengths (and a step's early stops): round ones and odd ones
 PREFILL = [1031, 1500, 2047, 2048, 3001, 4096, 5000, 6143, 8192]
 TRAIN = [9999, 12289, 16300, 16384, 20001, 24576]
 
