@@ -120,11 +120,15 @@ def make_qwen35_checkpoint(
     rope_theta: float = 10_000_000.0,
     device: str = "cpu",
     chat: bool = False,
+    stop_ids: int = 0,
 ) -> Path:
     """A random Qwen3.5 text model (Qwen3_5ForCausalLM; with `experts`, Qwen3_5MoeForCausalLM)
     saved by transformers, plus a tokenizer: one full-attention layer in `attention_every`
     (the published models: 4), the others linear attention, each k head serving v_heads /
     k_heads v heads, a quarter of each full-attention head rotated.
+
+    With `stop_ids`, generation_config.json lists that many eos ids spread over the vocabulary
+    (eos 0 among them), so that a random model's samples stop early at random lengths.
 
     With `vision`, laid out as the hub's Qwen3.5 checkpoints are (ForConditionalGeneration):
     config.json with a text_config, the text weights under model.language_model., and a
@@ -152,6 +156,11 @@ def make_qwen35_checkpoint(
         model = random_model(Qwen3_5ForCausalLM, cfg, dtype, device)
     model.save_pretrained(out)
     make_tokenizer(out, vocab_size=min(vocab, 320), chat=chat)
+    if stop_ids:
+        gen = out / "generation_config.json"
+        config = json.loads(gen.read_text()) if gen.is_file() else {}
+        config["eos_token_id"] = list(range(0, vocab, vocab // stop_ids))[:stop_ids]
+        gen.write_text(json.dumps(config, indent=2))
     if vision:
         text = json.loads((out / "config.json").read_text())
         kind = "qwen3_5_moe" if experts else "qwen3_5"

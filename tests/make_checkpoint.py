@@ -74,16 +74,19 @@ if __name__ == "__main__":
     p.add_argument("--vision", action="store_true", help="Qwen3.5: the hub's vision-language "
                    "layout")
     p.add_argument("--chat", action="store_true", help="a tokenizer with a chat template")
+    p.add_argument("--stop-ids", type=int, default=0, help="Qwen3.5: this many eos ids, spread "
+                   "over the vocabulary (a random model's samples then stop at random lengths)")
     a = p.parse_args()
     qwen35 = a.preset in QWEN35_PRESETS
-    if not qwen35 and (a.vision or a.attention_every):
-        p.error("--vision and --attention-every are for the Qwen3.5 presets")
+    if not qwen35 and (a.vision or a.attention_every or a.stop_ids):
+        p.error("--vision, --attention-every and --stop-ids are for the Qwen3.5 presets")
     if a.attention_every is not None and a.attention_every < 1:
         p.error(f"--attention-every {a.attention_every}: one full-attention layer in N, N >= 1")
     shape = {**(QWEN35_PRESETS if qwen35 else PRESETS)[a.preset],
              **({"layers": a.layers} if a.layers else {}), **({"vision": True} if a.vision else {}),
              **({"attention_every": a.attention_every} if a.attention_every else {}),
-             **({"chat": True} if a.chat else {})}
+             **({"chat": True} if a.chat else {}),
+             **({"stop_ids": a.stop_ids} if a.stop_ids else {})}
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # its bars, off a terminal, are lines of carriage returns

@@ -115,28 +115,31 @@ def test_qwen3_30b_a3b_layers_every_token_and_route_equal(a3b, tmp_path):
 @pytest.fixture(scope="module")
 def q35_a3b(tmp_path_factory):
     """Qwen3.5-35B-A3B's layer shapes, 2 of its 40 layers: one Gated DeltaNet, one gated full
-    attention, each with 256 experts of 512 rows, 8 a token, and a gated shared expert."""
+    attention, each with 256 experts of 512 rows, 8 a token, and a gated shared expert; 1,000
+    eos ids of its 248,320, so that about 40% of the samples stop before 128 tokens."""
     _need_gpu_stack()
     ckpt = tmp_path_factory.mktemp("q35a3b") / "ckpt"
     make = [sys.executable, str(ROOT / "tests" / "make_checkpoint.py"), str(ckpt),
             "--preset", "qwen3.5-35b-a3b", "--layers", "2", "--attention-every", "2",
-            "--device", "cuda"]
+            "--stop-ids", "1000", "--device", "cuda"]
     subprocess.run(make, check=True, env=_env(), timeout=900)
     return ckpt
 
 
 @pytest.mark.parametrize("graphs", ["cuda-graphs", "no-cuda-graphs"])
 def test_qwen35_35b_a3b_layers_every_token_equal(q35_a3b, tmp_path, graphs):
-    """q35_a3b (~70 GiB estimated and 62 in use on an H100; 4 layers take ~84), 8 steps: every
-    token equal to vLLM's. An H100 run once had one step in five differ, its first with early
-    stops, while the shared expert's one-column gate ran on cuBLASLt, whose rows differ from
-    the Triton matmul's at some row counts (tests/test_gemm_gpu.py); that gate now runs on the
-    Triton matmul on both sides. vLLM 0.34 returns a request's experts through its prefix
-    cache's block hashes, and a Qwen3.5 runs with that cache off: the routes are not compared.
-    Eager too: its decode steps have no padding rows (a CUDA graph's batch is padded once a
-    sample has stopped)."""
-    run = simple_rl(tmp_path, q35_a3b, "q35a3b", "--parity-rows", "32", f"--{graphs}", steps=8)
-    check_moe_run(*run, steps=8, routes=False)
+    """q35_a3b (~70 GiB estimated and 62 in use on an H100; 4 layers take ~84), 8 steps, every
+    one with samples that stopped early and samples that did not: every token equal to vLLM's.
+    An H100 run once had one step in five differ, its first with early stops, while the shared
+    expert's one-column gate ran on cuBLASLt, whose rows differ from the Triton matmul's at
+    some row counts (tests/test_gemm_gpu.py); that gate now runs on the Triton matmul on both
+    sides. vLLM 0.34 returns a request's experts through its prefix cache's block hashes, and a
+    Qwen3.5 runs with that cache off: the routes are not compared. Eager too: its decode steps
+    have no padding rows (a CUDA graph's batch is padded once a sample has stopped)."""
+    out, rows = simple_rl(tmp_path, q35_a3b, "q35a3b", "--parity-rows", "32", f"--{graphs}",
+                          steps=8)
+    check_moe_run(out, rows, steps=8, routes=False)
+    assert all(0 < r["completion_stopped_frac"] < 1 for r in rows), rows
 
 
 def test_qwen3_30b_a3b_layers_on_two_gpus(a3b, tmp_path):

@@ -238,14 +238,21 @@ def test_a_vision_language_checkpoint_is_read_as_its_text_model(q35):
 
 
 def test_make_checkpoint_cuts_a_qwen35_to_one_layer_of_each_kind(tmp_path):
-    """tests/make_checkpoint.py --layers 2 --attention-every 2 (the GPU suite's 35B-A3B layer
-    shapes on an 80 GiB card): a Gated DeltaNet layer, then a full-attention one, both sparse."""
+    """tests/make_checkpoint.py --layers 2 --attention-every 2 --stop-ids 4 (the GPU suite's
+    35B-A3B layer shapes on an 80 GiB card, samples stopping early): a Gated DeltaNet layer,
+    then a full-attention one, both sparse; four eos ids, spread over the 384 ids."""
+    from transformers import AutoTokenizer
+
     script = Path(__file__).parent / "make_checkpoint.py"
     subprocess.run([sys.executable, str(script), str(tmp_path), "--preset", "qwen3.5-moe-tiny",
-                    "--layers", "2", "--attention-every", "2"], check=True, capture_output=True)
-    args = rl.model_args_from_hf(rl.read_qwen3_config(tmp_path))
+                    "--layers", "2", "--attention-every", "2", "--stop-ids", "4"], check=True,
+                   capture_output=True)
+    hf = rl.read_qwen3_config(tmp_path)
+    args = rl.model_args_from_hf(hf)
     assert args.qwen35.layer_types == ("linear_attention", "full_attention")
     assert args.n_layers == 2 and rl.sparse_layers(args) == (0, 1)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert rl.stop_token_ids(tmp_path, tokenizer, hf) == [0, 96, 192, 288]
 
 
 # --- the run ---------------------------------------------------------------------------------
