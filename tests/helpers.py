@@ -159,7 +159,7 @@ def make_qwen35_checkpoint(
     if stop_ids:
         gen = out / "generation_config.json"
         config = json.loads(gen.read_text()) if gen.is_file() else {}
-        config["eos_token_id"] = list(range(0, vocab, vocab // stop_ids))[:stop_ids]
+        config["eos_token_id"] = list(range(0, vocab, max(1, vocab // stop_ids)))[:stop_ids]
         gen.write_text(json.dumps(config, indent=2))
     if vision:
         text = json.loads((out / "config.json").read_text())
