@@ -10,16 +10,16 @@ on vLLM, LoRA's engine slot, tools, the lookup task, checkpoints, run directory,
 memory estimate, console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
-TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm,
-CUDA fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with num_splits=1; for the
-GEMMs cuBLASLt without split-K, which gives the bits of vLLM's Triton matmul; for the
-logprobs a kernel that sums in the order of vLLM's Triton log_softmax but writes only the
-sampled token's entry; for Qwen3-MoE vLLM's top-k softmax and Triton fused experts; for
-Qwen3.5's Gated DeltaNet layers vLLM's conv1d and delta-rule kernels, in the schedule vLLM ran:
-each prompt's prefill, then a step per generated token, as the two forms differ in their bits);
-`batch_invariant_backward.py` adds their backward. So the trainer's logprob of every generated
-token equals vLLM's bit for bit (and, for MoE, every token's experts equal vLLM's), and every
-step checks that for every token of every sample, then pushes the new weights into vLLM.
+TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm, CUDA
+fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with num_splits=1; for the GEMMs
+cuBLASLt without split-K, as vLLM's are on Hopper: the bits of vLLM's Triton matmul, which layers
+under 128 columns keep on both sides; for the logprobs a kernel that sums in the order of vLLM's
+Triton log_softmax but writes only the sampled token's entry; for Qwen3-MoE vLLM's top-k softmax
+and Triton fused experts; for Qwen3.5's Gated DeltaNet layers vLLM's conv1d and delta-rule kernels,
+in the schedule vLLM ran: each prompt's prefill, then a step per generated token: the two forms'
+bits differ); `batch_invariant_backward.py` adds their backward. So the trainer's logprob of every
+generated token equals vLLM's bit for bit (and, for MoE, every token's experts equal vLLM's), and
+every step checks that for every token of every sample, then pushes the new weights into vLLM.
 
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
@@ -196,8 +196,8 @@ class Config:
                               "sample of a step at --max-model-len)")
     cuda_graphs: bool = opt("generation", True, "replay vLLM's decode steps as CUDA graphs (the "
                             "same kernels, fewer launches)")
-    engine_sleep: bool = opt("generation", True, "free vLLM's KV cache and weights while the "
-                             "trainer runs (vLLM sleep mode)")
+    engine_sleep: bool = opt("generation", True, "free vLLM's KV cache while the trainer runs, "
+                             "and its weights but under LoRA (the trainer's base) (sleep mode)")
     prefix_caching: bool = opt("generation", True, "let vLLM reuse the KV of prefixes it has seen "
                                "(an episode's earlier turns, a prompt's G samples); off, vLLM "
                                "returns no MoE routes, so only tokens are checked")
@@ -665,8 +665,8 @@ def weights_cast_once(model: Qwen3):
     whose `compute_weights` are, computes with it instead of casting its master in the
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
-    No such casts under FSDP2 (the all-gather casts; Qwen3.5's Gated DeltaNet layers, gathered
-    in fp32, cast in their forward) or when the compute dtype is fp32. LoRA's casts
+    No such casts under FSDP2 without LoRA (the all-gather casts; Qwen3.5's Gated DeltaNet layers,
+    gathered in fp32, cast in their forward) or when the compute dtype is fp32. LoRA's casts
     are refreshed on entry in every case, and kept: they are the engine's slot (`bind_lora`).
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
@@ -749,7 +749,7 @@ class BasePolicy:
 
 def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
     """What the engine needs to hold the trainer's policy: every weight (HF names), streamed, or
-    under LoRA the adapter alone (the base is the engine's own; see adapter_weights)."""
+    under LoRA the adapter alone, whose casts (refreshed here) are the engine's slot: the push."""
     return adapter_weights(model) if lora_modules(model) else hf_weights(model)
 
 
@@ -2194,7 +2194,7 @@ def generated_lengths(rollout: Rollout) -> list[int]:
 
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     """Greedy (T = 0) episodes of the held-out problems, tools included, over every rank: their
-    mean reward (for a 0/1 reward, the accuracy of the weights after `step` updates). Logged to
+    mean reward (for a 0/1 reward, the accuracy of the weights after `step` steps). Logged to
     TensorBoard at `step`, also in percent with its 95% interval (the dashboard's chart; normal
     approximation, for a 0/1 reward the binomial one): 100 (mean +- 1.96 sqrt((mean(r^2) -
     mean(r)^2) / N))."""
@@ -2236,7 +2236,7 @@ def greedy_episodes(trainer: Trainer, mine: list[int]) -> list[Episode]:
 
 
 def eval_due(cfg: Config, step: int) -> bool:
-    """Evaluate before step `step` (after `step` updates): at 0, every --eval-every steps, and
+    """Evaluate before step `step` (after `step` RL steps): at 0, every --eval-every steps, and
     after the last step."""
     if cfg.eval_size == 0:
         return False
@@ -2360,8 +2360,8 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         device_type: str = "cuda") -> str:
-    """The whole job; returns the sha256 of the final weights. The run directory's lock is
-    released when it ends, however it ends."""
+    """The whole job; returns the sha256 of its export (under LoRA by default the adapter; ""
+    after --check or --debug-parity). The run directory's lock is released however it ends."""
     held = set(RUN_LOCKS)  # the run directories this process had locked before
     try:
         built = setup(cfg, passed, engine_factory, device_type)
