@@ -1865,19 +1865,19 @@ class MicroBatch(NamedTuple):
     batch: Packed  # its samples packed on their own, on the model's device
     owned: slice  # its targets' slice of the rank's N
     samples: range  # its samples' range of the rank's B
-    counts: float  # 1, or 0 for a padding micro-batch (it runs FSDP's collectives only)
+    real: bool  # False for a padding micro-batch (it runs FSDP's collectives only, its loss x 0)
 
 
 def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
                       device) -> list[MicroBatch]:
     """The rank's micro-batches, padded to n_micro with uncounted copies of the first sample."""
-    def part(samples: range, counts: float) -> MicroBatch:
+    def part(samples: range, real: bool) -> MicroBatch:
         batch, owned = sub_pack(packed, samples)
-        return MicroBatch(batch.to(device), owned, samples, counts)
+        return MicroBatch(batch.to(device), owned, samples, real)
 
-    parts = [part(g, 1.0) for g in plan_micro_batches(packed, cfg)]
+    parts = [part(g, True) for g in plan_micro_batches(packed, cfg)]
     padding = (n_micro or 0) - len(parts)
-    return parts + [part(range(0, 1), 0.0)] * padding if padding > 0 else parts
+    return parts + [part(range(0, 1), False)] * padding if padding > 0 else parts
 
 
 def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
@@ -1892,9 +1892,9 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     routed = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
                          dtype=torch.int32, device=device) if sparse_at else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
-        for batch, owned, samples, counts in parts:
+        for batch, owned, samples, real in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            if routed is not None and counts:  # read before a LoRA reference reruns it
+            if routed is not None and real:  # read before a LoRA reference reruns it
                 routed[owned] = model.routed_ids(batch)
             adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
@@ -1903,9 +1903,9 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
                 with torch.no_grad():
                     ref_logp, _ = ref_model(batch, cfg.temperature)
                 kl = kl_k3(logp, ref_logp)
-            loss = counts * per_token * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
+            loss = real * per_token * (pg + cfg.kl_coef * kl - cfg.entropy_coef * ent).sum()
             loss.backward()
-            if not counts:
+            if not real:
                 continue  # a padding micro-batch: its collectives ran, its numbers don't count
             loss_total += loss.detach()
             logps[owned] = logp.detach()

@@ -182,7 +182,7 @@ def test_a_rank_pads_to_exactly_n_micro_micro_batches():
     assert rl.micro_batch_parts(p, cfg, None, "cpu")[0].samples == range(0, 3)
     for n_micro in (1, 2, 3):
         parts = rl.micro_batch_parts(p, cfg, n_micro, "cpu")
-        assert [m.counts for m in parts] == [1.0] + [0.0] * (n_micro - 1)
+        assert [m.real for m in parts] == [True] + [False] * (n_micro - 1)
         assert [m.samples for m in parts[1:]] == [range(0, 1)] * (n_micro - 1)
 
 
