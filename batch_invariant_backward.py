@@ -1949,8 +1949,9 @@ def fused_add_rms_norm_rows(x: Tensor, residual: Tensor, w: Tensor, eps: float) 
 # Output columns below which a linear layer keeps vLLM's batch-invariant Triton matmul, in the
 # engine (route_vllm_linear_through_cublaslt) and the trainer: cuBLASLt may run a GEMM of one
 # column as a GEMV, whose sums need not keep one order at every row count, and bf16 rounding
-# hides all but a rare flip (Qwen3.5-35B-A3B's shared-expert gate: a step in five differed).
-# A Triton tile is at least 128 columns wide, so such a layer costs what it did.
+# hides all but a rare flip (on an H100 Qwen3.5-35B-A3B's one-column shared-expert gate gave
+# other rows than the Triton kernel from M = 239: tests/test_gemm_gpu.py). A Triton tile is at
+# least 128 columns wide, so such a layer costs what it did.
 NARROW_LINEAR = 128
 
 
