@@ -6170,8 +6170,12 @@ def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
 # segments in place (see the top of this file).
 # Measured (results/h200_lora_memory/): Qwen3-14B 123.9 GiB in use against 138.1 at 12288 tokens a
 # micro-batch (1.11x), 92.2 against 103.1 at 8192 (1.12x); Qwen3-32B's layers cut to 16 of 64: 36.9
-# against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x).
-MEMORY_SLACK, MEMORY_FIXED = 1.25, 4 * 2**30
+# against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x). What a LoRA run holds beyond
+# its counted holders (CUDA's context, workspaces, the engine's graphs) is read off its rollout,
+# which holds nothing uncounted else: 1.5-1.7 GiB in those Qwen3 runs (vLLM 0.26), 2.3 and 2.6 at
+# Qwen3.5-9B and 27B's cut layers on an H100 (vLLM 0.34, results/h100_q35_early_stops/), where
+# 4 GiB put 27B's cut layers at 1.17x; full fine-tuning's 4 GiB is part of the fit above.
+MEMORY_SLACK, MEMORY_FIXED, LORA_FIXED = 1.25, 4 * 2**30, 3 * 2**30
 ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 
 
@@ -6302,9 +6306,9 @@ def memory_estimate(cfg: Config, args, world: int,
     e = expert_params(args)  # their bytes in each phase get no slack (see MEMORY_SLACK)
     train_exact = e * ((12 if grads else 16) / world + (2 if world == 1 else 0))  # + bf16 casts
     rollout_exact = e * (12 / world + 2)  # masters and AdamW state + the engine's bf16 copy
-    s = 1 if a else MEMORY_SLACK  # LoRA: no slack (see MEMORY_SLACK)
+    s, fixed = (1, LORA_FIXED) if a else (MEMORY_SLACK, MEMORY_FIXED)  # see MEMORY_SLACK
     est["peak"] = max(s * (train_phase - train_exact) + train_exact,
-                      s * (rollout_phase - rollout_exact) + rollout_exact) + MEMORY_FIXED
+                      s * (rollout_phase - rollout_exact) + rollout_exact) + fixed
     return est
 
 

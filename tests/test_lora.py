@@ -188,7 +188,7 @@ def test_lora_memory_estimate_counts_the_base_once_and_trains_the_adapters():
     assert e["base weights (the engine's)"] == 2 * n and "reference model" not in e
     # no slack under LoRA: the update's holders (the KV cache asleep) plus the fixed margin
     train = sum(v for k, v in e.items() if k not in ("engine", "peak"))
-    assert e["peak"] == pytest.approx(train + rl.MEMORY_FIXED)
+    assert e["peak"] == pytest.approx(train + rl.LORA_FIXED)
     full_train = sum(v for k, v in f.items() if k not in ("engine", "peak"))
     assert f["peak"] == pytest.approx(rl.MEMORY_SLACK * full_train + rl.MEMORY_FIXED)
     assert e["peak"] < 140 * 2**30 < f["peak"]  # 14B fits one H200 under LoRA, not in full

@@ -73,8 +73,9 @@ def test_qwen3_estimates_are_the_same_as_before_qwen35_was_counted():
         (a3b, short, 2, (128, 128), 9750708224.0, 46337399040.0, 142606336),
         (mixed, C(micro_batch_tokens=8192, kl_coef=0.01), 1, (40, 90),
          8465567232.0, 79916544640.0, 1635778560),
+        # 111034072576.0 before LoRA's fixed margin went from 4 GiB to 3 (LORA_FIXED)
         (q14, C(micro_batch_tokens=8192, lora_rank=16), 1, rl.ANY_PROMPT,
-         76046435840, 111034072576.0, 21810380800),
+         76046435840, 111034072576.0 - 2**30, 21810380800),
     ]
     for args, cfg, world, prompts, activations, peak, kv in pinned:
         est = rl.memory_estimate(cfg, args, world, prompts)
