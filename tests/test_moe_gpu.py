@@ -133,8 +133,9 @@ def test_qwen35_35b_a3b_layers_every_token_equal(q35_a3b, tmp_path, graphs):
     An H100 run once had one step in five differ, its first with early stops, while the shared
     expert's one-column gate ran on cuBLASLt, whose rows differ from the Triton matmul's at
     some row counts (tests/test_gemm_gpu.py); that gate now runs on the Triton matmul on both
-    sides: 0 of 104,543 differ (results/h100_q35_early_stops/). vLLM 0.34 returns a request's experts through its prefix cache's block hashes, and a
-    Qwen3.5 runs with that cache off: the routes are not compared. Eager too: its decode steps
+    sides: 0 of 104,543 differ (results/h100_q35_early_stops/). vLLM 0.34 returns a request's
+    experts through its prefix cache's block hashes, and a Qwen3.5 runs with that cache off:
+    the routes are not compared. Eager too: its decode steps
     have no padding rows (a CUDA graph's batch is padded once a sample has stopped)."""
     out, rows = simple_rl(tmp_path, q35_a3b, "q35a3b", "--parity-rows", "32", f"--{graphs}",
                           steps=8)
