@@ -10,16 +10,18 @@ on vLLM, LoRA's engine slot, tools, the lookup task, checkpoints, run directory,
 memory estimate, console, stops, parity debugger.
 
 vLLM samples `group_size` completions per prompt in batch-invariant mode. The trainer is a
-TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls (Triton RMSNorm, CUDA
-fused add+RMSNorm, rotary and SiluAndMul, FlashAttention 3 with num_splits=1; for the GEMMs
-cuBLASLt without split-K, as vLLM's are on Hopper: the bits of vLLM's Triton matmul, which layers
-under 128 columns keep on both sides; for the logprobs a kernel that sums in the order of vLLM's
-Triton log_softmax but writes only the sampled token's entry; for Qwen3-MoE vLLM's top-k softmax
-and Triton fused experts; for Qwen3.5's Gated DeltaNet layers vLLM's conv1d and delta-rule kernels,
-in the schedule vLLM ran: each prompt's prefill, then a step per generated token: the two forms'
-bits differ); `batch_invariant_backward.py` adds their backward. So the trainer's logprob of every
-generated token equals vLLM's bit for bit (and, for MoE, every token's experts equal vLLM's), and
-every step checks that for every token of every sample, then pushes the new weights into vLLM.
+TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls, with their backward
+in `batch_invariant_backward.py`:
+  * norms and activations: Triton RMSNorm, CUDA fused add+RMSNorm, rotary, SiluAndMul;
+  * attention: FlashAttention 3 with num_splits=1; Qwen3.5's Gated DeltaNet: vLLM's conv1d and
+    delta-rule kernels in the schedule vLLM ran (each prompt's prefill, then a step per
+    generated token: the two forms' bits differ);
+  * GEMMs: cuBLASLt without split-K, where vLLM's go on Hopper too (layers under 128 columns:
+    vLLM's Triton matmul on both sides); Qwen3-MoE: vLLM's top-k softmax and fused experts;
+  * logprobs: a kernel that sums in the order of vLLM's Triton log_softmax.
+So the trainer's logprob of every generated token equals vLLM's bit for bit (for MoE, every
+token's experts too); every step checks that for every token of every sample, then pushes the
+new weights into vLLM.
 
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
@@ -260,13 +262,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Model: Qwen3 (and Qwen3.5, Qwen3-MoE) computing exactly what vLLM computes
 # ==========================================================================
 # Each module owns its forward and calls the kernel vLLM's module of the same role calls.
-# Parameters are fp32 masters (LoRA's frozen base: the engine's own bf16 tensors); a forward
-# casts them to the compute dtype, so the bf16 weights it computes with are exactly vLLM's. A
-# linear layer's kernel makes that cast itself, so its weight gradient leaves the GEMM in fp32
-# with no cast pass. An update casts the weights once for all its micro-batches
-# (`weights_cast_once`). Under FSDP2 the all-gather already produced the bf16 cast (Qwen3.5's
-# Gated DeltaNet layers: fp32, cast in the forward). LoRA's adapters are cast where the engine
-# reads them (`LoRA.refresh`, its adapter slot); a full push sends `hf_weights`' casts.
+# Parameters are fp32 masters (LoRA's frozen base: the engine's own bf16 tensors) that a forward
+# casts to the compute dtype, so the bf16 weights it computes with are exactly vLLM's; where and
+# how often each cast runs (FSDP2's all-gather, LoRA's adapter slot): `weights_cast_once`.
 
 
 class Embedding(nn.Module):
