@@ -33,7 +33,7 @@ The objective (GRPO, token-level, sample i of group g, generated token t):
 
 Departures from textbook GRPO/PPO:
   * The old policy is the one that sampled, as computed *by vLLM*. The trainer reproduces vLLM's
-    numbers exactly, so rho = 1 at the first update; the clip acts only with
+    numbers exactly, so rho = 1 at the first optimizer step; the clip acts only with
     `--updates-per-batch` > 1.
   * Logprobs are those of the sampling distribution softmax(logits / T): vLLM returns
     processed logprobs and the trainer divides its fp32 logits by T exactly as vLLM's sampler
@@ -295,7 +295,7 @@ class Linear(nn.Module):
 
 
 class LoRA(nn.Module):
-    """A linear layer's low-rank update as vLLM's LoRA layers add it: on each output slice s
+    """A linear layer's low-rank adapter as vLLM's LoRA layers add it: on each output slice s
     (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output elsewhere)
         y_s <- y_s + (x A_s^T) B'_s^T,   B'_s = (alpha / r) B_s,
     B_s (n_s, r) and A_s (r, K) fp32 masters (one A per PEFT module: groups). The forward
@@ -1812,9 +1812,9 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
     return micro_batches(lengths, cfg.micro_batch_tokens)
 
 
-class Update(NamedTuple):
+class Pass(NamedTuple):
     """One forward and backward over every micro-batch (accumulate_gradients); train_step
-    returns its first update's (the policy that sampled), with the gradient norm."""
+    returns its first pass (the policy that sampled), with the gradient norm."""
     loss: torch.Tensor  # () the summed loss
     sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
     logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
@@ -1823,13 +1823,14 @@ class Update(NamedTuple):
 
 
 def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
-               n_micro: int | None = None, n_tokens: int | None = None) -> Update:
-    """`updates_per_batch` optimizer steps over all micro-batches of this rank's samples.
+               n_micro: int | None = None, n_tokens: int | None = None) -> Pass:
+    """The update: `updates_per_batch` optimizer steps, each after a pass over all
+    micro-batches of this rank's samples.
 
     old_logp (N,) and adv (B,) (a packed sample's: its episode's) live on the model's device.
     n_micro: micro-batches every rank runs (FSDP's collectives need the same count on every
     rank; a rank with fewer runs zero-counted ones); n_tokens: generated tokens over all
-    ranks, the loss's denominator. Returns the first update's token sums, global grad norm,
+    ranks, the loss's denominator. Returns the first pass's token sums, global grad norm,
     logprobs (N,) and experts: what the parity check compares. Raises NonFiniteError (on every
     rank at once) if a logprob, the loss or the gradient norm is not finite before an optimizer
     step, or a weight after it.
@@ -1879,7 +1880,7 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
 
 
 def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
-                         cfg: Config, per_token: float) -> Update:
+                         cfg: Config, per_token: float) -> Pass:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
     pass's summed loss, token sums, logprobs and (Qwen3-MoE) the experts it chose."""
     device = old_logp.device
@@ -1909,7 +1910,7 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
             logps[owned] = logp.detach()
             sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
                                  clipped.sum()]).detach()
-    return Update(loss_total, sums, logps, routed)
+    return Pass(loss_total, sums, logps, routed)
 
 
 @dataclass
@@ -2082,7 +2083,7 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
     t1 = time.perf_counter()
 
     # 3. Update. Its first forward is the trainer's side of the parity check.
-    update, n_tokens, parity = update_with_parity(trainer, rollout, adv, mine)
+    first_pass, n_tokens, parity = update_with_parity(trainer, rollout, adv, mine)
     memory = memory_metrics(device, rollout_in_use) if device.type == "cuda" else {}
     t2 = time.perf_counter()
 
@@ -2092,8 +2093,8 @@ def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
 
     # 5. Metrics over every rank; TensorBoard on rank 0 (the "Logging" plumbing).
     trainer.mismatched_total += parity.n_mismatch  # a chart that, once off 0, stays off 0
-    metrics = step_metrics(cfg, rollout, rewards, len(mine), update.sums, n_tokens,
-                           update.grad_norm, parity, times=(t1 - t0, t2 - t1, t3 - t2))
+    metrics = step_metrics(cfg, rollout, rewards, len(mine), first_pass.sums, n_tokens,
+                           first_pass.grad_norm, parity, times=(t1 - t0, t2 - t1, t3 - t2))
     metrics.update(run_metrics(trainer, parity, sleep_s, wake_s, waited, memory))
     write_scalars(trainer.writer, metrics, step)
     return metrics, parity
@@ -2143,30 +2144,30 @@ def engine_to_sleep(trainer: Trainer) -> tuple[int, float]:
 
 
 def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
-                       mine: list[int]) -> tuple[Update, int, Parity]:
+                       mine: list[int]) -> tuple[Pass, int, Parity]:
     """`train_step` on this rank's samples, whose first forward is the trainer's side of the
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
-    (the update, generated tokens over all ranks, parity over all ranks)."""
+    (the update's first pass, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
     # a sample an episode, or a turn for Qwen3.5 (pack_rollout); episode[s]: sample s's
     packed, episode = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
-        update = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                            rollout.logprobs.to(device), adv[episode.to(device)], cfg, n_micro,
-                            n_tokens)
+        first_pass = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
+                                rollout.logprobs.to(device), adv[episode.to(device)], cfg,
+                                n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
         e.prompts = sorted({mine[s // G] for s in e.samples})
         raise
-    parity = parity_report(rollout.logprobs, update.logprobs, packed.targets,
+    parity = parity_report(rollout.logprobs, first_pass.logprobs, packed.targets,
                            generated_lengths(rollout), cfg.parity_rows)
     if rollout.routed is not None:  # (none from a Qwen3.5-MoE's engine: no prefix cache)
         parity.routes_checked = True
         parity.routing_tokens, parity.routing_mismatch = routing_report(
-            rollout.routed, update.routed, generated_lengths(rollout),
+            rollout.routed, first_pass.routed, generated_lengths(rollout),
             sparse_layers(trainer.model.args))
-    return update, n_tokens, parity_over_ranks(parity, device)
+    return first_pass, n_tokens, parity_over_ranks(parity, device)
 
 
 def push_policy(trainer: Trainer) -> float:
@@ -3527,22 +3528,22 @@ class RunStopped(RuntimeError):
 class NonFiniteError(RuntimeError):
     """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
 
-    def __init__(self, quantity: str, samples: list[int], update: int, updates: int):
+    def __init__(self, quantity: str, samples: list[int], step: int, steps: int):
         super().__init__(f"non-finite {quantity}")
         self.quantity = quantity
         self.samples = samples
-        self.update = update
-        self.updates = updates
+        self.step, self.steps = step, steps  # the optimizer step k of --updates-per-batch
         self.prompts: list[int] = []  # the step's problems they came from (update_with_parity)
 
     def applied(self) -> str:
         """What the in-memory weights already took, in words."""
         if self.quantity == "weights after the optimizer step":
-            return f"update {self.update + 1} of {self.updates} produced them; nothing was saved"
-        if self.update == 0:
+            return (f"optimizer step {self.step + 1} of {self.steps} produced them; nothing was "
+                    "saved")
+        if self.step == 0:
             return "nothing was applied"
-        return (f"{self.update} of {self.updates} updates of this step were applied in memory, "
-                "none saved")
+        return (f"{self.step} of {self.steps} optimizer steps of this step were applied in "
+                "memory, none saved")
 
 
 class RewardError(RuntimeError):
@@ -6731,8 +6732,9 @@ def nonfinite_stop(e: NonFiniteError, step: int, label: str, run_dir: Path) -> R
     diag = run_dir / f"nonfinite_step_{step:06d}.json"
     if is_main():
         with writing(diag):
-            diag.write_text(json.dumps(dict(step=step, quantity=e.quantity, update=e.update,
-                                            samples=e.samples, prompts=prompts), indent=1))
+            diag.write_text(json.dumps(dict(step=step, quantity=e.quantity,
+                                            optimizer_step=e.step, samples=e.samples,
+                                            prompts=prompts), indent=1))
     return RunStopped(f"{label}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
                       f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
@@ -6746,7 +6748,7 @@ def oom_stop(trainer: Trainer, label: str, run_dir: Path) -> RunStopped:
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
 
 
-def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: int) -> None:
+def check_finite(logps, loss_total, norm, packed: Packed, step: int, steps: int) -> None:
     """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
     the gradient norm is not finite: before the optimizer steps, nothing has changed."""
     finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
@@ -6757,7 +6759,7 @@ def check_finite(logps, loss_total, norm, packed: Packed, update: int, updates: 
         bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
         all_samples = sorted(set(packed.sample.tolist()))
         raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
-                             update, updates)
+                             step, steps)
 
 
 def weights_finite(model: nn.Module, device) -> bool:

@@ -27,7 +27,7 @@ from helpers import TorchEngine, cpu_argv, first_turns  # noqa: E402
 
 def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0,
                   dtype: str = "float32") -> None:
-    """One step's rollout of every rank and the first update's gradient (under LoRA the
+    """One step's rollout of every rank and the first pass's gradient (under LoRA the
     adapters'), in global order; the dtype each Qwen3.5 A_log had in the forward."""
     # no clipping: a gradient clipped to --grad-clip on both sides would hide a uniform scale
     # error (each rank's loss not scaled by the world size, which FSDP's average halves at 2)

@@ -358,7 +358,7 @@ def test_nan_guard_stops_before_the_optimizer_step(ckpt, tmp_path, monkeypatch, 
     run_dir = tmp_path / "runs" / "nan"
     diag = json.loads((run_dir / "nonfinite_step_000002.json").read_text())
     assert diag["step"] == 2 and diag["quantity"] == "logprobs" and diag["prompts"] == [0, 1]
-    assert diag["samples"] == list(range(6)) and diag["update"] == 0
+    assert diag["samples"] == list(range(6)) and diag["optimizer_step"] == 0
     good = rl.read_checkpoint_state(run_dir / "checkpoints" / "step_000002")
     assert good["next_step"] == 2  # the last good checkpoint is untouched
     assert not (run_dir / "final").exists()
@@ -378,7 +378,7 @@ def test_nan_at_the_second_update_says_what_was_applied(ckpt, tmp_path, monkeypa
                              micro_batch_tokens=1024, run_name="u2"))  # one micro-batch each
     err = capsys.readouterr().err
     assert code == 3 and "step 1/2: non-finite loss" in err
-    assert "1 of 2 updates of this step were applied in memory, none saved" in err
+    assert "1 of 2 optimizer steps of this step were applied in memory, none saved" in err
 
 
 def test_non_finite_weights_after_the_step_are_caught_before_saving(ckpt, tmp_path, monkeypatch,
@@ -395,7 +395,7 @@ def test_non_finite_weights_after_the_step_are_caught_before_saving(ckpt, tmp_pa
     code = main_cpu(cpu_argv(ckpt(), tmp_path / "runs", steps=3, save_every=1, run_name="big"))
     err = capsys.readouterr().err
     assert code == 3 and "step 1/3: non-finite weights after the optimizer step" in err
-    assert "update 1 of 1 produced them; nothing was saved" in err
+    assert "optimizer step 1 of 1 produced them; nothing was saved" in err
     assert not (tmp_path / "runs" / "big" / "checkpoints").exists()  # nothing non-finite saved
 
 

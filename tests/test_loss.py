@@ -78,7 +78,7 @@ def test_each_update_descends_the_hand_written_objective(ckpt):
     """At both updates (the second from moved weights, against the same frozen logprobs), the
     gradient is the hand objective's within fp32 rounding, and each term's own gradient is
     large next to that tolerance: a term with the wrong sign, size, temperature, advantage
-    or old logprob fails. The first update's token sums and logprobs are the hand values."""
+    or old logprob fails. The first pass's token sums and logprobs are the hand values."""
     path = ckpt()
     cfg = rl.Config(**LOSS)
     model, ref = build(path), build(path, noise=0.3)
@@ -160,9 +160,9 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
         assert found > 0.02 and left < 0.95 * found, (step, found, left)
 
 
-def test_a_second_update_clips_what_the_first_moved(ckpt, tmp_path, monkeypatch):
-    """--updates-per-batch 2 with the exact stand-in engine: the first update's ratio is 1 for
-    every token (its old logprobs are the rollout's, equal bit for bit); the second one's,
+def test_a_second_optimizer_step_clips_what_the_first_moved(ckpt, tmp_path, monkeypatch):
+    """--updates-per-batch 2 with the exact stand-in engine: the first optimizer step's ratio is
+    1 for every token (its old logprobs are the rollout's, equal bit for bit); the second one's,
     against those same frozen logprobs, is not, and the clip acts on some tokens. The update
     gets each group's rewards normalised within the group."""
     updates, rewards, advantages = [], [], []

@@ -277,7 +277,7 @@ def only_run_metrics(log_dir):
 
 @pytest.mark.parametrize("corrupt, updates", [(False, 1), (True, 1), (False, 2)])
 def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, updates, capsys):
-    """Routing parity compares the first update's choices (a second update's forwards, on
+    """Routing parity compares the first pass's choices (a second pass's forwards, on
     moved weights, are not the rollout's)."""
     engine = type("E", (RoutingEngine,), {"corrupt": corrupt})
     argv = cpu_argv(moe_ckpt, tmp_path / "runs", steps=2, eval_size=0, save_every=0,
