@@ -42,7 +42,7 @@ Departures from textbook GRPO/PPO:
   * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
     which is exactly what the trainer computes with.
   * LoRA (--lora-rank r): the base stays frozen in bf16 and is the engine's own tensors (one
-    copy on the GPU); each linear layer adds (x A^T)(alpha/r B)^T through vLLM's own LoRA
+    copy on the GPU); each --lora-targets layer adds (x A^T)(alpha/r B)^T through vLLM's LoRA
     kernels, the trainer's adapter casts being the engine's adapter slot, so the push moves no
     byte; the KL reference is the base (the adapters off).
 
@@ -190,7 +190,7 @@ class Config:
     # --- generation (vLLM)
     num_prompts: int = opt("generation", 16, "prompts per step, over all ranks")
     group_size: int = opt("generation", 8, "completions sampled per prompt (G)")
-    max_new_tokens: int = opt("generation", 256, "max tokens generated per completion")
+    max_new_tokens: int = opt("generation", 256, "max tokens generated per turn")
     temperature: float = opt("generation", 1.0, "sampling temperature; logprobs are those of "
                              "softmax(logits / T)")
     max_model_len: int = opt("generation", 1024, "vLLM max sequence length (prompt + completion)")
@@ -198,8 +198,8 @@ class Config:
                               "sample of a step at --max-model-len)")
     cuda_graphs: bool = opt("generation", True, "replay vLLM's decode steps as CUDA graphs (the "
                             "same kernels, fewer launches)")
-    engine_sleep: bool = opt("generation", True, "free vLLM's KV cache while the trainer runs, "
-                             "and its weights but under LoRA (the trainer's base) (sleep mode)")
+    engine_sleep: bool = opt("generation", True, "free vLLM's KV cache while the trainer runs "
+                             "(sleep mode), and, without LoRA, its weights")
     prefix_caching: bool = opt("generation", True, "let vLLM reuse the KV of prefixes it has seen "
                                "(an episode's earlier turns, a prompt's G samples); off, vLLM "
                                "returns no MoE routes, so only tokens are checked")
@@ -1437,7 +1437,7 @@ RewardFn = Callable[[str, str], float]
 
 def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
-    """group_advantages of the rewards (P*G,); RewardError naming the largest reward of the
+    """group_advantages of the rewards (P*G,); RewardError naming the largest |reward| of the
     first group whose advantages are not finite (its mean or std overflows fp32).
     text(i): sample i's completion, read only for the message."""
     G = cfg.group_size
@@ -1973,7 +1973,8 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
 
 
 def parity_over_ranks(p: Parity, device) -> Parity:
-    """Token and mismatch counts summed, max |delta| over every rank; rank 0's table."""
+    """Token and mismatch counts summed, max |delta| over every rank; rank 0's table (another
+    rank's differing samples are in its counts, not in the table)."""
     totals = all_reduce(torch.tensor([p.n_tokens, p.n_mismatch, p.routing_tokens,
                                       p.routing_mismatch], device=device))
     # NaN deltas must count as the largest; +inf stands in for them in the MAX reduction
@@ -2059,8 +2060,8 @@ class Trainer:
 
 
 def rl_step(trainer: Trainer, step: int) -> tuple[dict[str, float], Parity]:
-    """One step in five phases, each a call: rollout -> rewards and advantages -> update (with
-    the parity check) -> weight push -> metrics."""
+    """One step in five phases: rollout -> rewards and advantages -> update (with the parity
+    check) -> weight push -> metrics."""
     cfg, device = trainer.cfg, trainer.ranks.device
     G = cfg.group_size
     # The step's prompt i is problem chosen[i]; this rank plays the prompts `mine` (i mod world
@@ -3533,7 +3534,7 @@ class NonFiniteError(RuntimeError):
         self.quantity = quantity
         self.samples = samples
         self.step, self.steps = step, steps  # the optimizer step k of --updates-per-batch
-        self.prompts: list[int] = []  # the step's problems they came from (update_with_parity)
+        self.prompts: list[int] = []  # their prompts' indices in the step (update_with_parity)
 
     def applied(self) -> str:
         """What the in-memory weights already took, in words."""
