@@ -1951,25 +1951,13 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
                   lengths: list[int], rows: int) -> Parity:
     """Compare int32 views of two fp32 vectors (N,), the generated tokens in sample order
-    (lengths: per sample): equal bits are the same float (-0, NaN). The table: where each of the
-    first `rows` differing samples first differs (its later tokens follow from there), and
-    how many of its tokens differ; or, with none, the first tokens."""
+    (lengths: per sample): equal bits are the same float (-0, NaN). With the table of where
+    each of the first `rows` differing samples first differs (`parity_table`)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
-    bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
-    n, bad, delta = len(a), bits_a != bits_b, (a - b).abs()
-    sample = torch.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (N,)
-    assert len(sample) == n, f"the samples' lengths sum to {len(sample)}, not to the {n} tokens"
-    first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
-        0, sample, torch.where(bad, torch.arange(n), n), "amin")
-    lines = [f"{'sample':>7} {'pos/len':>9} {'differ':>6} {'token':>8} {'vllm':>14} "
-             f"{'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
-    for i in first[first < n][:rows].tolist() if bad.any() else range(min(rows, n)):
-        s = int(sample[i])
-        lines.append(f"{s:>7} {f'{i - sum(lengths[:s])}/{lengths[s]}':>9} "
-                     f"{int(bad[sample == s].sum()):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
-                     f"{b[i].item():>14.8f} {bits_a[i].item() & 0xFFFFFFFF:>10x} "
-                     f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {delta[i].item():>10.3g}")
-    return Parity(n, int(bad.sum()), float(delta.max()) if n else 0.0, "\n".join(lines))
+    n, bad = len(a), a.view(torch.int32) != b.view(torch.int32)  # (N,)
+    assert sum(lengths) == n, f"the samples' lengths sum to {sum(lengths)}, not to the {n} tokens"
+    return Parity(n, int(bad.sum()), float((a - b).abs().max()) if n else 0.0,
+                  parity_table(a, b, bad, tokens, lengths, rows))
 
 
 def parity_over_ranks(p: Parity, device) -> Parity:
@@ -5656,6 +5644,28 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 # ==========================================================================
 # Logging: metrics.jsonl, TensorBoard, the console's lines
 # ==========================================================================
+
+
+def parity_table(a: torch.Tensor, b: torch.Tensor, bad: torch.Tensor, tokens: torch.Tensor,
+                 lengths: list[int], rows: int) -> str:
+    """parity_report's table of vLLM's (a) and the trainer's (b) logprobs (N,), bad (N,) where
+    their bits differ: where each of the first `rows` differing samples first differs (its
+    later tokens follow from there) and how many of its tokens differ; or, with none, the
+    first tokens."""
+    n, delta = len(a), (a - b).abs()
+    bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
+    sample = torch.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (N,)
+    first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
+        0, sample, torch.where(bad, torch.arange(n), n), "amin")
+    lines = [f"{'sample':>7} {'pos/len':>9} {'differ':>6} {'token':>8} {'vllm':>14} "
+             f"{'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
+    for i in first[first < n][:rows].tolist() if bad.any() else range(min(rows, n)):
+        s = int(sample[i])
+        lines.append(f"{s:>7} {f'{i - sum(lengths[:s])}/{lengths[s]}':>9} "
+                     f"{int(bad[sample == s].sum()):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
+                     f"{b[i].item():>14.8f} {bits_a[i].item() & 0xFFFFFFFF:>10x} "
+                     f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {delta[i].item():>10.3g}")
+    return "\n".join(lines)
 
 
 def start_logs(trainer: Trainer, run_dir: Path, ckpt: Path | None, start: int,
