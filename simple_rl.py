@@ -910,8 +910,8 @@ def fused_sizes(args) -> dict[str, list[int]]:
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """HF names -> TorchTitan names (hf_key_map) -> fused vLLM-layout projections.
 
-    A sparse layer's router and experts are taken out first (`moe_from_hf`), per expert (hub)
-    or fused (the push's names) alike.
+    A sparse layer's router and experts are taken out first (`moe_from_hf`, with the model
+    files after the story), per expert (hub) or fused (the push's names) alike.
     """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
     try:
@@ -929,47 +929,6 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
         raise ConfigError(f"the checkpoint's weights do not match its config.json "
                           f"({type(e).__name__}: {e}).") from e
     return titan
-
-
-def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
-    """Pop every sparse layer's router and experts from hf_state, as trainer tensors:
-    router.gate.weight (E, dim); experts.w13 (E, 2I, dim) = [gate_proj_e; up_proj_e] per expert
-    e (vLLM's w13_weight); experts.w2 (E, dim, I) = down_proj_e. HF holds them per expert
-    (mlp.experts.e.{gate,up,down}_proj.weight: the hub's format) or fused as vLLM loads them
-    (mlp.experts.gate_up_proj (E, 2I, dim), mlp.experts.down_proj (E, dim, I))."""
-    out = {}
-    for i in sparse_layers(args):
-        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
-        out[ours + "router.gate.weight"] = hf_state.pop(hf + "gate.weight")
-        if hf + "experts.gate_up_proj" in hf_state:
-            out[ours + "experts.w13"] = hf_state.pop(hf + "experts.gate_up_proj")
-            out[ours + "experts.w2"] = hf_state.pop(hf + "experts.down_proj")
-            continue
-        expert = [f"{hf}experts.{e}." for e in range(args.moe_args.num_experts)]
-        out[ours + "experts.w13"] = torch.stack([
-            torch.cat([hf_state.pop(x + "gate_proj.weight"), hf_state.pop(x + "up_proj.weight")])
-            for x in expert])
-        out[ours + "experts.w2"] = torch.stack([hf_state.pop(x + "down_proj.weight")
-                                                for x in expert])
-    return out
-
-
-def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused_experts: bool):
-    """A sparse layer's trainer tensor as [(HF name, tensor)]; experts fused as vLLM's loader
-    takes them (`fused_experts`: one tensor per layer and kind, the push) or per expert (the hub's
-    format, for files: views, which safetensors saves as they are)."""
-    i = name.split(".")[1]
-    hf = f"model.layers.{i}.mlp."
-    if name.endswith("router.gate.weight"):
-        return [(hf + "gate.weight", tensor)]
-    if fused_experts:
-        return [(hf + ("experts.gate_up_proj" if name.endswith("w13") else "experts.down_proj"),
-                 tensor)]
-    if name.endswith("w13"):
-        return [(f"{hf}experts.{e}.{part}_proj.weight", w)
-                for e, w13 in enumerate(tensor)
-                for part, w in zip(("gate", "up"), w13.split(args.moe_inter_dim))]
-    return [(f"{hf}experts.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
 
 
 def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False):
@@ -2636,6 +2595,47 @@ def looks_like_path(name: str) -> bool:
 # ==========================================================================
 # Model and data files: checked and read before anything slow starts
 # ==========================================================================
+
+
+def moe_from_hf(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
+    """Pop every sparse layer's router and experts from hf_state, as trainer tensors:
+    router.gate.weight (E, dim); experts.w13 (E, 2I, dim) = [gate_proj_e; up_proj_e] per expert
+    e (vLLM's w13_weight); experts.w2 (E, dim, I) = down_proj_e. HF holds them per expert
+    (mlp.experts.e.{gate,up,down}_proj.weight: the hub's format) or fused as vLLM loads them
+    (mlp.experts.gate_up_proj (E, 2I, dim), mlp.experts.down_proj (E, dim, I))."""
+    out = {}
+    for i in sparse_layers(args):
+        hf, ours = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
+        out[ours + "router.gate.weight"] = hf_state.pop(hf + "gate.weight")
+        if hf + "experts.gate_up_proj" in hf_state:
+            out[ours + "experts.w13"] = hf_state.pop(hf + "experts.gate_up_proj")
+            out[ours + "experts.w2"] = hf_state.pop(hf + "experts.down_proj")
+            continue
+        expert = [f"{hf}experts.{e}." for e in range(args.moe_args.num_experts)]
+        out[ours + "experts.w13"] = torch.stack([
+            torch.cat([hf_state.pop(x + "gate_proj.weight"), hf_state.pop(x + "up_proj.weight")])
+            for x in expert])
+        out[ours + "experts.w2"] = torch.stack([hf_state.pop(x + "down_proj.weight")
+                                                for x in expert])
+    return out
+
+
+def moe_to_hf_items(name: str, tensor: torch.Tensor, args, fused_experts: bool):
+    """A sparse layer's trainer tensor as [(HF name, tensor)]; experts fused as vLLM's loader
+    takes them (`fused_experts`: one tensor per layer and kind, the push) or per expert (the hub's
+    format, for files: views, which safetensors saves as they are)."""
+    i = name.split(".")[1]
+    hf = f"model.layers.{i}.mlp."
+    if name.endswith("router.gate.weight"):
+        return [(hf + "gate.weight", tensor)]
+    if fused_experts:
+        return [(hf + ("experts.gate_up_proj" if name.endswith("w13") else "experts.down_proj"),
+                 tensor)]
+    if name.endswith("w13"):
+        return [(f"{hf}experts.{e}.{part}_proj.weight", w)
+                for e, w13 in enumerate(tensor)
+                for part, w in zip(("gate", "up"), w13.split(args.moe_inter_dim))]
+    return [(f"{hf}experts.{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
 
 
 def resolve_checkpoint(name: str) -> Path:
