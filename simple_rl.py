@@ -763,11 +763,8 @@ def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ran
     lora = lora_spec(cfg, args)
     lent = engine.base_weights(args) if lora and engine else None  # one copy of the base
     state = lent if lent is not None else hf_to_trainer(hf_state, args) if hf_state else {}
-    if lora:
-        with torch.device("meta"):  # only the adapters' shapes
-            shapes = Qwen3(args, ops, dtype)
-            add_lora(shapes, lora)
-        state = {**state, **lora_init(shapes, cfg.seed)}
+    if lora:  # the adapters' fp32 masters join the base's
+        state = {**state, **lora_init(args, lora, cfg.seed)}
     model = build_model(args, state, ops, dtype, ranks.device, ranks.world, lora)
     if lora and engine and engine.lora_tensors is not None:  # bind_lora names a missing slot
         bind_lora(model, engine.lora_tensors)
@@ -4155,10 +4152,13 @@ def bind_lora(model: Qwen3, slots: dict[str, tuple]) -> None:
         m.casts = (tuple(a), tuple(b))
 
 
-def lora_init(model: Qwen3, seed: int) -> dict[str, torch.Tensor]:
-    """PEFT's initial adapter: A_s ~ U(-1/sqrt(K), 1/sqrt(K)) (kaiming_uniform with a = sqrt(5)),
-    B_s = 0, so the policy starts as the base; untargeted slices all 0. Drawn on the CPU from
-    `seed`, the same on every rank."""
+def lora_init(args, lora: LoRASpec, seed: int) -> dict[str, torch.Tensor]:
+    """PEFT's initial adapters of a model of `args` under `lora`: A_s ~ U(-1/sqrt(K),
+    1/sqrt(K)) (kaiming_uniform with a = sqrt(5)), B_s = 0, so the policy starts as the base;
+    untargeted slices all 0. Drawn on the CPU from `seed`, the same on every rank."""
+    with torch.device("meta"):  # only the adapters' shapes
+        model = Qwen3(args, bib.reference_kernels(), torch.float32)
+        add_lora(model, lora)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, m in model.named_modules():

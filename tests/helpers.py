@@ -310,11 +310,8 @@ class TorchEngine(rl.Engine):
         if self.model is None:
             spec = rl.lora_spec(self.cfg, args)
             spec = rl.LoRASpec(spec.rank, float(spec.rank), spec.targets)
-            with torch.device("meta"):
-                shapes = rl.Qwen3(args, bib.reference_kernels(), torch.float32)
-                rl.add_lora(shapes, spec)
             state = {**rl.hf_to_trainer(rl.load_hf_state_dict(self.files.path), args),
-                     **rl.lora_init(shapes, 0)}
+                     **rl.lora_init(args, spec, 0)}
             self.model = rl.build_model(args, state, bib.reference_kernels(), torch.float32,
                                         "cpu", lora=spec)
             self.model.requires_grad_(False)

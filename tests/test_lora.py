@@ -499,7 +499,7 @@ def adapted(args, targets):
 def test_lora_init_draws_a_within_one_over_sqrt_of_the_input_width(ckpt):
     """lora_init is PEFT's: A ~ U(-1/sqrt(K), 1/sqrt(K)), K the layer's input width; B = 0."""
     args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt()))
-    init = rl.lora_init(adapted(args, ("q_proj", "o_proj", "down_proj")), 0)
+    init = rl.lora_init(args, rl.LoRASpec(8, 16.0, ("q_proj", "o_proj", "down_proj")), 0)
     for name, K in (("layers.0.attention.wqkv.lora.a.0", 256),  # dim
                     ("layers.0.attention.wo.lora.a.0", 512),  # 4 heads x 128
                     ("layers.1.feed_forward.w2.lora.a.0", 512)):  # intermediate_size

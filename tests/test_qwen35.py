@@ -557,7 +557,7 @@ def test_lora_init_leaves_an_untargeted_in_proj_z_at_zero(q35):
     args = rl.model_args_from_hf(rl.read_qwen3_config(q35()))
     model = adapted(args, ("in_proj_qkv",))
     assert model.layers[0].attention.in_proj_qkvz.lora.groups == (0, 0, 0, 1)
-    init = rl.lora_init(model, 0)
+    init = rl.lora_init(args, rl.LoRASpec(8, 16.0, ("in_proj_qkv",)), 0)
     assert init["layers.0.attention.in_proj_qkvz.lora.a.0"].abs().max() > 0.1
     assert torch.equal(init["layers.0.attention.in_proj_qkvz.lora.a.1"], torch.zeros(8, 64))
 
