@@ -1961,12 +1961,8 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
             with waking():  # young garbage only; no room to map back: an out-of-memory stop
                 engine.llm.wake_up(tags=["weights"])
     t1 = time.perf_counter()
-    if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy.
-        # bind_lora binds a layer's A and B casts at once, so an A that is the engine's tensor
-        # says its B are too (a B of several slices, PEFT's in_proj_qkv, is their concatenation)
-        for name, t in weights:
-            assert "lora_B" in name or t.data_ptr() in engine.adapter_ptrs, \
-                f"{name} is not the engine's tensor"
+    if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy
+        check_in_slot(engine, weights)
     else:
         engine.llm.apply_model(lambda m: m.load_weights(engine_names(m, weights)))
     t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait
@@ -4168,6 +4164,15 @@ def lora_init(args, lora: LoRASpec, seed: int) -> dict[str, torch.Tensor]:
                 out[f"{name}.a.{i}"] = u if m.names[m.groups.index(i)] else torch.zeros(a.shape)
             out |= {f"{name}.b.{s}": torch.zeros(b.shape) for s, b in enumerate(m.b)}
     return out
+
+
+def check_in_slot(engine, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """A LoRA push's tensors are the engine's adapter slot. bind_lora binds a layer's A and B
+    casts at once, so an A that is the engine's tensor says its B are too (a B of several
+    slices, PEFT's in_proj_qkv, is their concatenation)."""
+    for name, t in weights:
+        assert "lora_B" in name or t.data_ptr() in engine.adapter_ptrs, \
+            f"{name} is not the engine's tensor"
 
 
 def lora_modules(model: nn.Module) -> list[LoRA]:
