@@ -309,8 +309,8 @@ class LoRA(nn.Module):
         self.names = names  # PEFT's name of each slice, None where --lora-targets leaves it out
         # groups[s]: slice s's A, shared by a PEFT module's slices (see LORA_LAYERS); e.g.
         # Qwen3.5's in_proj_qkvz, names (in_proj_qkv x 3, in_proj_z): groups (0, 0, 0, 1)
-        keys = [n or s for s, n in enumerate(names)]  # an untargeted slice: its own (zero) A
-        self.groups = tuple(list(dict.fromkeys(keys)).index(k) for k in keys)
+        first: dict = {}  # a PEFT name (an untargeted slice: its index) -> its A, first seen
+        self.groups = tuple(first.setdefault(n or s, len(first)) for s, n in enumerate(names))
         self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in))
                                   for _ in range(max(self.groups) + 1))
         self.b = nn.ParameterList(nn.Parameter(torch.empty(n, rank)) for n in sizes)
