@@ -663,19 +663,16 @@ def weights_cast_once(model: Qwen3):
     whose `compute_weights` are, computes with it instead of casting its master in the
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
-    No such casts under FSDP2 without LoRA (the all-gather casts; Qwen3.5's Gated DeltaNet layers,
-    gathered in fp32, cast in their forward) or when the compute dtype is fp32. LoRA's casts
-    are refreshed on entry in every case, and kept: they are the engine's slot (`bind_lora`).
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
         layers.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     sharded = hasattr(model.norm.weight, "to_local")  # FSDP2's DTensor, as in local_tensor
-    if sharded or model.dtype == torch.float32:
-        layers, experts = [], []
-    for m in lora_modules(model):
-        m.refresh()  # the adapters' casts are never dropped: bound, they are the engine's
+    if sharded or model.dtype == torch.float32:  # FSDP2's all-gather casts (Qwen3.5's Gated
+        layers, experts = [], []  # DeltaNet layers: gathered in fp32, cast in their forward)
+    for m in lora_modules(model):  # in every case, and kept: bound, they are the engine's slot
+        m.refresh()
     with torch.no_grad():
         for m in layers:
             m.compute_weight = m.weight.to(model.dtype)
