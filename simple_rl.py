@@ -221,7 +221,7 @@ class Config:
     beta2: float = opt("optim", 0.999, "AdamW beta2")
     grad_clip: float = opt("optim", 1.0, "max global grad norm (0: off)")
     micro_batch_tokens: int = opt("optim", 0, "max packed tokens per trainer forward/backward "
-                                  "(0: the largest multiple of 4096 the GPU's memory fits)")
+                                  "(0: the largest the GPU's memory fits, up to 32768)")
     # --- eval
     eval_every: int = opt("eval", 0, "held-out greedy eval every N steps (0: only before the "
                           "first step and after the last)")
@@ -439,9 +439,9 @@ class GatedDeltaNet(nn.Module):
     state per head through each sequence as vLLM ran it: a sample's whole prompt in one call
     of the rule's chunked form (its prefill; batch.prefill says where it ends), then its
     completion token by token in the recurrent form (its decode steps): the two forms differ in
-    their bits. The engine is held to that schedule (QWEN35_ENGINE_ARGS, check_qwen35_engine):
-    no chunked prefill, no prefix cache, no preemption. Each turn of an episode is a sample of
-    its own (pack_rollout): vLLM prefilled its whole request."""
+    their bits. The engine is held to that schedule ("Qwen3.5 on vLLM", after the story): a
+    prompt prefilled in one step, no prefix-cache read, no preemption. Each turn of an episode
+    is a sample of its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -668,9 +668,10 @@ def weights_cast_once(model: Qwen3):
     if model.output is None:
         layers.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    sharded = hasattr(model.norm.weight, "to_local")  # FSDP2's DTensor, as in local_tensor
-    if sharded or model.dtype == torch.float32:  # FSDP2's all-gather casts (Qwen3.5's Gated
-        layers, experts = [], []  # DeltaNet layers: gathered in fp32, cast in their forward)
+    # FSDP2 (full fine-tuning) shards the masters and its all-gather casts them (Qwen3.5's
+    # Gated DeltaNet layers: gathered in fp32, cast in their forward); fp32 needs no cast
+    if hasattr(model.norm.weight, "to_local") or model.dtype == torch.float32:
+        layers, experts = [], []
     for m in lora_modules(model):  # in every case, and kept: bound, they are the engine's slot
         m.refresh()
     with torch.no_grad():
@@ -953,12 +954,12 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args,
 # Rollout: vLLM engine, sampling, packing
 # ==========================================================================
 # VLLMEngine.__init__ first patches vLLM in this process (see "vLLM patches", after the story
-# ends): fused add+RMSNorm is padded to 256 rows, so every batch size normalises alike; on
-# Hopper the linear layers run on cuBLASLt, the trainer's GEMM, whose bits equal vLLM's Triton
-# matmul; a Qwen3.5's Gated DeltaNet is let into batch-invariant mode
-# (prepare_qwen35_engine). Sampling needs no patch: vLLM's sampler draws a token's
-# noise from a hash of (request seed, position, token id), so a sample depends on its seed
-# alone, not on the batch it was drawn in.
+# ends): fused add+RMSNorm is padded to 256 rows, as the trainer's call is (vLLM 0.26 changed
+# its reduction there); on Hopper the linear layers run on cuBLASLt, the trainer's GEMM, whose
+# bits equal vLLM's Triton matmul; a Qwen3.5's Gated DeltaNet is let into batch-invariant mode
+# (prepare_qwen35_engine). Sampling needs no patch: vLLM's sampler draws a token's noise from
+# a hash of (request seed, position, token id), so a sample depends on its seed alone, not on
+# the batch it was drawn in.
 
 
 @dataclass
@@ -1346,7 +1347,7 @@ def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
 
 def step_problems(n_problems: int, num_prompts: int, step: int, seed: int) -> list[int]:
     """Indices of the step's prompts: a fresh shuffle of all problems per epoch, walked in order."""
-    orders: dict[int, list[int]] = {}  # a step spans one epoch, or two at a boundary
+    orders: dict[int, list[int]] = {}  # the epochs a step spans (several: a small pool)
     out = []
     for i in range(step * num_prompts, (step + 1) * num_prompts):
         epoch, at = divmod(i, n_problems)
