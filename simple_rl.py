@@ -641,7 +641,8 @@ class Qwen3(nn.Module):
         return self.output(h)
 
     def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """log softmax(logits / T)[target] and the entropy at every generated token, fp32 (N,)."""
+        """log softmax(logits / temperature)[target] and the entropy at every generated token,
+        fp32 (N,)."""
         h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
 
@@ -1896,10 +1897,10 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
     if not kept:
         return 0, 0
     ours = trainer_ids.cpu().split(lengths)
-    trainer = torch.cat([ours[b] for b in kept]).long().sort(dim=-1).values  # (N', sparse, k)
-    engine = torch.cat([engine_routed[b] for b in kept])[:, list(layers)]
-    engine = engine.long().sort(dim=-1).values  # (N', sparse layers, k)
-    return len(trainer), int((engine != trainer).flatten(1).any(dim=1).sum())
+    our_sets = torch.cat([ours[b] for b in kept]).long().sort(dim=-1).values  # (N', sparse, k)
+    their_sets = torch.cat([engine_routed[b] for b in kept])[:, list(layers)]
+    their_sets = their_sets.long().sort(dim=-1).values  # (N', sparse layers, k)
+    return len(our_sets), int((their_sets != our_sets).flatten(1).any(dim=1).sum())
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
