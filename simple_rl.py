@@ -298,10 +298,10 @@ class LoRA(nn.Module):
     """A linear layer's low-rank adapter as vLLM's LoRA layers add it: on each output slice s
     (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output elsewhere)
         y_s <- y_s + (x A_s^T) B'_s^T,   B'_s = (alpha / r) B_s,
-    B_s (n_s, r) and A_s (r, K) fp32 masters (one A per PEFT module: groups). The forward
-    computes with `casts`: (A_s, B'_s) in the compute dtype, shaped as vLLM's lora_a_stacked /
-    lora_b_stacked (1, 1, rows, cols); once bound (`bind_lora`) they are the engine's own
-    tensors, so refreshing them pushes."""
+    B_s (n_s, r) and A_s (r, K) fp32 masters (one A per PEFT module: groups; the layers and
+    their slices: LORA_LAYERS, below). The forward computes with `casts`: (A_s, B'_s) in the
+    compute dtype, shaped as vLLM's lora_a_stacked / lora_b_stacked (1, 1, rows, cols); once
+    bound (`bind_lora`) they are the engine's own tensors, so refreshing them pushes."""
 
     def __init__(self, d_in: int, sizes: list[int], names: tuple[str | None, ...], rank: int,
                  scale: float, ops: bib.Kernels, dtype: torch.dtype):
@@ -340,6 +340,43 @@ class LoRA(nn.Module):
         if not self.enabled:
             return y
         return self.ops.lora(x, y, self.casts, self.scale, *self.slice_a(), *self.b)
+
+
+# LoRA: the trainer's fused layers that take adapters, with vLLM's (packed) LoRA layer and
+# PEFT's module name of each slice, in FUSED order (vLLM's q, k, v slices of Qwen3.5's
+# in_proj_qkvz are PEFT's in_proj_qkv: one A, copied into each).
+LORA_LAYERS = {"attention.wqkv": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+               "attention.wo": ("self_attn.o_proj", ("o_proj",)),
+               "attention.in_proj_qkvz": ("linear_attn.in_proj_qkvz", ("in_proj_qkv",) * 3
+                                          + ("in_proj_z",)),
+               "attention.in_proj_ba": ("linear_attn.in_proj_ba", ("in_proj_b", "in_proj_a")),
+               "attention.out_proj": ("linear_attn.out_proj", ("out_proj",)),
+               "feed_forward.w13": ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+               "feed_forward.w2": ("mlp.down_proj", ("down_proj",))}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "out_proj", "in_proj_b", "in_proj_a")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # PEFT names
+
+
+def add_lora(model: Qwen3, lora: LoRASpec) -> None:
+    """An adapter on every fused layer that holds a target; its untargeted slices (k_proj when
+    the targets are q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0
+    and so stay 0."""
+    sizes = lora_slice_sizes(model.args)
+    for block in model.layers:
+        layers = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
+        for path, (_, names) in LORA_LAYERS.items():
+            if set(names) & set(lora.targets) and path in layers:
+                layer = layers[path]
+                kept = tuple(n if n in lora.targets else None for n in names)
+                layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, lora.rank,
+                                  lora.alpha / lora.rank, model.ops, model.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -687,43 +724,6 @@ def weights_cast_once(model: Qwen3):
             m.compute_weight = None
         for m in experts:
             m.compute_weights = None
-
-
-# LoRA: the trainer's fused layers that take adapters, with vLLM's (packed) LoRA layer and
-# PEFT's module name of each slice, in FUSED order (vLLM's q, k, v slices of Qwen3.5's
-# in_proj_qkvz are PEFT's in_proj_qkv: one A, copied into each).
-LORA_LAYERS = {"attention.wqkv": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-               "attention.wo": ("self_attn.o_proj", ("o_proj",)),
-               "attention.in_proj_qkvz": ("linear_attn.in_proj_qkvz", ("in_proj_qkv",) * 3
-                                          + ("in_proj_z",)),
-               "attention.in_proj_ba": ("linear_attn.in_proj_ba", ("in_proj_b", "in_proj_a")),
-               "attention.out_proj": ("linear_attn.out_proj", ("out_proj",)),
-               "feed_forward.w13": ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
-               "feed_forward.w2": ("mlp.down_proj", ("down_proj",))}
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "in_proj_qkv", "in_proj_z", "out_proj", "in_proj_b", "in_proj_a")
-
-
-@dataclass(frozen=True)
-class LoRASpec:
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]  # PEFT names
-
-
-def add_lora(model: Qwen3, lora: LoRASpec) -> None:
-    """An adapter on every fused layer that holds a target; its untargeted slices (k_proj when
-    the targets are q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0
-    and so stay 0."""
-    sizes = lora_slice_sizes(model.args)
-    for block in model.layers:
-        layers = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
-        for path, (_, names) in LORA_LAYERS.items():
-            if set(names) & set(lora.targets) and path in layers:
-                layer = layers[path]
-                kept = tuple(n if n in lora.targets else None for n in names)
-                layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, lora.rank,
-                                  lora.alpha / lora.rank, model.ops, model.dtype)
 
 
 class BasePolicy:
