@@ -1531,9 +1531,11 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     is None: its episode ends at once. A RewardError's `sample` is its episode (j n + k)."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * n)]
-    firsts, late = reset_all(envs, problems, n, trainer.cfg)  # each episode's first message
+    # firsts: each episode's first message, the same for a problem's n (reset_all refuses
+    # others); late: the episodes whose reset ran past --tool-timeout
+    firsts, late = reset_all(envs, problems, n, trainer.cfg)
     envs = [None if i in late else env for i, env in enumerate(envs)]
-    # problems whose envs reset to another message than the question (reset_all: one a problem)
+    # problems whose envs reset to another message than the question (firsts[j n]: problem j's)
     changed = [j for j, p in enumerate(problems) if firsts[j * n] != p.question]
     prompts = list(prompt_ids)
     new = first_prompt_ids([firsts[j * n] for j in changed], trainer.tokenizer, trainer.cfg,
