@@ -221,7 +221,8 @@ class Config:
     beta2: float = opt("optim", 0.999, "AdamW beta2")
     grad_clip: float = opt("optim", 1.0, "max global grad norm (0: off)")
     micro_batch_tokens: int = opt("optim", 0, "max packed tokens per trainer forward/backward "
-                                  "(0: the largest the GPU's memory fits, up to 32768)")
+                                  "(0: the largest the GPU's memory fits, up to 32768 or one "
+                                  "--max-model-len sequence)")
     # --- eval
     eval_every: int = opt("eval", 0, "held-out greedy eval every N steps (0: only before the "
                           "first step and after the last)")
@@ -477,7 +478,7 @@ class GatedDeltaNet(nn.Module):
     of the rule's chunked form (its prefill; batch.prefill says where it ends), then its
     completion token by token in the recurrent form (its decode steps): the two forms differ in
     their bits. The engine is held to that schedule ("Qwen3.5 on vLLM", after the story): a
-    prompt prefilled in one step, no prefix-cache read, no preemption. Each turn of an episode
+    prompt prefilled in one step, no prefix cache, no preemption. Each turn of an episode
     is a sample of its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
@@ -6184,13 +6185,15 @@ def prompt_range(task: Task, cfg: Config) -> tuple[int, int]:
 # two GPUs is the known low one: 124.5 against 132 in use. Under LoRA nothing gets slack: the
 # push empties the trainer's cache before the KV cache maps again, and the allocator grows its
 # segments in place (see the top of this file).
-# Measured (results/h200_lora_memory/): Qwen3-14B 123.9 GiB in use against 138.1 at 12288 tokens a
-# micro-batch (1.11x), 92.2 against 103.1 at 8192 (1.12x); Qwen3-32B's layers cut to 16 of 64: 36.9
-# against 41.6 at 4096 (1.13x), 30.4 against 32.1 at 2048 (1.06x). What a LoRA run holds beyond
-# its counted holders (CUDA's context, workspaces, the engine's graphs) is read off its rollout,
-# which holds nothing uncounted else: 1.5-1.7 GiB in those Qwen3 runs (vLLM 0.26), 2.3 and 2.6 at
-# Qwen3.5-9B and 27B's cut layers on an H100 (vLLM 0.34, results/h100_q35_early_stops/), where
-# 4 GiB put 27B's cut layers at 1.17x; full fine-tuning's 4 GiB is part of the fit above.
+# Measured (results/h200_lora_memory/), against estimates with a 4 GiB margin: Qwen3-14B 123.9
+# GiB in use against 138.1 at 12288 tokens a micro-batch (1.11x), 92.2 against 103.1 at 8192
+# (1.12x); Qwen3-32B's layers cut to 16 of 64: 36.9 against 41.6 at 4096 (1.13x), 30.4 against
+# 32.1 at 2048 (1.06x). What a LoRA run holds beyond its counted holders (CUDA's context,
+# workspaces, the engine's graphs) is read off its rollout, which holds nothing uncounted else:
+# 1.5-1.7 GiB in those Qwen3 runs (vLLM 0.26), 2.3 at Qwen3.5-9B and 2.6 at 27B's cut layers on
+# an H100 (vLLM 0.34; results/h100_fla_narrow_batched/, results/h100_q35_early_stops/), where 4
+# GiB put 27B's cut layers at 1.17x. So LoRA's margin is 3 GiB (1.02-1.13x on all six runs);
+# full fine-tuning's 4 GiB is part of the fit above.
 MEMORY_SLACK, MEMORY_FIXED, LORA_FIXED = 1.25, 4 * 2**30, 3 * 2**30
 ANY_PROMPT = (1, 1 << 30)  # prompt lengths unknown: as short and as long as the config allows
 

@@ -1,8 +1,8 @@
 """The update, pinned: the gradient train_step applies is the gradient of the GRPO objective
 written out here by hand, term by term (PPO clip against the frozen rollout logprobs, k3 KL to
 the reference, entropy bonus, one token mean, logprobs of softmax(logits / T)), at the first
-update and at a second one; then two short runs: --kl-coef pulls a policy that has left the
-reference back toward it, and a second update clips what the first one moved."""
+optimizer step and at a second one; then two short runs: --kl-coef pulls a policy that has left
+the reference back toward it, and a second optimizer step clips what the first one moved."""
 
 import copy
 
