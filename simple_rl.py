@@ -3512,22 +3512,24 @@ class RunStopped(RuntimeError):
 class NonFiniteError(RuntimeError):
     """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
 
-    def __init__(self, quantity: str, samples: list[int], step: int, steps: int):
+    def __init__(self, quantity: str, samples: list[int], optimizer_step: int,
+                 optimizer_steps: int):
         super().__init__(f"non-finite {quantity}")
         self.quantity = quantity
         self.samples = samples
-        self.step, self.steps = step, steps  # the optimizer step k of --updates-per-batch
+        self.optimizer_step = optimizer_step  # k of --updates-per-batch (optimizer_steps)
+        self.optimizer_steps = optimizer_steps
         self.prompts: list[int] = []  # their prompts' indices in the step (update_with_parity)
 
     def applied(self) -> str:
         """What the in-memory weights already took, in words."""
         if self.quantity == "weights after the optimizer step":
-            return (f"optimizer step {self.step + 1} of {self.steps} produced them; nothing was "
-                    "saved")
-        if self.step == 0:
+            return (f"optimizer step {self.optimizer_step + 1} of {self.optimizer_steps} "
+                    "produced them; nothing was saved")
+        if self.optimizer_step == 0:
             return "nothing was applied"
-        return (f"{self.step} of {self.steps} optimizer steps of this step were applied in "
-                "memory, none saved")
+        return (f"{self.optimizer_step} of {self.optimizer_steps} optimizer steps of this "
+                "step were applied in memory, none saved")
 
 
 class RewardError(RuntimeError):
@@ -6753,8 +6755,8 @@ def nonfinite_stop(e: NonFiniteError, step: int, label: str, run_dir: Path) -> R
     if is_main():
         with writing(diag):
             diag.write_text(json.dumps(dict(step=step, quantity=e.quantity,
-                                            optimizer_step=e.step, samples=e.samples,
-                                            prompts=prompts), indent=1))
+                                            optimizer_step=e.optimizer_step,
+                                            samples=e.samples, prompts=prompts), indent=1))
     return RunStopped(f"{label}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
                       f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
@@ -6768,7 +6770,8 @@ def oom_stop(trainer: Trainer, label: str, run_dir: Path) -> RunStopped:
                       f"Last good checkpoint: {last_good(run_dir)}.", EXIT_OOM)
 
 
-def check_finite(logps, loss_total, norm, packed: Packed, step: int, steps: int) -> None:
+def check_finite(logps, loss_total, norm, packed: Packed, optimizer_step: int,
+                 optimizer_steps: int) -> None:
     """Raise NonFiniteError on every rank at once (one host sync) if a logprob, the loss or
     the gradient norm is not finite: before the optimizer steps, nothing has changed."""
     finite = torch.stack([torch.isfinite(logps).all(), torch.isfinite(loss_total),
@@ -6779,7 +6782,7 @@ def check_finite(logps, loss_total, norm, packed: Packed, step: int, steps: int)
         bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
         all_samples = sorted(set(packed.sample.tolist()))
         raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
-                             step, steps)
+                             optimizer_step, optimizer_steps)
 
 
 def weights_finite(model: nn.Module, device) -> bool:
