@@ -5661,8 +5661,7 @@ def parity_table(a: torch.Tensor, b: torch.Tensor, bad: torch.Tensor, tokens: to
     their bits differ: where each of the first `rows` differing samples first differs (its
     later tokens follow from there) and how many of its tokens differ; or, with none, the
     first tokens."""
-    n, delta = len(a), (a - b).abs()
-    bits_a, bits_b = a.view(torch.int32), b.view(torch.int32)
+    n, bits_a, bits_b = len(a), a.view(torch.int32), b.view(torch.int32)
     sample = torch.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (N,)
     first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
         0, sample, torch.where(bad, torch.arange(n), n), "amin")
@@ -5673,7 +5672,7 @@ def parity_table(a: torch.Tensor, b: torch.Tensor, bad: torch.Tensor, tokens: to
         lines.append(f"{s:>7} {f'{i - sum(lengths[:s])}/{lengths[s]}':>9} "
                      f"{int(bad[sample == s].sum()):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
                      f"{b[i].item():>14.8f} {bits_a[i].item() & 0xFFFFFFFF:>10x} "
-                     f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {delta[i].item():>10.3g}")
+                     f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {abs(a[i] - b[i]).item():>10.3g}")
     return "\n".join(lines)
 
 
