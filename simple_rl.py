@@ -1393,11 +1393,11 @@ RewardFn = Callable[[str, str], float]
 
 def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
-    """group_advantages of the rewards (P*G,); RewardError naming the largest |reward| of the
+    """group_advantages of the rewards (n G,); RewardError naming the largest |reward| of the
     first group whose advantages are not finite (its mean or std overflows fp32).
     text(i): sample i's completion, read only for the message."""
     G = cfg.group_size
-    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (P*G,)
+    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (n G,)
     bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
     if bad:
         first = bad[0] // G * G
@@ -1724,10 +1724,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
                      eps: float) -> torch.Tensor:
     """A_i = (r_i - mean_g r) / (std_g r + eps), or r_i - mean_g r.
 
-    rewards: (P*G,) grouped consecutively (P prompts, G samples each).
+    rewards: (n G,) grouped consecutively (n prompts, G samples each).
     """
     assert rewards.numel() % group_size == 0, "rewards must come in whole groups"
-    r = rewards.view(-1, group_size)  # (P, G)
+    r = rewards.view(-1, group_size)  # (n, G)
     a = r - r.mean(-1, keepdim=True)
     if std_normalize:
         a = a / (r.std(-1, keepdim=True) + eps)  # unbiased std; equal rewards give A = 0
@@ -2063,11 +2063,11 @@ def roll_out(trainer: Trainer, step: int, mine: list[int],
 
 def rewards_and_advantages(trainer: Trainer,
                            rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each episode's reward, the env's (P*G,) fp32, and its advantage within its group. The
+    """Each episode's reward, the env's (n G,) fp32, and its advantage within its group. The
     rewards come from the episodes' envs as they ended (for one turn, RewardEnv: --reward);
     RewardError on a group whose advantages overflow fp32."""
     episodes = rollout.episodes
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (P*G,)
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (n G,)
     adv = finite_advantages(rewards, trainer.cfg, lambda i: decode(
         trainer.tokenizer, [episodes[i].turns[-1].out.ids])[0])
     return rewards, adv
