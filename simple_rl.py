@@ -201,8 +201,8 @@ class Config:
     engine_sleep: bool = opt("generation", True, "free vLLM's KV cache while the trainer runs "
                              "(sleep mode), and, without LoRA, its weights")
     prefix_caching: bool = opt("generation", True, "let vLLM reuse the KV of prefixes it has seen "
-                               "(an episode's earlier turns, a prompt's G samples); off, vLLM "
-                               "returns no MoE routes, so only tokens are checked")
+                               "(an episode's earlier turns, a prompt's G samples); off, a "
+                               "Qwen3-MoE's routes go unchecked (vLLM returns them with it)")
     # --- grpo
     clip_eps: float = opt("grpo", 0.2, "PPO clip range eps_c")
     kl_coef: float = opt("grpo", 0.0, "beta of the k3 KL to the frozen initial policy "
@@ -989,7 +989,7 @@ class Engine:
     that go on; `first_turn` is a step's first turn."""
 
     cfg: Config
-    returns_routes = False  # vLLM returns the experts each token chose (Qwen3-MoE)
+    returns_routes = False  # vLLM returns the experts each token chose (MoE)
     lora: LoRASpec | None = None  # LoRA: the adapters the engine serves
     lora_tensors: dict | None = None  # LoRA: the adapter slot's tensors, by vLLM's layer name
 
@@ -1048,10 +1048,12 @@ class VLLMEngine(Engine):
         plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
         self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
-        # Qwen3-MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for
-        # the routing-parity check, and only with its prefix cache on (it keeps the routes of
-        # the cached blocks beside them): under --no-prefix-caching only tokens are checked.
-        self.returns_routes = bool(sparse_layers(files.args)) and cfg.prefix_caching
+        # MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for the
+        # routing-parity check, and only with its prefix cache on (it keeps them beside the
+        # cache's blocks): a Qwen3-MoE under --no-prefix-caching is checked on tokens alone; a
+        # Qwen3.5-MoE's cache is on for them, never read (qwen35_engine_args).
+        self.returns_routes = bool(sparse_layers(files.args)) and (
+            cfg.prefix_caching or qwen35(files.args) is not None)
         graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
         # What makes vLLM's numbers the trainer's: its kernels (patched above), its logprobs, the
         # attention backend, and no compiler.
@@ -1079,7 +1081,7 @@ class VLLMEngine(Engine):
             **plumbing,
             max_model_len=cfg.max_model_len,
             enable_sleep_mode=cfg.engine_sleep,
-            enable_prefix_caching=cfg.prefix_caching,
+            enable_prefix_caching=cfg.prefix_caching or self.returns_routes,
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
@@ -1120,12 +1122,14 @@ class VLLMEngine(Engine):
 
         cfg = self.cfg
         # flat_logprobs: a few flat lists per request instead of a dict and an object per
-        # token, so vLLM's output processing makes fewer Python objects at every decode step
+        # token, so vLLM's output processing makes fewer Python objects at every decode step.
+        # A cache kept on for routes alone (a Qwen3.5-MoE's) is never read.
         return SamplingParams(n=n or cfg.group_size,
                               temperature=cfg.temperature if temperature is None else temperature,
                               logprobs=0, flat_logprobs=True,
                               max_tokens=max_tokens or cfg.max_new_tokens, seed=seed,
-                              stop_token_ids=self.eos_ids, detokenize=False)
+                              stop_token_ids=self.eos_ids, detokenize=False,
+                              skip_reading_prefix_cache=not cfg.prefix_caching)
 
     def sleep(self) -> None:
         """Free the KV cache and the weights (under LoRA the KV cache alone) while the trainer
@@ -2105,7 +2109,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
         raise
     parity = parity_report(rollout.logprobs, first_pass.logprobs, packed.targets,
                            generated_lengths(rollout), cfg.parity_rows)
-    if rollout.routed is not None:  # (none from a Qwen3.5-MoE's engine: no prefix cache)
+    if rollout.routed is not None:  # (none from a Qwen3-MoE under --no-prefix-caching)
         parity.routes_checked = True
         parity.routing_tokens, parity.routing_mismatch = routing_report(
             rollout.routed, first_pass.routed, generated_lengths(rollout),
@@ -3747,7 +3751,8 @@ def engine_setup(cfg: Config, args, ranks: Ranks,
     if qwen:
         prepare_qwen35_engine()
     sizes, wake_bytes = engine_memory(cfg, args, ranks, lora is not None)
-    parts = [sizes, engine_lora_args(lora) if lora else {}, QWEN35_ENGINE_ARGS if qwen else {}]
+    parts = [sizes, engine_lora_args(lora) if lora else {},
+             qwen35_engine_args(cfg, args) if qwen else {}]
     assert sum(map(len, parts)) == len(set().union(*parts)), "two parts set one argument"
     return {k: v for part in parts for k, v in part.items()}, wake_bytes
 
@@ -3940,11 +3945,26 @@ QWEN35_ENGINE_ARGS = dict(
     language_model_only=True,  # a checkpoint with a vision tower: its text model alone
 )
 # (No prefix caching either: a cached prefix would resume from a saved state, another split;
-# VLLMEngine turns it off, and an explicit --prefix-caching is refused.)
+# VLLMEngine turns it off, and an explicit --prefix-caching is refused. A Qwen3.5-MoE's is on
+# and never read: qwen35_engine_args.)
 PACKED_DECODE = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"  # "1": a second decode kernel
 # fla's gated RMSNorm (the linear attention's output norm) blocks 1 to 4 rows together as a
 # call grows; pinned to one row, every row count reduces alike (engine and trainer, one process)
 GDN_NORM_ROWS_PER_BLOCK = 1
+
+
+def qwen35_engine_args(cfg: Config, args) -> dict:
+    """QWEN35_ENGINE_ARGS, and for a Qwen3.5-MoE a prefix cache kept on and never read
+    (VLLMEngine.sampling_params): vLLM 0.34 returns a token's experts only with it
+    (config/vllm.py:1116). That cache needs chunked prefill (models/config.py:1105) and ends a
+    prefill chunk where a block ends, to save the linear attention's state there
+    (v1/core/sched/scheduler.py:563-678). A block of --max-model-len tokens or more
+    (`hybrid_block_tokens`), and a step that holds one (batched_tokens), keep every prompt
+    prefilled whole and a sequence in one block, which never fills: nothing is ever cached."""
+    if not sparse_layers(args):
+        return QWEN35_ENGINE_ARGS
+    return dict(QWEN35_ENGINE_ARGS, enable_chunked_prefill=True,
+                block_size=hybrid_block_tokens(args, cfg.max_model_len))
 
 
 def prepare_qwen35_engine() -> None:
@@ -6461,7 +6481,8 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
     1. A full-attention page holds b tokens of K and V, b A bytes (A = 2 Hkv D x 2, bf16); a
        Gated DeltaNet page one sequence's state, M bytes (`gdn_state_bytes`). vLLM raises b
        from 64 to the least multiple of 64 whose page holds M, b = 64 ceil(M / 64 A), and pads
-       the GDN page to b A (platforms/interface.py:1078-1141).
+       the GDN page to b A (platforms/interface.py:1078-1141); a Qwen3.5-MoE's b holds max_len
+       too (`hybrid_block_tokens`).
     2. Each kind's layers fall into groups of g = min(n_full, n_gdn) layers (the larger count
        when below 1.5 the smaller), a kind of n layers in ceil(n / g) groups
        (v1/core/kv_cache_planning.py:567-601); a block is a page of each layer of a group:
@@ -6472,7 +6493,8 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
        null block (kv_cache_planning.py:1638-1676, v1/core/block_pool.py:164).
     4. A sequence takes ceil(tokens / b) blocks in each attention group
        (v1/core/single_type_kv_cache_manager.py:219) and one in each GDN group: without prefix
-       caching its block spans max_len tokens (model_executor/models/config.py:1111-1118).
+       caching its block spans max_len tokens (model_executor/models/config.py:1111-1118), and
+       a Qwen3.5-MoE's one block does too.
        The scheduler keeps tokens <= max_len - 1 (v1/core/sched/scheduler.py:866-873).
     So: (samples (ceil(n_full / g) ceil(max_len / b) + ceil(n_gdn / g)) + 1) g' b A.
     Not yet checked on a GPU: vLLM's block size (it logs "Setting attention block size to b
@@ -6482,12 +6504,23 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
     n_gdn = len(gdn_layers(args))
     n_full = args.n_layers - n_gdn
     A = 2 * args.n_kv_heads * args.head_dim * 2
-    b = VLLM_BLOCK_TOKENS * -(-gdn_state_bytes(args) // (VLLM_BLOCK_TOKENS * A))  # tokens
+    b = hybrid_block_tokens(args, max_len)
     counts = [n for n in (n_full, n_gdn) if n]
     g = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
     block = max(-(-n // -(-n // g)) for n in counts) * b * A  # g' pages
     per_sequence = -(-n_full // g) * -(-max_len // b) + -(-n_gdn // g)
     return (samples * per_sequence + 1) * block
+
+
+def hybrid_block_tokens(args, max_len: int) -> int:
+    """The tokens of vLLM 0.34's KV block for a Qwen3.5 (`hybrid_kv_cache_bytes`, step 1):
+    64 ceil(M / 64 A), or for a Qwen3.5-MoE, whose prefix cache is on (qwen35_engine_args),
+    at least max_len, a multiple of 64 (given as block_size, vLLM keeps it: it is a multiple
+    of FA3's 16 and its page holds M)."""
+    A = 2 * args.n_kv_heads * args.head_dim * 2
+    own = VLLM_BLOCK_TOKENS * -(-gdn_state_bytes(args) // (VLLM_BLOCK_TOKENS * A))
+    return max(own, VLLM_BLOCK_TOKENS * -(-max_len // VLLM_BLOCK_TOKENS)) if sparse_layers(
+        args) else own
 
 
 # vLLM checks at its start that gpu_memory_utilization of the GPU is free, though, given
@@ -6516,8 +6549,10 @@ def engine_memory(cfg: Config, args, ranks: Ranks, lora: bool) -> tuple[dict, in
 
 def batched_tokens(cfg: Config, args, samples: int) -> int:
     """The tokens one engine step may schedule: every sample's decode, at least 8192; a
-    Qwen3.5's prompt is prefilled whole (QWEN35_ENGINE_ARGS), so the longest fits too."""
-    return max(samples, 8192, cfg.max_model_len if qwen35(args) else 0)
+    Qwen3.5's prompt is prefilled whole (QWEN35_ENGINE_ARGS), so the longest fits too, and a
+    Qwen3.5-MoE's whole block (qwen35_engine_args)."""
+    whole = qwen35(args) and max(cfg.max_model_len, hybrid_block_tokens(args, cfg.max_model_len))
+    return max(samples, 8192, whole or 0)
 
 
 # ==========================================================================

@@ -70,7 +70,7 @@ def fake_vllm(monkeypatch) -> dict:
 
     gated_norm = types.SimpleNamespace(calc_rows_per_block=lambda n_rows, device: 4)
     modules = {
-        "vllm": types.SimpleNamespace(LLM=LLM),
+        "vllm": types.SimpleNamespace(LLM=LLM, SamplingParams=types.SimpleNamespace),
         "vllm.config": types.SimpleNamespace(CompilationConfig=dict, CompilationMode=None,
                                              CUDAGraphMode=None),
         "vllm.v1.attention.backends.gdn_attn": types.SimpleNamespace(
@@ -95,7 +95,7 @@ def start_engine(path, monkeypatch, **cfg):
     seen = fake_vllm(monkeypatch)
     monkeypatch.delenv(rl.PACKED_DECODE, raising=False)
     files = types.SimpleNamespace(args=model_args(path), path=path, eos_ids=[0], tool_ids=[])
-    config = rl.Config(model=str(path), cuda_graphs=False, max_model_len=9000, **cfg)
+    config = rl.Config(model=str(path), cuda_graphs=False, **{"max_model_len": 9000, **cfg})
     engine = rl.VLLMEngine(config, files, rl.Ranks(0, 1, torch.device("cpu")))
     return engine, seen
 
@@ -121,6 +121,30 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
         [(c.kwargs, c.num_warps) for c in t.configs] == [({"BLOCK": 64}, 2)]
         for t in seen["tuners"])
     assert engine.preempted is not None and engine.preempted() == 0
+
+
+@pytest.mark.parametrize("max_len", [200, 9000])
+def test_a_qwen35_moe_engine_keeps_an_unread_prefix_cache_for_its_routes(q35, monkeypatch,
+                                                                         max_len):
+    """vLLM returns a token's experts only with its prefix cache on: a Qwen3.5-MoE's engine has
+    it on, never read, with the chunked prefill it needs and a block of at least
+    --max-model-len tokens that one step holds, so that no prompt is split at a block's end
+    (the tiny model's own block is 64 tokens: 200 rounds up to 256). The dense one has none."""
+    path = q35(experts=8, top_k=2, moe_inter=32, shared_inter=48)
+    engine, seen = start_engine(path, monkeypatch, max_model_len=max_len)
+    kw, block = seen["kwargs"], 256 if max_len == 200 else 9024
+    assert rl.hybrid_block_tokens(model_args(path), max_len) == block == kw["block_size"]
+    assert kw["enable_prefix_caching"] is True and kw["enable_chunked_prefill"] is True
+    assert kw["enable_return_routed_experts"] is True and engine.returns_routes
+    assert kw["max_num_batched_tokens"] == max(8192, block)
+    assert engine.cfg.prefix_caching is False  # the trainer replays no cache hit
+    params = engine.sampling_params(3)
+    assert params.skip_reading_prefix_cache is True
+    assert {k: kw[k] for k in rl.QWEN35_ENGINE_ARGS if k != "enable_chunked_prefill"} == {
+        k: v for k, v in rl.QWEN35_ENGINE_ARGS.items() if k != "enable_chunked_prefill"}
+    dense, seen = start_engine(q35(), monkeypatch, max_model_len=max_len)
+    assert "block_size" not in seen["kwargs"] and not dense.returns_routes
+    assert dense.sampling_params(3).skip_reading_prefix_cache is True  # no cache to read
 
 
 def test_a_qwen3_engine_is_untouched(tmp_path, monkeypatch):
