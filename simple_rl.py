@@ -3941,7 +3941,8 @@ QWEN35_ENGINE_ARGS = dict(
     gdn_prefill_backend="triton",  # fla's chunked rule (on Hopper the default is FlashInfer's)
     mamba_ssm_cache_dtype="float32",  # the state between decode steps: fp32, stored exactly
     mamba_cache_dtype="auto",  # the conv state: the raw bf16 inputs, exact
-    enable_chunked_prefill=False,  # a prompt is prefilled whole (the budget fits the longest)
+    enable_chunked_prefill=False,  # a prompt is prefilled whole (the budget fits the longest;
+    # a Qwen3.5-MoE's chunked prefill splits none either: qwen35_engine_args)
     language_model_only=True,  # a checkpoint with a vision tower: its text model alone
 )
 # (No prefix caching either: a cached prefix would resume from a saved state, another split;
@@ -3972,7 +3973,7 @@ def prepare_qwen35_engine() -> None:
     batch-invariant mode (its backend declines by default: the two forms above), send every
     decode token through the one recurrent kernel the trainer replays, pin the gated norm's
     rows per block and the prefill's launch configs (bib.pin_vllm_prefill: no machine's Triton
-    cache picks another) (the engine runs without the prefix cache: VLLMEngine)."""
+    cache picks another) (the engine reads no prefix cache: VLLMEngine)."""
     from vllm.models.qwen3_5.nvidia.ops import fused_gdn_gated_norm
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
 
@@ -6509,18 +6510,21 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
     g = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
     block = max(-(-n // -(-n // g)) for n in counts) * b * A  # g' pages
     per_sequence = -(-n_full // g) * -(-max_len // b) + -(-n_gdn // g)
-    return (samples * per_sequence + 1) * block
+    # vLLM checks at its start that one request fits, with two GDN pages under a prefix cache
+    # (v1/kv_cache_interface.py:1168-1172): a Qwen3.5-MoE's, one sample a rank
+    one = per_sequence + (-(-n_gdn // g) if sparse_layers(args) else 0)
+    return (max(samples * per_sequence, one) + 1) * block
 
 
 def hybrid_block_tokens(args, max_len: int) -> int:
     """The tokens of vLLM 0.34's KV block for a Qwen3.5 (`hybrid_kv_cache_bytes`, step 1):
     64 ceil(M / 64 A), or for a Qwen3.5-MoE, whose prefix cache is on (qwen35_engine_args),
-    at least max_len, a multiple of 64 (given as block_size, vLLM keeps it: it is a multiple
-    of FA3's 16 and its page holds M)."""
+    at least max_len, a multiple of 128 (given as block_size, vLLM keeps it: its page holds M,
+    FA3 takes any multiple of 16 and FA4's head-256 kernel on Blackwell 128). So a long
+    --max-model-len costs a Qwen3.5-MoE more: each GDN page is padded to a block's."""
     A = 2 * args.n_kv_heads * args.head_dim * 2
     own = VLLM_BLOCK_TOKENS * -(-gdn_state_bytes(args) // (VLLM_BLOCK_TOKENS * A))
-    return max(own, VLLM_BLOCK_TOKENS * -(-max_len // VLLM_BLOCK_TOKENS)) if sparse_layers(
-        args) else own
+    return max(own, 128 * -(-max_len // 128)) if sparse_layers(args) else own
 
 
 # vLLM checks at its start that gpu_memory_utilization of the GPU is free, though, given

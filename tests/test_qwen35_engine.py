@@ -129,10 +129,11 @@ def test_a_qwen35_moe_engine_keeps_an_unread_prefix_cache_for_its_routes(q35, mo
     """vLLM returns a token's experts only with its prefix cache on: a Qwen3.5-MoE's engine has
     it on, never read, with the chunked prefill it needs and a block of at least
     --max-model-len tokens that one step holds, so that no prompt is split at a block's end
-    (the tiny model's own block is 64 tokens: 200 rounds up to 256). The dense one has none."""
+    (the tiny model's own block is 64 tokens: 200 rounds up to 256, a multiple of 128). The
+    dense one has none."""
     path = q35(experts=8, top_k=2, moe_inter=32, shared_inter=48)
     engine, seen = start_engine(path, monkeypatch, max_model_len=max_len)
-    kw, block = seen["kwargs"], 256 if max_len == 200 else 9024
+    kw, block = seen["kwargs"], 256 if max_len == 200 else 9088
     assert rl.hybrid_block_tokens(model_args(path), max_len) == block == kw["block_size"]
     assert kw["enable_prefix_caching"] is True and kw["enable_chunked_prefill"] is True
     assert kw["enable_return_routed_experts"] is True and engine.returns_routes

@@ -147,6 +147,20 @@ def test_vllms_grouping_of_layers_of_other_ratios():
     assert rl.hybrid_kv_cache_bytes(tiny, 8, 200) == (8 * (4 + 3) + 1) * 64 * A
 
 
+def test_a_qwen35_moes_block_holds_max_len_and_one_sample_passes_vllms_check():
+    """A Qwen3.5-MoE keeps vLLM's prefix cache on for its routes (qwen35_engine_args): its
+    block holds --max-model-len (a multiple of 128; vLLM's own 1,088 tokens at 35B-A3B's shapes
+    where that is longer), and in that mode vLLM's start-up check counts two Gated DeltaNet
+    pages for one request: one sample on a rank gets them."""
+    args = qwen35_args("qwen3.5-35b-a3b", inter=512)  # 10 full, 30 GDN layers: groups of 10
+    assert rl.hybrid_block_tokens(args, 4000) == 1088  # dense: vLLM's own
+    args.sparse_layers = tuple(range(args.n_layers))
+    assert rl.hybrid_block_tokens(args, 512) == 1088 and rl.hybrid_block_tokens(args, 4000) == 4096
+    block = 10 * 4096 * 2048  # a page of 4,096 tokens x 2 kv heads x 256 x K, V for 10 layers
+    assert rl.hybrid_kv_cache_bytes(args, 8, 4000) == (8 * (1 + 3) + 1) * block
+    assert rl.hybrid_kv_cache_bytes(args, 1, 4000) == (1 + 3 + 3 + 1) * block  # not 1 + 3 + 1
+
+
 def test_engine_memory_asks_vllm_for_the_hybrid_kv_cache(monkeypatch):
     props = SimpleNamespace(total_memory=140 * GIB)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
