@@ -138,8 +138,10 @@ def test_qwen35_35b_a3b_layers_every_token_and_route_equal(q35_a3b, tmp_path, ru
     An H100 run once had one step in five differ, its first with early stops, while the shared
     expert's one-column gate ran on cuBLASLt, whose rows differ from the Triton matmul's at
     some row counts (tests/test_gemm_gpu.py); that gate now runs on the Triton matmul on both
-    sides: 0 of 104,543 differ (results/h100_q35_early_stops/). Eager too: its decode steps
-    have no padding rows (a CUDA graph's batch is padded once a sample has stopped)."""
+    sides: 0 of 104,543 differ (results/h100_q35_early_stops/), and with the routes compared,
+    0 routed differently and the same sha256 (results/h100_q35_routes/; block-2048 the same
+    samples). Eager too: its decode steps have no padding rows (a CUDA graph's batch is padded
+    once a sample has stopped)."""
     flags, steps = A3B_RUNS[run]
     out, rows = simple_rl(tmp_path, q35_a3b, "q35a3b", "--parity-rows", "32", *flags,
                           steps=steps)
