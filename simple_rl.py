@@ -1037,8 +1037,8 @@ class VLLMEngine(Engine):
         # LoRA: one adapter slot on the layers of --lora-targets, shared with the trainer
         # (start_adapter, bind_lora)
         self.lora = lora_spec(cfg, files.args)
-        # A Qwen3.5 runs without the prefix cache: a cached prefix resumes its linear attention
-        # from a saved state, a split the trainer does not replay (check_qwen35_engine).
+        # A Qwen3.5 reads no prefix cache: a cached prefix resumes its linear attention from a
+        # saved state, a split the trainer does not replay (check_qwen35_engine).
         cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching
                                              and qwen35(files.args) is None)
         # The plumbing's part, after the story ("vLLM patches"): two vLLM ops routed through
