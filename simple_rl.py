@@ -35,9 +35,9 @@ Departures from textbook GRPO/PPO:
   * The old policy is the one that sampled, as computed *by vLLM*. The trainer reproduces vLLM's
     numbers exactly, so rho = 1 at the first optimizer step; the clip acts only with
     `--updates-per-batch` > 1.
-  * Logprobs are those of the sampling distribution softmax(logits / T): vLLM returns
+  * Logprobs are those of the sampling distribution softmax(logits / temperature): vLLM returns
     processed logprobs and the trainer divides its fp32 logits by T exactly as vLLM's sampler
-    does, so parity holds at any T.
+    does, so parity holds at any temperature.
   * The loss is a token mean over the whole batch of every rank (each token weighs the same).
   * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
     which is exactly what the trainer computes with.
@@ -63,8 +63,8 @@ It learns (README "It learns"): a 25M Qwen3 warm-started here, then GRPO, on one
         --num-prompts 64 --max-new-tokens 80 --max-model-len 128 --lr 1e-4 --eval-size 512 \\
         --eval-every 25 --no-engine-sleep
 
-Held-out problems are scored greedily (T = 0) before the first step, every --eval-every steps
-and after the last (`eval/accuracy`); --reward FILE.py:FUNCTION and --task jsonl bring your
+Held-out problems are scored greedily (temperature 0) before the first step, every --eval-every
+steps and after the last (`eval/accuracy`); --reward FILE.py:FUNCTION and --task jsonl bring your
 own reward and problems; --env FILE.py:NAME an environment of several turns (the model calls
 a tool and goes on: an episode, trained on the model's tokens only; --env calc: a calculator).
     python simple_rl.py --model DIR --debug-parity                     # where do we differ?
@@ -433,7 +433,7 @@ class SiluAndMul(nn.Module):
 
 class Attention(nn.Module):
     """Qwen3.5's (`gated`) projects a gate beside each q head (a head's q rows, then its gate's),
-    scales the head's output by sigmoid(gate) and turns the head's first rotary_dim dims only;
+    scales the head's output by sigmoid(gate) and rotates the head's first rotary_dim dims only;
     its q and k norms are Gemma's, as every Qwen3.5 norm is (RMSNorm's `gemma`)."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
@@ -454,7 +454,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         D = self.head_dim
         q, k, v = self.wqkv(x).split(self.sizes, dim=-1)  # (T, Hq D (x2)), (T, Hk D), (T, Hk D)
-        if self.gated:  # as vLLM's one kernel: the gate split off, q and k normed, then turned
+        if self.gated:  # as vLLM's one kernel: the gate split off, q and k normed, then rotated
             w = (self.q_norm.weight.to(x.dtype), self.k_norm.weight.to(x.dtype))
             q, k, gate = self.ops.gated_qk_norm_rope(q, k, *w, self.q_norm.eps, batch.positions,
                                                      rope)  # (T, Hq, D), (T, Hk, D), (T, Hq, D)
@@ -523,7 +523,7 @@ class FeedForward(nn.Module):
 
 
 class Router(nn.Module):
-    """Router logits z = x G^T, G (E, dim): vLLM's `gate` ReplicatedLinear, the same GEMM."""
+    """Router logits z = x W_r^T, W_r (E, dim): vLLM's `gate` ReplicatedLinear, the same GEMM."""
 
     def __init__(self, dim: int, n_experts: int, ops: bib.Kernels):
         super().__init__()
@@ -966,7 +966,7 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args,
 
 @dataclass
 class Completion:
-    """One sample of one request, as an engine returns it: one turn of an episode."""
+    """One completion of one request, as an engine returns it: one turn of an episode."""
     ids: list[int]  # generated token ids (a stop id, when it ended at one, is the last)
     logprobs: list[float]  # the engine's logprob of each (Python floats hold fp32 exactly)
     stopped: bool  # ended at a stop id (eos or a tool stop), not at its token limit
@@ -1009,12 +1009,12 @@ class Engine:
         the seed of its index in the whole step."""
         cfg = self.cfg
         return self.generate(prompts, cfg.group_size,
-                             [sample_seed(cfg, step, i) for i in indices],
+                             [request_seed(cfg, step, i) for i in indices],
                              [turn_tokens(cfg, p) for p in prompts], cfg.temperature)
 
 
 # Decode steps of up to this many sequences replay CUDA graphs; vLLM's default cap, 512, left
-# 1024-sample steps to launch every kernel from Python: 62 ms a step against 30 when captured.
+# 1024-sample decode steps to launch every kernel from Python: 62 ms a step, 30 when captured.
 CUDA_GRAPH_MAX_BATCH = 1024
 
 
@@ -1041,8 +1041,8 @@ class VLLMEngine(Engine):
         # saved state, a split the trainer does not replay (check_qwen35_engine).
         cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching
                                              and qwen35(files.args) is None)
-        # The plumbing's part, after the story ("vLLM patches"): two vLLM ops routed through
-        # the trainer's kernels, a Qwen3.5's Gated DeltaNet let into batch-invariant mode and
+        # The plumbing's part, after the story ("vLLM patches"): two vLLM ops run on the
+        # trainer's kernels, a Qwen3.5's Gated DeltaNet let into batch-invariant mode and
         # its schedule made one the trainer replays, the engine's memory, LoRA's slot: LLM's
         # arguments and the bytes a wake-up maps again.
         plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
@@ -1060,10 +1060,10 @@ class VLLMEngine(Engine):
         bitwise = dict(
             dtype=cfg.dtype,
             seed=cfg.seed,
-            logprobs_mode="processed_logprobs",  # logprobs of softmax(logits / T): what was sampled
+            logprobs_mode="processed_logprobs",  # softmax(logits / temperature): what was sampled
             enable_return_routed_experts=self.returns_routes,
             attention_backend="FLASH_ATTN",
-            # Schedule step t + 1 while the GPU runs step t: the same kernels on the same rows.
+            # Schedule engine step t + 1 while the GPU runs t: the same kernels on the same rows.
             async_scheduling=True,
             # Never torch.compile: Inductor would fuse and reorder the ops the trainer mirrors.
             # CUDA graphs only replay the same kernels, so decode steps may use them.
@@ -1169,7 +1169,7 @@ def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
     return torch.from_numpy(routed[n_prompt - 1: n_prompt - 1 + n_gen].astype("int32"))
 
 
-def sample_seed(cfg: Config, step: int, prompt: int) -> int:
+def request_seed(cfg: Config, step: int, prompt: int) -> int:
     """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching or ranks.
 
     vLLM seeds a prompt's G samples with seed, seed + 1, ..., seed + G - 1, so the seeds of
@@ -1179,12 +1179,12 @@ def sample_seed(cfg: Config, step: int, prompt: int) -> int:
     return (cfg.seed * 1_000_003 + step * 10_007 + prompt) * cfg.group_size % 2**48
 
 
-def turn_seed(cfg: Config, step: int, prompt: int, sample: int, turn: int) -> int:
-    """Seed of turn `turn` (0: the first) of sample `sample` of a prompt: the first turn's is
-    vLLM's sample_seed + sample; turn k's adds k * 2^48, so no two turns of a step share one.
+def turn_seed(cfg: Config, step: int, prompt: int, g: int, turn: int) -> int:
+    """Seed of turn `turn` (0: the first) of a prompt's sample g (of G): the first turn's is
+    vLLM's request_seed + g; turn t's adds t 2^48, so no two turns of a step share one.
     E.g. seed 0, G = 8, step 1: prompt 3's samples start at 8 (10,007 + 3) = 80,080, so sample 2
     has 80,082 in turn 0 (vLLM's 80,080 + 2) and 80,082 + 2^48 in turn 1."""
-    return sample_seed(cfg, step, prompt) + sample + turn * 2**48
+    return request_seed(cfg, step, prompt) + g + turn * 2**48
 
 
 def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
@@ -1399,7 +1399,7 @@ def finite_advantages(rewards: torch.Tensor, cfg: Config,
                       text: Callable[[int], str]) -> torch.Tensor:
     """group_advantages of the rewards (n G,); RewardError naming the largest |reward| of the
     first group whose advantages are not finite (its mean or std overflows fp32).
-    text(i): sample i's completion, read only for the message."""
+    text(i): episode i's last completion, read only for the message."""
     G = cfg.group_size
     adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (n G,)
     bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
@@ -1529,22 +1529,23 @@ class Rollout:
 
 
 def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[list[int]],
-                 n: int) -> tuple[list[Env | None], list[list[int]]]:
-    """n fresh envs per problem, reset, and each problem's first prompt as ids: the task's
-    (prompt_ids) when reset gives the question, else its message formatted as the task's (the
-    chat template's user turn, or 'Q: ...\\nA:'). An env whose reset ran past --tool-timeout
-    is None: its episode ends at once. A RewardError's `sample` is its episode (j n + k)."""
+                 m: int) -> tuple[list[Env | None], list[list[int]]]:
+    """m fresh envs per problem (G; 1 for the eval), reset, and each problem's first prompt as
+    ids: the task's (prompt_ids) when reset gives the question, else its message formatted as
+    the task's (the chat template's user turn, or 'Q: ...\\nA:'). An env whose reset ran past
+    --tool-timeout is None: its episode ends at once. A RewardError's `sample` is its episode
+    (j m + k)."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
-    envs = [make() for _ in range(len(problems) * n)]
-    # firsts: each episode's first message, the same for a problem's n (reset_all refuses
+    envs = [make() for _ in range(len(problems) * m)]
+    # firsts: each episode's first message, the same for a problem's m (reset_all refuses
     # others); late: the episodes whose reset ran past --tool-timeout
-    firsts, late = reset_all(envs, problems, n, trainer.cfg)
+    firsts, late = reset_all(envs, problems, m, trainer.cfg)
     envs = [None if i in late else env for i, env in enumerate(envs)]
-    # problems whose envs reset to another message than the question (firsts[j n]: problem j's)
-    changed = [j for j, p in enumerate(problems) if firsts[j * n] != p.question]
+    # problems whose envs reset to another message than the question (firsts[j m]: problem j's)
+    changed = [j for j, p in enumerate(problems) if firsts[j * m] != p.question]
     prompts = list(prompt_ids)
-    new = first_prompt_ids([firsts[j * n] for j in changed], trainer.tokenizer, trainer.cfg,
-                           [j * n for j in changed])
+    new = first_prompt_ids([firsts[j * m] for j in changed], trainer.tokenizer, trainer.cfg,
+                           [j * m for j in changed])
     for j, ids in zip(changed, new):
         prompts[j] = ids
     return envs, prompts
@@ -1552,8 +1553,8 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
 
 def start_episodes(envs: list[Env | None], prompts: list[list[int]],
                    outs: list[list[Completion]], cfg: Config) -> list[Episode]:
-    """Every episode after its first turn: prompt j's n completions outs[j] begin episodes
-    j n, ..., j n + n - 1, whose envs are envs[j n + k]."""
+    """Every episode after its first turn: prompt j's m completions outs[j] begin episodes
+    j m, ..., j m + m - 1, whose envs are envs[j m + k]."""
     turns = [Turn(list(p), c, capped=turn_tokens(cfg, p) < cfg.max_new_tokens)
              for p, cs in zip(prompts, outs) for c in cs]
     return [Episode(env, [turn]) for env, turn in zip(envs, turns)]
@@ -1658,7 +1659,7 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
         episode.reward = 0.0
         episode.end("tool_error" if isinstance(called.error, ToolError) else "tool_timeout")
         return None
-    if called.error is not None:  # anything else (a RewardError): the step stops
+    if called.error is not None:  # anything else (a RewardError): the run stops
         raise called.error
     message, value = called.value
     episode.reward = value or 0.0
@@ -1896,7 +1897,7 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
                    lengths: list[int], layers: tuple[int, ...]) -> tuple[int, int]:
     """(tokens compared, tokens whose expert set differs in any sparse layer).
 
-    engine_routed: per sample (C_b, all layers, k) or None (not compared); trainer_ids
+    engine_routed: per episode (C_b, all layers, k) or None (not compared); trainer_ids
     (N, sparse layers, k), N = sum C_b in sample order; layers: the sparse layers' indices.
     Sets are compared (both sides sorted), so the order of the k ids does not matter.
     """
@@ -1912,9 +1913,9 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
                   lengths: list[int], rows: int) -> Parity:
-    """Compare int32 views of two fp32 vectors (N,), the generated tokens in sample order
-    (lengths: per sample): equal bits are the same float (-0, NaN). With the table of where
-    each of the first `rows` differing samples first differs (`parity_table`)."""
+    """Compare int32 views of two fp32 vectors (N,), the generated tokens in episode order
+    (lengths: per episode): equal bits are the same float (-0, NaN). With the table of where
+    each of the first `rows` differing episodes first differs (`parity_table`)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
     n, bad = len(a), a.view(torch.int32) != b.view(torch.int32)  # (N,)
     assert sum(lengths) == n, f"the samples' lengths sum to {sum(lengths)}, not to the {n} tokens"
@@ -2134,12 +2135,12 @@ def decode(tokenizer, completions: list[list[int]]) -> list[str]:
 
 
 def generated_lengths(rollout: Rollout) -> list[int]:
-    """Tokens the model generated, per sample (an episode's tool tokens are not its)."""
+    """Tokens the model generated, per episode (its tool tokens are not)."""
     return [sum(g) for g in rollout.generated]
 
 
 def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
-    """Greedy (T = 0) episodes of the held-out problems, tools included, over every rank: their
+    """Greedy episodes of the held-out problems, tools included, over every rank: their
     mean reward (for a 0/1 reward, the accuracy of the weights after `step` steps). Logged to
     TensorBoard at `step`, also in percent with its 95% interval (the dashboard's chart; normal
     approximation, for a 0/1 reward the binomial one): 100 (mean +- 1.96 sqrt((mean(r^2) -
@@ -4956,7 +4957,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, model_dir: 
                          stack=stack_versions(),  # a resume on another stack says so
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
-                         sampler_seeds=[sample_seed(cfg, next_step, i)
+                         sampler_seeds=[request_seed(cfg, next_step, i)
                                         for i in range(cfg.num_prompts)],
                          files=files_under(tmp))
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -6982,7 +6983,7 @@ def first_episode(trainer: Trainer) -> Episode:
     def one() -> Episode:
         envs, prompts = new_episodes(trainer, [trainer.task.problems[j]],
                                      [trainer.task.prompt_ids[j]], 1)
-        outs = trainer.engine.generate(prompts, 1, [sample_seed(cfg, 0, 0)],
+        outs = trainer.engine.generate(prompts, 1, [request_seed(cfg, 0, 0)],
                                        [turn_tokens(cfg, prompts[0])], cfg.temperature)
         episodes = start_episodes(envs, prompts, outs, cfg)
         play(trainer.engine, trainer.tokenizer, cfg, episodes,

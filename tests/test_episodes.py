@@ -86,7 +86,7 @@ def test_episodes_of_one_to_three_turns_append_tool_ids_and_train_on_the_models_
     calls = engine.calls
     assert [c[1] for c in calls] == [4, 1, 1] and len(calls[0][0]) == 2
     mine = rl.my_prompts(cfg.num_prompts, trainer.ranks)
-    assert calls[0][2] == [rl.sample_seed(cfg, 0, i) for i in mine]  # today's first turn
+    assert calls[0][2] == [rl.request_seed(cfg, 0, i) for i in mine]  # today's first turn
     assert [len(c[0]) for c in calls[1:]] == [sum(t > k for t in turns) for k in (1, 2)]
     # turn k is generated after the episode's ids so far and the tool's message, as ids: the
     # template's end of the assistant turn, the tool turn and the next generation prompt
@@ -663,7 +663,7 @@ def test_the_warm_starts_progress_is_one_format_with_an_eta_and_no_blank_lines(c
 def test_turn_seeds_worked_example_holds():
     """turn_seed's docstring: seed 0, G = 8, step 1, prompt 3, sample 2."""
     cfg = rl.Config(seed=0, group_size=8)
-    assert rl.sample_seed(cfg, 1, 3) == 80_080
+    assert rl.request_seed(cfg, 1, 3) == 80_080
     assert [rl.turn_seed(cfg, 1, 3, 2, k) for k in (0, 1)] == [80_082, 80_082 + 2**48]
 
 

@@ -47,7 +47,7 @@ def test_resume_is_bit_exact(ckpt, tmp_path, whole):
     assert state["next_step"] == 2 and state["world_size"] == 1
     assert state["data"] == {"task": "arithmetic", "seed": 3, "next_step": 2}
     run_cfg = rl.Config(**json.loads((saved / "run_config.json").read_text()))
-    assert state["sampler_seeds"] == [rl.sample_seed(run_cfg, 2, i) for i in range(2)]
+    assert state["sampler_seeds"] == [rl.request_seed(run_cfg, 2, i) for i in range(2)]
     assert run_cfg.lr == 1e-2
     resumed = run_cpu(["--resume", str(saved), "--steps", "6"])
     assert resumed == whole[0]  # the same final weights, bit for bit
