@@ -1762,7 +1762,7 @@ def kl_k3(logp, ref_logp) -> torch.Tensor:
 
 
 def batch_over_ranks(packed: Packed, cfg: Config, device) -> tuple[int, int]:
-    """(micro-batches every rank runs, generated tokens over all ranks): train_step's n_micro
+    """(micro-batches every rank runs, generated tokens over all ranks): `update`'s n_micro
     (FSDP's collectives need the same count on every rank) and its loss denominator."""
     n_micro = torch.tensor([len(plan_micro_batches(packed, cfg))], device=device)
     n_micro = all_reduce(n_micro, dist.ReduceOp.MAX)
@@ -1776,16 +1776,16 @@ def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
 
 
 class Pass(NamedTuple):
-    """One forward and backward over every micro-batch (accumulate_gradients); train_step
+    """One forward and backward over every micro-batch (accumulate_gradients); `update`
     returns its first pass (the policy that sampled), with the gradient norm."""
     loss: torch.Tensor  # () the summed loss
     sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
     logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
     routed: torch.Tensor | None  # (N, sparse layers, k) int32: its experts (Qwen3-MoE)
-    grad_norm: torch.Tensor | None = None  # () the global one, before clipping (train_step's)
+    grad_norm: torch.Tensor | None = None  # () the global one, before clipping (`update`'s)
 
 
-def train_step(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
+def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
                n_micro: int | None = None, n_tokens: int | None = None) -> Pass:
     """The update: `updates_per_batch` optimizer steps, each after a pass over all
     micro-batches of this rank's samples.
@@ -2093,7 +2093,7 @@ def engine_to_sleep(trainer: Trainer) -> tuple[int, float]:
 
 def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
                        mine: list[int]) -> tuple[Pass, int, Parity]:
-    """`train_step` on this rank's samples, whose first forward is the trainer's side of the
+    """`update` on this rank's samples, whose first forward is the trainer's side of the
     parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
     (the update's first pass, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
@@ -2101,7 +2101,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     packed, episode = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
-        first_pass = train_step(trainer.model, trainer.ref_model, trainer.optimizer, packed,
+        first_pass = update(trainer.model, trainer.ref_model, trainer.optimizer, packed,
                                 rollout.logprobs.to(device), adv[episode.to(device)], cfg,
                                 n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
@@ -2540,9 +2540,9 @@ def validate_lora(cfg: Config) -> None:
     need(cfg.lora_rank in ranks, f"--lora-rank {cfg.lora_rank}: vLLM serves LoRA ranks "
          f"{', '.join(map(str, ranks[1:]))} (0: full fine-tuning).")
     need(not cfg.lora_rank or cfg.lora_alpha > 0, f"--lora-alpha must be > 0 (got "
-         f"{cfg.lora_alpha}): the update is (alpha / r) B A.")
+         f"{cfg.lora_alpha}): a layer adds (alpha / r) B A x.")
     need(not cfg.lora_rank or cfg.lora_alpha <= MAX_LORA_SCALE * cfg.lora_rank, f"--lora-alpha "
-         f"{cfg.lora_alpha:g} with --lora-rank {cfg.lora_rank} scales the update by "
+         f"{cfg.lora_alpha:g} with --lora-rank {cfg.lora_rank} scales B A by "
          f"{cfg.lora_alpha / max(cfg.lora_rank, 1):.3g}; alpha / r may be at most "
          f"{MAX_LORA_SCALE:g}.")
     targets = [t.strip() for t in cfg.lora_targets.split(",")]
@@ -2720,7 +2720,7 @@ def check_lora(cfg: Config, args) -> None:
     narrow = {t: min(widths[t]) for t in lora.targets if min(widths[t]) < lora.rank}
     need(not narrow, f"--lora-rank {lora.rank} exceeds the width of "
          f"{', '.join(f'{t} ({w})' for t, w in narrow.items())}: a rank above a layer's width "
-         "adds nothing a full update would not.")
+         "adds nothing full fine-tuning would not.")
 
 
 def check_weight_headers(path: Path, args) -> None:
@@ -3716,7 +3716,7 @@ def shard_model(model: Qwen3, dtype) -> None:
     """FSDP2: every block, then the root (embeddings, final norm, head), sharded over the ranks.
 
     The forward sees the bf16 cast of the fp32 master (param_dtype); gradients are reduced in
-    fp32, averaged over the ranks (train_step scales the loss by the world size to undo that).
+    fp32, averaged over the ranks (`update` scales the loss by the world size to undo that).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -702,7 +702,7 @@ def profile_train_step(
     n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
     with profile(activities=activities) as update_prof:
         t0 = time.perf_counter()
-        rl.train_step(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg,
+        rl.update(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg,
                       n_micro, n_tokens)
         sync(ranks.device)
         update_s = time.perf_counter() - t0

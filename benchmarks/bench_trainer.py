@@ -6,7 +6,7 @@
 The batch has the shape of bench_rl.py's workload (32 prompts x 8 samples, 128 prompt tokens,
 256 generated tokens each, packed), so MFU here is the fwd+bwd MFU of bench_rl.py's design (a)
 without vLLM in the process: the same kernels (VLLM_BATCH_INVARIANT=1, vLLM's batch-invariant
-mode switched on as the engine switches it on), the same `train_step`, the optimizer step timed
+mode switched on as the engine switches it on), the same `update`, the optimizer step timed
 apart. Each size: 1 warm-up update, then the median of `--steps` updates. `--profile` adds,
 per size, the top GPU ops of one more update and where the GPU sat idle (gaps between
 kernels, with the kernels on either side): the host-bound stretches.
@@ -102,7 +102,7 @@ def run(args) -> list[dict]:
             spent = time_optimizer(optimizer, dev)  # the optimizer step is timed apart
             sync(dev)
             t0 = time.perf_counter()
-            logp = rl.train_step(model, None, optimizer, packed, old, adv, cfg).logprobs
+            logp = rl.update(model, None, optimizer, packed, old, adv, cfg).logprobs
             sync(dev)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0 - spent["s"])
@@ -117,7 +117,7 @@ def run(args) -> list[dict]:
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with profile(activities=activities) as prof:
                 t0 = time.perf_counter()
-                rl.train_step(model, None, optimizer, packed, old, adv, cfg)
+                rl.update(model, None, optimizer, packed, old, adv, cfg)
                 sync(dev)
                 wall = time.perf_counter() - t0
             text = profile_section(f"update, micro-batch {mbt} ({row['micro_batches']} of them)",

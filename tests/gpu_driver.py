@@ -150,7 +150,7 @@ def parity(args) -> dict:
         )
         adv = rl.group_advantages(rewards, cfg.group_size, True, 1e-6).cuda()
         n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
-        update = rl.train_step(
+        update = rl.update(
             model, None, optimizer, packed, ro.logprobs.cuda(), adv, cfg, n_micro, n_tokens
         )
         sums, logp = update.sums, update.logprobs

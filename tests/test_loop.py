@@ -108,7 +108,7 @@ def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
     with torch.no_grad():
         want, _ = trainer.model(p, trainer.cfg.temperature)
     adv = torch.linspace(-1, 1, len(ro.completions))
-    got = rl.train_step(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs, adv,
+    got = rl.update(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs, adv,
                         trainer.cfg)
     torch.testing.assert_close(got.logprobs, want, atol=1e-6, rtol=0)
     assert got.grad_norm > 0
@@ -124,7 +124,7 @@ def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckp
         assert len(rl.plan_micro_batches(p, trainer.cfg)) == (1 if mbt == 4096 else 3)
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
         trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
-        rl.train_step(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs,
+        rl.update(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs,
                       torch.linspace(-1, 1, 6), trainer.cfg, n_micro=n_micro)
         grads.append(torch.cat([q.grad.flatten() for q in trainer.model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)

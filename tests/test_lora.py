@@ -393,7 +393,7 @@ def test_8_the_seven_targets_spelled_out_resume_a_run_of_all(lora_saved, tmp_pat
 @pytest.mark.parametrize("change, words", [
     (dict(lora_targets=["q_proj"]), "holds an invalid config: --lora-targets must be a str "
                                     "(got ['q_proj'])."),
-    (dict(lora_alpha=1e30), "--lora-alpha 1e+30 with --lora-rank 8 scales the update by "
+    (dict(lora_alpha=1e30), "--lora-alpha 1e+30 with --lora-rank 8 scales B A by "
                             "1.25e+29; alpha / r may be at most 1024."),
     (dict(lora_rank=True), "--lora-rank must be a int (got True)."),
     (dict(lora_alpha="32"), "--lora-alpha must be a float (got '32')."),

@@ -1,4 +1,4 @@
-"""The update, pinned: the gradient train_step applies is the gradient of the GRPO objective
+"""The update, pinned: the gradient update applies is the gradient of the GRPO objective
 written out here by hand, term by term (PPO clip against the frozen rollout logprobs, k3 KL to
 the reference, entropy bonus, one token mean, logprobs of softmax(logits / T)), at the first
 optimizer step and at a second one; then two short runs: --kl-coef pulls a policy that has left
@@ -94,7 +94,7 @@ def test_each_update_descends_the_hand_written_objective(ckpt):
     # frozen "rollout" logprobs off the policy's by up to 0.5 nats: ratios in and out of the clip
     old = lp0 + torch.linspace(-0.5, 0.5, len(lp0))
     opt = Recorder(model.parameters(), lr=0.01)
-    first = rl.train_step(model, ref, opt, packed, old, adv, cfg)
+    first = rl.update(model, ref, opt, packed, old, adv, cfg)
     sums, first_lp = first.sums, first.logprobs
     assert len(opt.seen) == 2
     N = len(packed.targets)
@@ -167,7 +167,7 @@ def test_a_second_optimizer_step_clips_what_the_first_moved(ckpt, tmp_path, monk
     gets each group's rewards normalised within the group."""
     updates, rewards, advantages = [], [], []
     accumulate, clip, update = rl.accumulate_gradients, rl.ppo_clip_loss, rl.update_with_parity
-    train_step = rl.train_step
+    optimize = rl.update
 
     def each_update(*a, **k):
         updates.append([])
@@ -180,7 +180,7 @@ def test_a_second_optimizer_step_clips_what_the_first_moved(ckpt, tmp_path, monk
 
     def step_advantages(model, ref_model, optimizer, packed, old_logp, adv, *a, **k):
         advantages.append(adv.clone())
-        return train_step(model, ref_model, optimizer, packed, old_logp, adv, *a, **k)
+        return optimize(model, ref_model, optimizer, packed, old_logp, adv, *a, **k)
 
     monkeypatch.setattr(rl, "accumulate_gradients", each_update)
     monkeypatch.setattr(rl, "ppo_clip_loss", recorded)
@@ -189,7 +189,7 @@ def test_a_second_optimizer_step_clips_what_the_first_moved(ckpt, tmp_path, monk
         return update(trainer, rollout, *a)
 
     monkeypatch.setattr(rl, "update_with_parity", step_rewards)
-    monkeypatch.setattr(rl, "train_step", step_advantages)
+    monkeypatch.setattr(rl, "update", step_advantages)
     reward = tmp_path / "varied.py"  # rewards that differ within a group: A != 0
     reward.write_text("def score(completion, answer):\n"
                       "    return float(sum(map(ord, completion)) % 5)\n")
@@ -228,7 +228,7 @@ def test_a_gradient_above_grad_clip_is_applied_at_exactly_that_norm(ckpt):
         with torch.no_grad():
             old, _ = model(packed, cfg.temperature)
         opt = Recorder(model.parameters(), lr=0.0)
-        norm = rl.train_step(model, None, opt, packed, old, adv, cfg).grad_norm
+        norm = rl.update(model, None, opt, packed, old, adv, cfg).grad_norm
         return flat(opt.seen[0][1]).double(), float(norm)  # fp64: a 1M-term fp32 sum drifts
 
     raw, raw_norm = first_gradient(0.0)

@@ -449,7 +449,7 @@ def test_a_non_finite_update_of_a_qwen35_names_episodes_and_prompts_not_turns(q3
     def poisoned(*_, **__):
         raise rl.NonFiniteError("loss", [3], 0, 1)
 
-    monkeypatch.setattr(rl, "train_step", poisoned)
+    monkeypatch.setattr(rl, "update", poisoned)
     cfg = rl.Config(group_size=2, micro_batch_tokens=64)
     trainer = types.SimpleNamespace(cfg=cfg, ranks=rl.Ranks(0, 1, torch.device("cpu")),
                                     model=types.SimpleNamespace(args=args), ref_model=None,
