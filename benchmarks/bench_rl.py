@@ -423,7 +423,7 @@ def measure(
             rows = [timed_rl_step(trainer, step, step < warmup, files.args)
                     for step in range(warmup + steps)]
         if profile_to and design in "ab":
-            profile_train_step(model, optimizer, prompts, engine, cfg, ranks, profile_to)
+            profile_update(model, optimizer, prompts, engine, cfg, ranks, profile_to)
     finally:
         rl.micro_batches = packed_micro_batches
     out = summarize(rows, design, ranks.world, hf_trainer.attn if hf_trainer else "fa3-varlen")
@@ -677,7 +677,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_train_step(
+def profile_update(
     model, optimizer, prompts, engine, cfg, ranks, path: Path, rows: int = 30
 ) -> None:
     """One more rollout and update under torch.profiler: for each, the wall time, the time the

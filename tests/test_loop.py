@@ -100,7 +100,7 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, 
     assert abs(m["weight_delta/layers.1/magnitude"] - layer) <= 1e-4 * layer
 
 
-def test_train_step_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
+def test_update_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
     """The logprobs handed to the parity check are exactly the first pass's forward."""
     trainer = cpu_trainer_of_run(ckpt(), tmp_path, updates_per_batch=2)
     ro = first_turns(trainer.engine, [[5, 6, 7], [8, 9]], [0, 1], 0)
