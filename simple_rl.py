@@ -970,9 +970,9 @@ class Completion:
     ids: list[int]  # generated token ids (a stop id, when it ended at one, is the last)
     logprobs: list[float]  # the engine's logprob of each (Python floats hold fp32 exactly)
     stopped: bool  # ended at a stop id (eos or a tool stop), not at its token limit
-    # Qwen3-MoE: the experts vLLM chose at the position that predicts each generated token,
-    # (len(ids), layers, k) ints (every layer; a dense layer's rows are 0), or None where the
-    # engine returned none
+    # MoE: the experts vLLM chose at the position that predicts each generated token,
+    # (len(ids), all layers, k) ints (a dense layer's rows are 0), or None where the engine
+    # returned none
     routed: torch.Tensor | None = None
 
 
@@ -1522,8 +1522,8 @@ class Rollout:
     generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     completed: list[bool]  # the episode completed: its env scored a turn that ended at a stop id
-    # Qwen3-MoE: per sample, the experts vLLM chose for its generated tokens (Completion.routed,
-    # the turns concatenated), or None where the engine returned none; None for a dense model
+    # MoE: per episode, the experts vLLM chose for its generated tokens (Completion.routed, all
+    # layers, the turns concatenated), or None where the engine returned none; None if dense
     routed: list[torch.Tensor | None] | None
     episodes: list[Episode]
 
@@ -1781,7 +1781,7 @@ class Pass(NamedTuple):
     loss: torch.Tensor  # () the summed loss
     sums: torch.Tensor  # (5,) this rank's token sums of pg, kl, entropy, ratio, clipped
     logprobs: torch.Tensor  # (N,) fp32: the trainer's side of the parity check
-    routed: torch.Tensor | None  # (N, sparse layers, k) int32: its experts (Qwen3-MoE)
+    experts: torch.Tensor | None  # (N, sparse layers, k) int32: each token's (MoE)
     grad_norm: torch.Tensor | None = None  # () the global one, before clipping (`update`'s)
 
 
@@ -1851,13 +1851,13 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     logps = torch.empty(len(old_logp), dtype=torch.float32, device=device)  # (N,)
     sums = torch.zeros(5, device=device)  # token sums: pg, kl, entropy, ratio, clipped
     sparse_at = sparse_layers(model.args)
-    routed = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
-                         dtype=torch.int32, device=device) if sparse_at else None
+    experts = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
+                          dtype=torch.int32, device=device) if sparse_at else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, samples, real in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            if routed is not None and real:  # read before a LoRA reference reruns it
-                routed[owned] = model.routed_ids(batch)
+            if experts is not None and real:  # read before a LoRA reference reruns it
+                experts[owned] = model.routed_ids(batch)
             adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
@@ -1873,7 +1873,7 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
             logps[owned] = logp.detach()
             sums += torch.stack([pg.sum(), kl.sum(), ent.sum(), ratio.sum(),
                                  clipped.sum()]).detach()
-    return Pass(loss_total, sums, logps, routed)
+    return Pass(loss_total, sums, logps, experts)
 
 
 @dataclass
@@ -2113,7 +2113,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     if rollout.routed is not None:  # (none from a Qwen3-MoE under --no-prefix-caching)
         parity.routes_checked = True
         parity.routing_tokens, parity.routing_mismatch = routing_report(
-            rollout.routed, first_pass.routed, generated_lengths(rollout),
+            rollout.routed, first_pass.experts, generated_lengths(rollout),
             sparse_layers(trainer.model.args))
     return first_pass, n_tokens, parity_over_ranks(parity, device)
 
