@@ -1046,7 +1046,7 @@ class VLLMEngine(Engine):
         # its schedule made one the trainer replays, the engine's memory, LoRA's slot: LLM's
         # arguments and the bytes a wake-up maps again.
         plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
-        self.eos_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
+        self.stop_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
         # MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for the
         # routing-parity check, and only with its prefix cache on (it keeps them beside the
@@ -1128,7 +1128,7 @@ class VLLMEngine(Engine):
                               temperature=cfg.temperature if temperature is None else temperature,
                               logprobs=0, flat_logprobs=True,
                               max_tokens=max_tokens or cfg.max_new_tokens, seed=seed,
-                              stop_token_ids=self.eos_ids, detokenize=False,
+                              stop_token_ids=self.stop_ids, detokenize=False,
                               skip_reading_prefix_cache=not cfg.prefix_caching)
 
     def sleep(self) -> None:

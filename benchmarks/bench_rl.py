@@ -207,7 +207,7 @@ def user_engine_class():
             from vllm import LLM
 
             self.cfg = rl.dataclasses.replace(cfg, engine_sleep=False)  # TRL's default
-            self.eos_ids, self.asleep = files.eos_ids, False
+            self.stop_ids, self.asleep = files.eos_ids, False
             self.returns_routes = False  # users' stacks do not compare routed experts
             samples = rl.samples_per_rank(cfg, ranks.world)
             self.llm = LLM(

@@ -250,7 +250,7 @@ class TorchEngine(rl.Engine):
     def __init__(self, cfg: rl.Config, files=None, ranks=None):
         self.model = None  # built from the first push
         self.cfg, self.files = cfg, files
-        self.eos_ids = set(files.eos_ids + files.tool_ids if files else (0,))  # they end a turn
+        self.stop_ids = set(files.eos_ids + files.tool_ids if files else (0,))  # they end a turn
         self.sleeps = 0
         self.calls = []  # per generate: (prompts, n, seeds, max_tokens, temperature)
 
@@ -275,9 +275,10 @@ class TorchEngine(rl.Engine):
                     t = int(torch.multinomial(lp[row].exp(), 1, generator=gens[i]))
                 comps[i].append(t)
                 lps[i].append(float(lp[row, t]))
-            live = [i for i in live if comps[i][-1] not in self.eos_ids and
+            live = [i for i in live if comps[i][-1] not in self.stop_ids and
                     len(comps[i]) < limit[i]]
-        out = [rl.Completion(c, lp, bool(c) and c[-1] in self.eos_ids) for c, lp in zip(comps, lps)]
+        out = [rl.Completion(c, lp, bool(c) and c[-1] in self.stop_ids)
+               for c, lp in zip(comps, lps)]
         return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
 
     def next_logits(self, seqs):

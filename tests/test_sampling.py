@@ -17,7 +17,7 @@ def engine_on(monkeypatch, llm, cfg=None):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
         TokensPrompt=dict, SamplingParams=lambda **k: k))
     engine = object.__new__(rl.VLLMEngine)
-    engine.cfg, engine.eos_ids, engine.returns_routes, engine.llm = cfg or rl.Config(), [0], \
+    engine.cfg, engine.stop_ids, engine.returns_routes, engine.llm = cfg or rl.Config(), [0], \
         False, llm
     return engine
 
