@@ -287,7 +287,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops = ops
         self.compute_weight: torch.Tensor | None = None  # weights_cast_once's cast: same bits
-        self.lora: LoRA | None = None  # set by add_lora
+        self.lora: LoRA | None = None  # its adapter module, set by add_lora (a state-dict name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # casts the master (unless given its cast); the gradient comes back in fp32
@@ -365,7 +365,7 @@ class LoRASpec:
     targets: tuple[str, ...]  # PEFT names
 
 
-def add_lora(model: Qwen3, lora: LoRASpec) -> None:
+def add_lora(model: Qwen3, spec: LoRASpec) -> None:
     """An adapter on every fused layer that holds a target; its untargeted slices (k_proj when
     the targets are q_proj,v_proj, say: vLLM's packed layer has them too) start at A = B = 0
     and so stay 0."""
@@ -373,11 +373,11 @@ def add_lora(model: Qwen3, lora: LoRASpec) -> None:
     for block in model.layers:
         layers = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
         for path, (_, names) in LORA_LAYERS.items():
-            if set(names) & set(lora.targets) and path in layers:
+            if set(names) & set(spec.targets) and path in layers:
                 layer = layers[path]
-                kept = tuple(n if n in lora.targets else None for n in names)
-                layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, lora.rank,
-                                  lora.alpha / lora.rank, model.ops, model.dtype)
+                kept = tuple(n if n in spec.targets else None for n in names)
+                layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, spec.rank,
+                                  spec.alpha / spec.rank, model.ops, model.dtype)
 
 
 class RMSNorm(nn.Module):
