@@ -535,7 +535,7 @@ class Router(nn.Module):
 
 class TopK(nn.Module):
     """p = softmax(z) in fp32; the k largest p per token, renormalised to sum 1 if asked
-    (norm_topk_prob): (gates (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
+    (norm_topk_prob): (probs (T, k) fp32, ids (T, k) int32), as vLLM's router selects them.
 
     `ids` keeps the last call's choice (T, k), which Qwen3.routed_ids reads after a forward.
     """
@@ -548,15 +548,15 @@ class TopK(nn.Module):
         self.ids: torch.Tensor | None = None
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gates, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
+        probs, ids = self.ops.moe_topk(logits, self.top_k, self.renormalize)
         self.ids = ids.detach()
-        return gates, ids
+        return probs, ids
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in vLLM's FusedMoE layout: w13 (E, 2I, dim) = [gate; up] rows per
-    expert, w2 (E, dim, I). y_t = sum_j gates_tj * w2[e] (silu(g) * u), [g; u] = w13[e] x_t,
-    e = ids_tj (gates: the router's top-k probabilities)."""
+    expert, w2 (E, dim, I). y_t = sum_j probs_tj * w2[e] (silu(g) * u), [g; u] = w13[e] x_t,
+    e = ids_tj (probs: the router's top-k probabilities)."""
 
     def __init__(self, n_experts: int, dim: int, inter: int, ops: bib.Kernels):
         super().__init__()
@@ -570,9 +570,9 @@ class GroupedExperts(nn.Module):
         with torch.no_grad():
             return self.w13.to(dtype), self.w2.to(dtype)
 
-    def forward(self, x: torch.Tensor, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # casts the fp32 masters to x's dtype (unless given their casts); their gradient is fp32
-        return self.ops.moe_experts(x, self.w13, self.w2, gates, ids,
+        return self.ops.moe_experts(x, self.w13, self.w2, probs, ids,
                                     self.compute_weights)  # (T, dim)
 
 
@@ -592,8 +592,8 @@ class MoE(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gates, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
-        y = self.experts(x, gates, ids)  # (T, dim)
+        probs, ids = self.topk(self.router(x))  # (T, k) fp32, (T, k) int32
+        y = self.experts(x, probs, ids)  # (T, dim)
         if self.shared_expert is not None:
             y = y + self.ops.sigmoid_gate_mul(self.shared_expert(x), self.shared_expert_gate(x))
         return y
