@@ -512,11 +512,11 @@ class GatedDeltaNet(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, ops: bib.Kernels):
+    def __init__(self, dim: int, inter: int, ops: bib.Kernels):
         super().__init__()
-        self.w13 = Linear(dim, 2 * hidden, ops)  # vLLM's gate_up_proj
+        self.w13 = Linear(dim, 2 * inter, ops)  # vLLM's gate_up_proj
         self.act_fn = SiluAndMul(ops)
-        self.w2 = Linear(hidden, dim, ops)
+        self.w2 = Linear(inter, dim, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act_fn(self.w13(x)))  # (T, 2I) -> (T, I) -> (T, dim)
