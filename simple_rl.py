@@ -478,7 +478,7 @@ class GatedDeltaNet(nn.Module):
     of the rule's chunked form (its prefill; batch.prefill says where it ends), then its
     completion token by token in the recurrent form (its decode steps): the two forms differ in
     their bits. The engine is held to that schedule ("Qwen3.5 on vLLM", after the story): a
-    prompt prefilled in one step, no prefix cache, no preemption. Each turn of an episode
+    prompt prefilled in one engine step, no prefix-cache hit, no preemption. Each turn of an episode
     is a sample of its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
@@ -1661,8 +1661,8 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
         return None
     if called.error is not None:  # anything else (a RewardError): the run stops
         raise called.error
-    message, value = called.value
-    episode.reward = value or 0.0
+    message, reward = called.value
+    episode.reward = reward or 0.0
     if message is None:
         last_turn = episode.turns[-1]
         episode.end("completed" if last_turn.out.stopped
