@@ -3,7 +3,7 @@
 One file, the RL story first, in data-flow order:
 
     config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
-           -> train step & parity check -> weight push -> rl_step, evaluate, train, setup, main
+           -> update & parity check -> weight push -> rl_step, evaluate, train, setup, main
 
 then, after one banner, the plumbing: validation, files, errors, ranks, vLLM patches, Qwen3.5
 on vLLM, LoRA's engine slot, tools, the lookup task, checkpoints, run directory, logging,
@@ -1757,7 +1757,7 @@ def kl_k3(logp, ref_logp) -> torch.Tensor:
 
 
 # ==========================================================================
-# Train step & parity check: trainer vs vLLM, every generated token, fp32 bit patterns
+# Update & parity check: trainer vs vLLM, every generated token, fp32 bit patterns
 # ==========================================================================
 
 
@@ -1786,7 +1786,7 @@ class Pass(NamedTuple):
 
 
 def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
-               n_micro: int | None = None, n_tokens: int | None = None) -> Pass:
+           n_micro: int | None = None, n_tokens: int | None = None) -> Pass:
     """The update: `updates_per_batch` optimizer steps, each after a pass over all
     micro-batches of this rank's samples.
 
@@ -1845,7 +1845,7 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
 def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
                          cfg: Config, per_token: float) -> Pass:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
-    pass's summed loss, token sums, logprobs and (Qwen3-MoE) the experts it chose."""
+    pass's summed loss, token sums, logprobs and (MoE) the experts it chose."""
     device = old_logp.device
     loss_total = torch.zeros((), device=device)
     logps = torch.empty(len(old_logp), dtype=torch.float32, device=device)  # (N,)
@@ -1878,7 +1878,7 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
 
 @dataclass
 class Parity:
-    """One step's check: the trainer's logprob of every generated token (and, for Qwen3-MoE,
+    """One step's check: the trainer's logprob of every generated token (and, for an MoE,
     its experts) against vLLM's, bit for bit. It checks, it does not block: the update's first
     forward is its trainer side, so the step updates and pushes whatever it finds. A mismatch
     is printed with a table of where each differing sample first differs, and charted in
@@ -2094,7 +2094,7 @@ def engine_to_sleep(trainer: Trainer) -> tuple[int, float]:
 def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
                        mine: list[int]) -> tuple[Pass, int, Parity]:
     """`update` on this rank's samples, whose first forward is the trainer's side of the
-    parity check: every generated token's logprob and, for Qwen3-MoE, its experts. Returns
+    parity check: every generated token's logprob and, for an MoE, its experts. Returns
     (the update's first pass, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
     # a sample an episode, or a turn for Qwen3.5 (pack_rollout); episode[s]: sample s's
@@ -2102,8 +2102,8 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         first_pass = update(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                                rollout.logprobs.to(device), adv[episode.to(device)], cfg,
-                                n_micro, n_tokens)
+                            rollout.logprobs.to(device), adv[episode.to(device)], cfg,
+                            n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
         e.prompts = sorted({mine[s // G] for s in e.samples})
@@ -3995,7 +3995,7 @@ def check_qwen35_engine(cfg: Config, passed: set[str], args) -> None:
     if qwen35(args) is None:
         return
     need(not (cfg.prefix_caching and "prefix_caching" in passed), "--prefix-caching: a "
-         "Qwen3.5 runs without vLLM's prefix cache (a cached prefix resumes its linear "
+         "Qwen3.5 reads no prefix cache (a cached prefix resumes its linear "
          "attention from a saved state, a split the trainer does not replay); drop the flag.")
     need(not cfg.debug_parity, "--debug-parity: the op-by-op debugger does not follow a "
          "Qwen3.5's schedule (a prompt prefilled whole, then a step a token) yet; drop the flag "
@@ -4453,22 +4453,22 @@ def inline(call: Callable, timeout: float = 0.0) -> Called:
 STOP_POLL_S = 0.05  # how often a wait on the tools looks for a stop request or a late call
 
 
-def reset_all(envs: list[Env], problems: list[Problem], n: int,
+def reset_all(envs: list[Env], problems: list[Problem], m: int,
               cfg: Config) -> tuple[list[str], set[int]]:
-    """Every env reset (n per problem, in parallel): each episode's first message, and the
+    """Every env reset (m per problem, in parallel): each episode's first message, and the
     episodes whose reset ran past --tool-timeout (they get their group's message, or the
     problem's question, and end at once). RewardError names the first bad episode."""
-    called = call_tools([lambda i=i, env=env: env_reset(env, problems[i // n], i)
+    called = call_tools([lambda i=i, env=env: env_reset(env, problems[i // m], i)
                          for i, env in enumerate(envs)], cfg)
     late = {i for i, c in enumerate(called) if isinstance(c.error, ToolTimeout)}
     messages = []
     for i, c in enumerate(called):
         if c.error is not None and i not in late:
             raise c.error
-        group = [g.value for g in called[i - i % n:i - i % n + n] if g.error is None]
+        group = [g.value for g in called[i - i % m:i - i % m + m] if g.error is None]
         messages.append(c.value if i not in late else group[0] if group else
-                        problems[i // n].question)
-        if group and messages[-1] != group[0]:  # a prompt's n samples share its prefill
+                        problems[i // m].question)
+        if group and messages[-1] != group[0]:  # a prompt's m samples share its prefill
             raise RewardError("reset gave the episodes of one problem different first "
                               "messages", i, messages[-1])
     return messages, late
@@ -6498,7 +6498,9 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
        caching its block spans max_len tokens (model_executor/models/config.py:1111-1118), and
        a Qwen3.5-MoE's one block does too.
        The scheduler keeps tokens <= max_len - 1 (v1/core/sched/scheduler.py:866-873).
-    So: (samples (ceil(n_full / g) ceil(max_len / b) + ceil(n_gdn / g)) + 1) g' b A.
+    So: (samples (ceil(n_full / g) ceil(max_len / b) + ceil(n_gdn / g)) + 1) g' b A, and for
+    a Qwen3.5-MoE at least (1 + ceil(n_full / g) ceil(max_len / b) + 2 ceil(n_gdn / g)) g' b A
+    (vLLM's start-up check, below).
     Not yet checked on a GPU: vLLM's block size (it logs "Setting attention block size to b
     tokens") should be b, and its block count (the scheduler's block pool) what these bytes
     give. (A Qwen3.5 without full attention has no page to align to: this gives it up to 64 A
@@ -6520,9 +6522,9 @@ def hybrid_kv_cache_bytes(args, samples: int, max_len: int) -> int:
 def hybrid_block_tokens(args, max_len: int) -> int:
     """The tokens of vLLM 0.34's KV block for a Qwen3.5 (`hybrid_kv_cache_bytes`, step 1):
     64 ceil(M / 64 A), or for a Qwen3.5-MoE, whose prefix cache is on (qwen35_engine_args),
-    at least max_len, a multiple of 128 (given as block_size, vLLM keeps it: its page holds M,
-    FA3 takes any multiple of 16 and FA4's head-256 kernel on Blackwell 128). So a long
-    --max-model-len costs a Qwen3.5-MoE more: each GDN page is padded to a block's."""
+    max_len rounded up to 128 where that is larger (given as block_size, vLLM keeps it: its
+    page holds M, and FA3 takes any multiple of 16). So a long --max-model-len costs a
+    Qwen3.5-MoE more: each GDN page is padded to a block's."""
     A = 2 * args.n_kv_heads * args.head_dim * 2
     own = VLLM_BLOCK_TOKENS * -(-gdn_state_bytes(args) // (VLLM_BLOCK_TOKENS * A))
     return max(own, 128 * -(-max_len // 128)) if sparse_layers(args) else own

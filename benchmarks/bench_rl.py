@@ -703,7 +703,7 @@ def profile_update(
     with profile(activities=activities) as update_prof:
         t0 = time.perf_counter()
         rl.update(model, None, optimizer, packed, ro.logprobs.to(ranks.device), adv, cfg,
-                      n_micro, n_tokens)
+                  n_micro, n_tokens)
         sync(ranks.device)
         update_s = time.perf_counter() - t0
     engine.push(rl.hf_weights(model))

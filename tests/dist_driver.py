@@ -53,7 +53,7 @@ def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0,
     per_prompt = [(ro.completions[j * G:(j + 1) * G], lps[j * G:(j + 1) * G])
                   for j in range(len(mine))]
     rl.update(trainer.model, None, trainer.optimizer, packed, ro.logprobs, adv, cfg, n_micro,
-                  n_tokens)
+              n_tokens)
     samples = rl.in_prompt_order(rl.all_gather_objects(per_prompt))
     grads = {n: rl.full_tensor(p.grad) for n, p in trainer.model.named_parameters()
              if p.requires_grad}

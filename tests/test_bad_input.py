@@ -223,7 +223,7 @@ def test_a_text_model_type_with_a_text_config_is_refused(q35, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag,words", [
-    ("--prefix-caching", "--prefix-caching: a Qwen3.5 runs without vLLM's prefix cache (a "
+    ("--prefix-caching", "--prefix-caching: a Qwen3.5 reads no prefix cache (a "
      "cached prefix resumes its linear attention from a saved state, a split the trainer does "
      "not replay); drop the flag."),
     ("--debug-parity", "--debug-parity: the op-by-op debugger does not follow a Qwen3.5's "

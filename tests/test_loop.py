@@ -109,7 +109,7 @@ def test_update_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
         want, _ = trainer.model(p, trainer.cfg.temperature)
     adv = torch.linspace(-1, 1, len(ro.completions))
     got = rl.update(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs, adv,
-                        trainer.cfg)
+                    trainer.cfg)
     torch.testing.assert_close(got.logprobs, want, atol=1e-6, rtol=0)
     assert got.grad_norm > 0
 
@@ -125,7 +125,7 @@ def test_micro_batching_and_padding_micro_batches_do_not_change_the_gradient(ckp
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
         trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the grads to compare
         rl.update(trainer.model, trainer.ref_model, trainer.optimizer, p, ro.logprobs,
-                      torch.linspace(-1, 1, 6), trainer.cfg, n_micro=n_micro)
+                  torch.linspace(-1, 1, 6), trainer.cfg, n_micro=n_micro)
         grads.append(torch.cat([q.grad.flatten() for q in trainer.model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
     assert torch.equal(grads[1], grads[2])  # zero-weight micro-batches add exactly nothing

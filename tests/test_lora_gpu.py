@@ -162,9 +162,9 @@ def test_qwen35_lora_at_published_shapes_within_the_estimate(tmp_path_factory, p
     """Qwen3.5-9B's exact shape and 27B's layers (random weights), LoRA rank 16 on every default
     target (the Gated DeltaNet's in- and out-projections too) at the defaults, one GPU, 3 steps:
     every token equal, and the banner's estimate within 15% of the largest step's memory. On
-    one H100 with LoRA's fixed margin at 3 GiB: 9B 68.7 GiB in use against ~76 estimated,
-    27B's cut layers 23.4 against ~26, 1.11x each (results/h100_q35_routes/; 27B was 1.17x
-    with 4 GiB: results/h100_q35_early_stops/)."""
+    one H100 with LoRA's fixed margin at 3 GiB: 9B 68.7 GiB in use against ~76.3 estimated
+    (1.11x), 27B's cut layers 23.4 against ~26.3 (1.12x) (results/h100_q35_routes/; 27B was
+    1.17x with 4 GiB: results/h100_q35_early_stops/)."""
     _need_gpu_stack()
     r = big_lora_run(tmp_path_factory.mktemp(preset), preset, layers, "--steps", "3",
                      "--eval-size", "0", *flags)

@@ -166,7 +166,7 @@ def test_a_second_optimizer_step_clips_what_the_first_moved(ckpt, tmp_path, monk
     against those same frozen logprobs, is not, and the clip acts on some tokens. The update
     gets each group's rewards normalised within the group."""
     updates, rewards, advantages = [], [], []
-    accumulate, clip, update = rl.accumulate_gradients, rl.ppo_clip_loss, rl.update_with_parity
+    accumulate, clip, with_parity = rl.accumulate_gradients, rl.ppo_clip_loss, rl.update_with_parity
     optimize = rl.update
 
     def each_update(*a, **k):
@@ -186,7 +186,7 @@ def test_a_second_optimizer_step_clips_what_the_first_moved(ckpt, tmp_path, monk
     monkeypatch.setattr(rl, "ppo_clip_loss", recorded)
     def step_rewards(trainer, rollout, *a):  # each episode's reward, as the step scored it
         rewards.append(torch.tensor([e.reward for e in rollout.episodes]))
-        return update(trainer, rollout, *a)
+        return with_parity(trainer, rollout, *a)
 
     monkeypatch.setattr(rl, "update_with_parity", step_rewards)
     monkeypatch.setattr(rl, "update", step_advantages)

@@ -132,7 +132,7 @@ A3B_RUNS = {"cuda-graphs": (("--cuda-graphs",), 8), "no-cuda-graphs": (("--no-cu
 
 @pytest.mark.parametrize("run", list(A3B_RUNS))
 def test_qwen35_35b_a3b_layers_every_token_and_route_equal(q35_a3b, tmp_path, run):
-    """q35_a3b (~70 GiB estimated and 62 in use on an H100; 4 layers take ~84), every step with
+    """q35_a3b (~69 GiB estimated and 57 in use on an H100; 4 layers take ~84), every step with
     samples that stopped early and samples that did not: every token equal to vLLM's, and its
     experts the ones vLLM chose (its prefix cache kept on for them, never read).
     An H100 run once had one step in five differ, its first with early stops, while the shared

@@ -298,8 +298,8 @@ def test_simple_rl_runs_moe_and_reports_routing(tmp_path, moe_ckpt, corrupt, upd
 
 
 def test_an_engine_that_returns_no_experts_reports_tokens_only(tmp_path, moe_ckpt, capsys):
-    """vLLM returns no experts under --no-prefix-caching (and for a Qwen3.5-MoE, whose prefix
-    cache is off): the step checks tokens alone and says nothing of routing (no "0/0")."""
+    """vLLM returns a Qwen3-MoE's experts only with its prefix cache: under --no-prefix-caching
+    the step checks tokens alone and says nothing of routing (no "0/0")."""
     class NoRoutes(RoutingEngine):
         returns_routes = False
 

@@ -123,17 +123,17 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
     assert engine.preempted is not None and engine.preempted() == 0
 
 
-@pytest.mark.parametrize("max_len", [200, 9000])
+@pytest.mark.parametrize("max_len", [200, 2048, 9000])
 def test_a_qwen35_moe_engine_keeps_an_unread_prefix_cache_for_its_routes(q35, monkeypatch,
                                                                          max_len):
     """vLLM returns a token's experts only with its prefix cache on: a Qwen3.5-MoE's engine has
     it on, never read, with the chunked prefill it needs and a block of at least
     --max-model-len tokens that one step holds, so that no prompt is split at a block's end
-    (the tiny model's own block is 64 tokens: 200 rounds up to 256, a multiple of 128). The
-    dense one has none."""
+    (the tiny model's own block is 64 tokens: 200 rounds up to 256, a multiple of 128; 2,048 as
+    the A3B GPU test's block-2048 run). The dense one has none."""
     path = q35(experts=8, top_k=2, moe_inter=32, shared_inter=48)
     engine, seen = start_engine(path, monkeypatch, max_model_len=max_len)
-    kw, block = seen["kwargs"], 256 if max_len == 200 else 9088
+    kw, block = seen["kwargs"], {200: 256, 2048: 2048, 9000: 9088}[max_len]
     assert rl.hybrid_block_tokens(model_args(path), max_len) == block == kw["block_size"]
     assert kw["enable_prefix_caching"] is True and kw["enable_chunked_prefill"] is True
     assert kw["enable_return_routed_experts"] is True and engine.returns_routes
@@ -156,6 +156,7 @@ def test_a_qwen3_engine_is_untouched(tmp_path, monkeypatch):
     kw = seen["kwargs"]
     assert not set(rl.QWEN35_ENGINE_ARGS) & set(kw)
     assert kw["enable_prefix_caching"] is True and engine.preempted is None
+    assert engine.sampling_params(3).skip_reading_prefix_cache is False  # it reads its cache
     assert seen["backend"].supports_batch_invariance() is False
     assert rl.PACKED_DECODE not in seen["env"]
     assert all(len(t.configs) == 3 for t in seen["tuners"])  # Triton autotunes as it would
@@ -239,7 +240,7 @@ def test_the_debugger_and_an_explicit_prefix_cache_are_refused_for_a_qwen35(q35,
     argv = cpu_argv(path, tmp_path / "logs", run_name="r", prefix_caching=True)
     assert rl.main(argv, device_type="cpu") == 2  # a run that would start vLLM
     assert capsys.readouterr().err == (
-        "simple_rl: error: --prefix-caching: a Qwen3.5 runs without vLLM's prefix cache (a "
+        "simple_rl: error: --prefix-caching: a Qwen3.5 reads no prefix cache (a "
         "cached prefix resumes its linear attention from a saved state, a split the trainer "
         "does not replay); drop the flag.\n")
     assert not (tmp_path / "logs" / "r").exists()
