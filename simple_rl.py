@@ -325,7 +325,7 @@ class LoRA(nn.Module):
         return [self.a[g] for g in self.groups]
 
     def refresh(self) -> None:
-        """casts <- (A, B') rounded to the compute dtype (every rank: FSDP gathers)."""
+        """casts <- (A, B') rounded to the compute dtype (every process: FSDP gathers)."""
         with torch.no_grad():
             if self.casts is None:
                 self.casts = tuple(tuple(torch.empty(1, 1, *p.shape, dtype=self.dtype,
@@ -371,10 +371,10 @@ def add_lora(model: Qwen3, spec: LoRASpec) -> None:
     and so stay 0."""
     sizes = lora_slice_sizes(model.args)
     for block in model.layers:
-        layers = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
+        modules = dict(block.named_modules())  # a layer kind's (a sparse block: no MLP)
         for path, (_, names) in LORA_LAYERS.items():
-            if set(names) & set(spec.targets) and path in layers:
-                layer = layers[path]
+            if set(names) & set(spec.targets) and path in modules:
+                layer = modules[path]
                 kept = tuple(n if n in spec.targets else None for n in names)
                 layer.lora = LoRA(layer.weight.shape[1], sizes[path], kept, spec.rank,
                                   spec.alpha / spec.rank, model.ops, model.dtype)
@@ -703,25 +703,25 @@ def weights_cast_once(model: Qwen3):
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
     forward or a gradient changes, only how often the cast runs. On exit they are None again.
     """
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
-        layers.append(model.tok_embeddings)  # the tied head's weight
+        linears.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     # FSDP2 (full fine-tuning) shards the masters and its all-gather casts them (Qwen3.5's
     # Gated DeltaNet layers: gathered in fp32, cast in their forward); fp32 needs no cast
     if hasattr(model.norm.weight, "to_local") or model.dtype == torch.float32:
-        layers, experts = [], []
+        linears, experts = [], []
     for m in lora_modules(model):  # in every case, and kept: bound, they are the engine's slot
         m.refresh()
     with torch.no_grad():
-        for m in layers:
+        for m in linears:
             m.compute_weight = m.weight.to(model.dtype)
         for m in experts:
             m.compute_weights = m.cast(model.dtype)
     try:
         yield
     finally:
-        for m in layers:
+        for m in linears:
             m.compute_weight = None
         for m in experts:
             m.compute_weights = None
@@ -1382,8 +1382,8 @@ def parse_answer(text: str) -> Decimal | None:
 
 
 def reward(completion: str, answer: str) -> float:
-    """1 if the parsed answer equals the reference exactly (1,234 == 1234.0), else 0. A
-    reference that is not a number is compared with the text after the last 'Answer:'."""
+    """1 if the parsed answer equals the expected one exactly (1,234 == 1234.0), else 0. An
+    expected answer that is not a number is compared with the text after the last 'Answer:'."""
     try:
         want = Decimal(answer.replace(",", ""))
     except InvalidOperation:
@@ -1518,7 +1518,7 @@ class Rollout:
     first prompt followed by everything after it (the model's turns, the tools' messages);
     pack_rollout cuts a Qwen3.5's into a sample a turn (each its episode's advantage)."""
     prompts: list[list[int]]  # each episode's first prompt (a problem's, G times)
-    completions: list[list[int]]  # everything after it
+    completions: list[list[int]]  # everything after it: turns and tool messages, not one turn
     generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     completed: list[bool]  # the episode completed: its env scored a turn that ended at a stop id
