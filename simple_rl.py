@@ -36,7 +36,7 @@ Departures from textbook GRPO/PPO:
     numbers exactly, so rho = 1 at the first optimizer step; the clip acts only with
     `--updates-per-batch` > 1.
   * Logprobs are those of the sampling distribution softmax(logits / temperature): vLLM returns
-    processed logprobs and the trainer divides its fp32 logits by T exactly as vLLM's sampler
+    processed logprobs and the trainer divides its fp32 logits by it exactly as vLLM's sampler
     does, so parity holds at any temperature.
   * The loss is a token mean over the whole batch of every rank (each token weighs the same).
   * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
@@ -192,7 +192,7 @@ class Config:
     group_size: int = opt("generation", 8, "completions sampled per prompt (G)")
     max_new_tokens: int = opt("generation", 256, "max tokens generated per turn")
     temperature: float = opt("generation", 1.0, "sampling temperature; logprobs are those of "
-                             "softmax(logits / T)")
+                             "softmax(logits / temperature)")
     max_model_len: int = opt("generation", 1024, "vLLM max sequence length (prompt + completion)")
     kv_cache_gib: float = opt("generation", 0.0, "vLLM KV cache per GPU in GiB (0: room for every "
                               "sample of a step at --max-model-len)")
@@ -6558,8 +6558,9 @@ def batched_tokens(cfg: Config, args, samples: int) -> int:
     """The tokens one engine step may schedule: every sample's decode, at least 8192; a
     Qwen3.5's prompt is prefilled whole (QWEN35_ENGINE_ARGS), so the longest fits too, and a
     Qwen3.5-MoE's whole block (qwen35_engine_args)."""
-    whole = qwen35(args) and max(cfg.max_model_len, hybrid_block_tokens(args, cfg.max_model_len))
-    return max(samples, 8192, whole or 0)
+    if qwen35(args) is None:
+        return max(samples, 8192)
+    return max(samples, 8192, cfg.max_model_len, hybrid_block_tokens(args, cfg.max_model_len))
 
 
 # ==========================================================================
