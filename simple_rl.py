@@ -5684,15 +5684,18 @@ def parity_table(a: torch.Tensor, b: torch.Tensor, bad: torch.Tensor, tokens: to
     later tokens follow from there) and how many of its tokens differ; or, with none, the
     first tokens."""
     n, bits_a, bits_b = len(a), a.view(torch.int32), b.view(torch.int32)
-    sample = torch.repeat_interleave(torch.tensor(lengths, dtype=torch.long))  # (N,)
+    length = torch.tensor(lengths, dtype=torch.long)  # (B,)
+    sample = torch.repeat_interleave(length)  # (N,)
+    start = length.cumsum(0) - length  # (B,) each sample's first token
+    differ = torch.zeros(len(lengths), dtype=torch.long).index_add_(0, sample, bad.long())  # (B,)
     first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
         0, sample, torch.where(bad, torch.arange(n), n), "amin")
     lines = [f"{'sample':>7} {'pos/len':>9} {'differ':>6} {'token':>8} {'vllm':>14} "
              f"{'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
     for i in first[first < n][:rows].tolist() if bad.any() else range(min(rows, n)):
         s = int(sample[i])
-        lines.append(f"{s:>7} {f'{i - sum(lengths[:s])}/{lengths[s]}':>9} "
-                     f"{int(bad[sample == s].sum()):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
+        lines.append(f"{s:>7} {f'{i - int(start[s])}/{lengths[s]}':>9} "
+                     f"{int(differ[s]):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
                      f"{b[i].item():>14.8f} {bits_a[i].item() & 0xFFFFFFFF:>10x} "
                      f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {abs(a[i] - b[i]).item():>10.3g}")
     return "\n".join(lines)
