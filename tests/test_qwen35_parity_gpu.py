@@ -6,7 +6,8 @@ alone must draw what they drew inside the batch.
 
 Then simple_rl.py itself on that model at T = 0.7: two runs and a resumed one end at one sha256,
 0 mismatched tokens at every step; and episodes of 1-4 turns with tool messages between them.
-Last, the parity checks on Qwen3.5-4B's exact shape, whole, at 256 and 2048 new tokens.
+Last, Qwen3.5-4B's exact shape, whole: the parity checks at 256 and 2048 new tokens, and
+simple_rl.py twice to one sha256 (and resumed, where the disk holds its checkpoint).
 
 The model: Qwen3.5-0.8B's shapes (head_dim 256, 16 linear heads of 128, partial rotary), cut
 to 4 layers (three Gated DeltaNet, one gated attention), random bf16 weights. It runs through
@@ -14,6 +15,7 @@ tests/gpu_driver.py (the Qwen3 parity experiment: it builds VLLMEngine and the m
 and compares every token's logprob, weights and batch-freedom), one engine per process.
 """
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +165,31 @@ def test_every_token_of_qwen35_4b_bitwise_equal(qwen35_4b, tmp_path, run):
     check_every_step(r, 1000, 16 * group)
     assert r["batch_free"]
     assert all(s["max_completion"] == new for s in r["steps"])  # random weights: eos is rare
+
+
+def test_simple_rl_on_qwen35_4b_is_exact_and_deterministic(qwen35_4b, tmp_path):
+    """simple_rl.py on Qwen3.5-4B's exact shape with full fine-tuning, 2 steps at T = 0.7 at its
+    defaults otherwise, twice: every step's parity line identical, one sha256. Then a run
+    stopped at step 1 and resumed ends there too, where the disk holds the checkpoint: fp32
+    masters, Adam's two moments and the bf16 export, 7x the bf16 weights (~59 GB)."""
+    (tmp_path / "ckpt").symlink_to(qwen35_4b)
+    t = ("--temperature", "0.7", "--save-every", "0")
+    a, b = (simple_rl(tmp_path, name, 0, 2, *t) for name in ("a", "b"))
+    parity = [line for line in a[0] if line.startswith("parity:")]
+    assert len(parity) == 2 and all("identical=yes" in line for line in parity), a[0]
+    assert a[0] == b[0] and a[1] == b[1]
+    print({"sha256": a[1], "lines": a[0]})
+    print("\n".join(line for line in a[3].splitlines() if line.startswith("step")))
+    for name in ("a", "b"):  # the exports: room for the resume's checkpoint
+        shutil.rmtree(tmp_path / "runs" / name / "final")
+    weights = sum(f.stat().st_size for f in Path(qwen35_4b).glob("*.safetensors"))
+    free = shutil.disk_usage(tmp_path).free
+    if free < 8 * weights:
+        pytest.skip(f"two runs at one sha256 {a[1][:8]}; no resume: {free / 2**30:.0f} GiB "
+                    f"free, a checkpoint and an export take {8 * weights / 2**30:.0f}")
+    part = simple_rl(tmp_path, "part", 0, 1, *t, "--save-every", "1")
+    saved = tmp_path / "runs" / "part" / "checkpoints" / "step_000001"
+    resumed = simple_rl(tmp_path, "part", 0, 2, *t, "--resume", str(saved))
+    assert part[1] != a[1] and resumed[1] == a[1], (part[1], resumed[1], a[1])
+    assert resumed[2] == a[2]  # the metrics of both steps
+    assert all("identical=yes" in line for line in resumed[0] if line.startswith("parity:"))
