@@ -1,6 +1,7 @@
 """simple_rl: bitwise-deterministic GRPO for Qwen3 and Qwen3.5 with vLLM rollouts, one GPU or many.
 
-One file, the RL story first, in data-flow order:
+One file, the RL story first, in the order a step runs it (the model first: what it eats,
+`Packed`, is the rollout's):
 
     config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
            -> update & parity check -> weight push -> rl_step, evaluate, train, setup, main
@@ -176,7 +177,8 @@ class Config:
                    "FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
     max_turns: int = opt("task", 4, "model turns per episode at most (each tool call ends one)")
     max_tool_tokens: int = opt("task", 0, "a tool message's tokens at most, the rest cut "
-                               "(0: no cut; one past what --max-model-len leaves ends it)")
+                               "(0: cut at --max-model-len); a message that leaves no room "
+                               "for a token ends its episode as max_model_len")
     tool_workers: int = opt("task", 0, "threads running a turn's env calls at once, results "
                             "kept in episode order (0: one per episode)")
     tool_timeout: float = opt("task", 600.0, "seconds an env's step or reset (or a --reward "
@@ -851,7 +853,8 @@ def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
     """Every weight in the compute dtype, on CPU, under HF (hub) names, or under LoRA the
-    adapter (PEFT names, (rows, cols)); on rank 0 ({} elsewhere)."""
+    adapter (PEFT names, (rows, cols); B scaled by alpha / r, exported with lora_alpha = r);
+    on rank 0 ({} elsewhere)."""
     keep = is_main()
     items = adapter_weights(model) if lora_modules(model) else hf_weights(model, False)
     return {k: v.reshape(v.shape[-2:]).cpu() if "lora_" in k else v.cpu() for k, v in items if keep}
@@ -1123,7 +1126,8 @@ class VLLMEngine(Engine):
         cfg = self.cfg
         # flat_logprobs: a few flat lists per request instead of a dict and an object per
         # token, so vLLM's output processing makes fewer Python objects at every decode step.
-        # A cache kept on for routes alone (a Qwen3.5-MoE's) is never read.
+        # skip_reading_prefix_cache: a cache kept on for routes alone (a Qwen3.5-MoE's) is
+        # never read.
         return SamplingParams(n=n or cfg.group_size,
                               temperature=cfg.temperature if temperature is None else temperature,
                               logprobs=0, flat_logprobs=True,
@@ -1172,11 +1176,12 @@ def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
 def request_seed(cfg: Config, step: int, prompt: int) -> int:
     """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching or ranks.
 
-    vLLM seeds a prompt's G samples with seed, seed + 1, ..., seed + G - 1, so the seeds of
-    consecutive prompts are G apart: no two samples of a step share a seed (and with it their
-    sampling noise).
+    vLLM seeds a prompt's G samples with seed, seed + 1, ..., seed + G - 1. The seed is a
+    multiple of G below 2^48, consecutive prompts' G apart: no two samples of a step share one
+    (and with it their sampling noise), and seed + G - 1 stays below 2^48 (turn_seed's turns).
     """
-    return (cfg.seed * 1_000_003 + step * 10_007 + prompt) * cfg.group_size % 2**48
+    base = cfg.seed * 1_000_003 + step * 10_007 + prompt
+    return base % (2**48 // cfg.group_size) * cfg.group_size
 
 
 def turn_seed(cfg: Config, step: int, prompt: int, g: int, turn: int) -> int:
@@ -1452,7 +1457,8 @@ class Env:
 
 class RewardEnv(Env):
     """One turn, scored by reward_fn(completion, answer): without --env, this step is where a
-    training reward comes from (`score`, after the story ends, is only --check's first call)."""
+    training reward comes from (`score`, after the story ends, scores texts outside episodes:
+    the start's check of the reward and the benchmarks)."""
 
     def __init__(self, reward_fn: RewardFn = reward):
         self.reward_fn = reward_fn
