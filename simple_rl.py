@@ -1,7 +1,6 @@
 """simple_rl: bitwise-deterministic GRPO for Qwen3 and Qwen3.5 with vLLM rollouts, one GPU or many.
 
-One file, the RL story first, in the order a step runs it (the model first: what it eats,
-`Packed`, is the rollout's):
+One file, the RL story first, in the order a step runs it:
 
     config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
            -> update & parity check -> weight push -> rl_step, evaluate, train, setup, main
@@ -270,6 +269,27 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # how often each cast runs (FSDP2's all-gather, LoRA's adapter slot): `weights_cast_once`.
 
 
+@dataclass
+class Packed:
+    """What every forward takes (pack builds it, in "Rollout"): samples back to back. A sample
+    b is an episode (Rollout's b), or a Qwen3.5's turn (pack_rollout says whose episode); in a
+    micro-batch (sub_pack), b counts from its first."""
+    tokens: torch.Tensor  # (T,) prompt + completion of every sample, back to back
+    positions: torch.Tensor  # (T,) position within its sample
+    cu_seqlens: torch.Tensor  # (B+1,) int32 sample boundaries
+    max_seqlen: int
+    gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
+    targets: torch.Tensor  # (N,) the generated tokens
+    sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
+    prefill: torch.Tensor  # (B,) P_b, the tokens before sample b's first generated one: what
+    # vLLM prefilled where a sample is one turn (a Qwen3.5's, the replay's schedule)
+
+    def to(self, device) -> "Packed":
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if f.name != "max_seqlen"}
+        return dataclasses.replace(self, **moved)
+
+
 class Embedding(nn.Module):
     def __init__(self, vocab: int, dim: int, dtype: torch.dtype):
         super().__init__()
@@ -418,7 +438,7 @@ class FlashAttention(nn.Module):
         self.scale = scale
         self.ops = ops
 
-    def forward(self, q, k, v, batch: "Packed") -> torch.Tensor:
+    def forward(self, q, k, v, batch: Packed) -> torch.Tensor:
         return self.ops.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, self.scale)
 
 
@@ -452,7 +472,7 @@ class Attention(nn.Module):
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, ops)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, batch: "Packed", rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Packed, rope: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         D = self.head_dim
         q, k, v = self.wqkv(x).split(self.sizes, dim=-1)  # (T, Hq D (x2)), (T, Hk D), (T, Hk D)
@@ -498,7 +518,7 @@ class GatedDeltaNet(nn.Module):
         self.ops = ops
         self.dtype = dtype
 
-    def forward(self, x: torch.Tensor, batch: "Packed", rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Packed, rope=None) -> torch.Tensor:
         T = x.shape[0]
         Hk, Dk, Hv, Dv = self.shape
         qkv, z = self.in_proj_qkvz(x).split(self.sizes, dim=-1)  # (T, 2 Hk Dk + Hv Dv), (T, Hv Dv)
@@ -631,7 +651,7 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.hidden_dim, ops)
 
-    def forward(self, x, residual, batch: "Packed", rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, residual, batch: Packed, rope) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: no residual to add yet
             h, residual = self.attention_norm(x), x
         else:
@@ -665,7 +685,7 @@ class Qwen3(nn.Module):
         self.rope = bib.rope_cos_sin_cache(rotary_dim, a.rope_theta, a.max_seq_len, device,
                                            self.dtype)
 
-    def hidden(self, batch: "Packed") -> torch.Tensor:
+    def hidden(self, batch: Packed) -> torch.Tensor:
         """Packed varlen forward: tokens (T,) -> final hidden states (T, dim)."""
         h, residual = self.tok_embeddings(batch.tokens), None  # (T, dim)
         for block in self.layers:
@@ -680,13 +700,13 @@ class Qwen3(nn.Module):
             return self.ops.linear(h, emb.weight, emb.compute_weight)
         return self.output(h)
 
-    def forward(self, batch: "Packed", temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Packed, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """log softmax(logits / temperature)[target] and the entropy at every generated token,
         fp32 (N,)."""
         h = self.hidden(batch)[batch.gen_index]  # (N, dim): the states predicting the targets
         return self.ops.logprobs_entropy(self.logits(h), batch.targets, temperature)
 
-    def routed_ids(self, batch: "Packed") -> torch.Tensor:
+    def routed_ids(self, batch: Packed) -> torch.Tensor:
         """The experts the last forward (of `batch`) chose for the tokens whose next token it
         scored: (N, sparse layers, k) int32 (the routing-parity check)."""
         return torch.stack([b.moe.topk.ids[batch.gen_index] for b in self.layers if b.sparse],
@@ -736,7 +756,7 @@ class BasePolicy:
     def __init__(self, model: Qwen3):
         self.model = model
 
-    def __call__(self, batch: "Packed", temperature: float):
+    def __call__(self, batch: Packed, temperature: float):
         adapters = lora_modules(self.model)
         for m in adapters:
             m.enabled = False
@@ -756,25 +776,14 @@ def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
 def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ranks,
                  engine: Engine | None = None):
     """The policy and, with --kl-coef > 0, its KL reference: (model, ref_model or None), sharded
-    over the ranks (full fine-tuning: rank 0 holds hf_state, the others get their shards).
-
-    LoRA: the base is the engine's own weights where it lends them (Engine.base_weights), else
-    hf_state's (every rank's); the adapters start as PEFT's (lora_init), their casts bound to
-    the engine's adapter slot; the reference is the policy with its adapters off."""
-    dtype = DTYPES[cfg.dtype]
-    lora = lora_spec(cfg, args)
-    lent = engine.base_weights(args) if lora and engine else None  # one copy of the base
-    state = lent if lent is not None else hf_to_trainer(hf_state, args) if hf_state else {}
-    if lora:  # the adapters' fp32 masters join the base's
-        state = {**state, **lora_init(args, lora, cfg.seed)}
-    model = build_model(args, state, ops, dtype, ranks.device, ranks.world, lora)
-    if lora and engine and engine.lora_tensors is not None:  # bind_lora names a missing slot
-        bind_lora(model, engine.lora_tensors)
-    if cfg.kl_coef == 0:
-        return model, None
-    if lora:
-        return model, BasePolicy(model)
-    return model, build_model(args, state, ops, dtype, ranks.device, ranks.world, frozen=True)
+    over the ranks (rank 0 holds hf_state, the others get their shards). Under LoRA
+    (lora_models, in the LoRA plumbing) the reference is the policy with its adapters off."""
+    if lora := lora_spec(cfg, args):
+        return lora_models(cfg, args, hf_state, ops, ranks, engine, lora)
+    state = hf_to_trainer(hf_state, args) if hf_state else {}
+    build = functools.partial(build_model, args, state, ops, DTYPES[cfg.dtype], ranks.device,
+                              ranks.world)
+    return build(), build(frozen=True) if cfg.kl_coef else None
 
 
 def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, device,
@@ -1040,23 +1049,26 @@ class VLLMEngine(Engine):
         # LoRA: one adapter slot on the layers of --lora-targets, shared with the trainer
         # (start_adapter, bind_lora)
         self.lora = lora_spec(cfg, files.args)
-        # A Qwen3.5 reads no prefix cache: a cached prefix resumes its linear attention from a
-        # saved state, a split the trainer does not replay (check_qwen35_engine).
-        cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching
-                                             and qwen35(files.args) is None)
+        # The prefix cache. A Qwen3.5 never reads it: a cached prefix resumes its linear
+        # attention from a saved state, a split the trainer does not replay. An MoE's engine
+        # returns each token's experts (the routing-parity check) only with the cache on (vLLM
+        # keeps them beside its blocks), so a Qwen3.5-MoE keeps it on, unread:
+        #
+        #     model          read (cfg.prefix_caching)   on           experts returned
+        #     Qwen3          under --prefix-caching      when read    -
+        #     Qwen3-MoE      under --prefix-caching      when read    when on
+        #     Qwen3.5        never                       no           -
+        #     Qwen3.5-MoE    never                       yes          yes
+        q35 = qwen35(files.args) is not None
+        cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching and not q35)
+        self.returns_routes = bool(sparse_layers(files.args)) and (cfg.prefix_caching or q35)
         # The plumbing's part, after the story ("vLLM patches"): two vLLM ops run on the
         # trainer's kernels, a Qwen3.5's Gated DeltaNet let into batch-invariant mode and
         # its schedule made one the trainer replays, the engine's memory, LoRA's slot: LLM's
         # arguments and the bytes a wake-up maps again.
-        plumbing, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
+        engine_kwargs, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
         self.stop_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
-        # MoE: vLLM returns each request's chosen experts (per token, layer, top-k) for the
-        # routing-parity check, and only with its prefix cache on (it keeps them beside the
-        # cache's blocks): a Qwen3-MoE under --no-prefix-caching is checked on tokens alone; a
-        # Qwen3.5-MoE's cache is on for them, never read (qwen35_engine_args).
-        self.returns_routes = bool(sparse_layers(files.args)) and (
-            cfg.prefix_caching or qwen35(files.args) is not None)
         graphs = cfg.cuda_graphs and not cfg.debug_parity  # the debugger hooks eager steps only
         # What makes vLLM's numbers the trainer's: its kernels (patched above), its logprobs, the
         # attention backend, and no compiler.
@@ -1073,7 +1085,7 @@ class VLLMEngine(Engine):
             enforce_eager=not graphs,
             compilation_config=CompilationConfig(
                 mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
-                max_decode_cudagraph_capture_requests=min(plumbing["max_num_seqs"],
+                max_decode_cudagraph_capture_requests=min(engine_kwargs["max_num_seqs"],
                                                           CUDA_GRAPH_MAX_BATCH),
                 # every request has the adapter: no graphs for requests without one
                 cudagraph_specialize_lora=False) if graphs else None,
@@ -1081,7 +1093,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(
             model=str(files.path),
             **bitwise,
-            **plumbing,
+            **engine_kwargs,
             max_model_len=cfg.max_model_len,
             enable_sleep_mode=cfg.engine_sleep,
             enable_prefix_caching=cfg.prefix_caching or self.returns_routes,
@@ -1090,7 +1102,7 @@ class VLLMEngine(Engine):
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
         )
         self.lora_request = start_adapter(self, files) if self.lora else None
-        self.preempted = preemption_counter(self.llm) if qwen35(files.args) else None
+        self.preempted = preemption_counter(self.llm) if q35 else None
 
     def base_weights(self, args) -> dict[str, torch.Tensor]:
         """The engine's own weights (no copy) under the trainer's names, checked finite."""
@@ -1195,26 +1207,6 @@ def turn_seed(cfg: Config, step: int, prompt: int, g: int, turn: int) -> int:
 def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
     """The step's prompts this rank generates and trains on: i mod world == rank."""
     return list(range(ranks.rank, num_prompts, ranks.world))
-
-
-@dataclass
-class Packed:
-    """Samples back to back. A sample b is an episode (Rollout's b), or a Qwen3.5's turn
-    (pack_rollout says whose episode); in a micro-batch (sub_pack), b counts from its first."""
-    tokens: torch.Tensor  # (T,) prompt + completion of every sample, back to back
-    positions: torch.Tensor  # (T,) position within its sample
-    cu_seqlens: torch.Tensor  # (B+1,) int32 sample boundaries
-    max_seqlen: int
-    gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
-    targets: torch.Tensor  # (N,) the generated tokens
-    sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
-    prefill: torch.Tensor  # (B,) P_b, the tokens before sample b's first generated one: what
-    # vLLM prefilled where a sample is one turn (a Qwen3.5's, the replay's schedule)
-
-    def to(self, device) -> "Packed":
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if f.name != "max_seqlen"}
-        return dataclasses.replace(self, **moved)
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]],
@@ -4053,6 +4045,21 @@ def engine_names(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]):
 # ==========================================================================
 # LoRA plumbing: the engine's adapter slot, names, the initial adapter
 # ==========================================================================
+
+
+def lora_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ranks,
+                engine: Engine | None, lora: LoRASpec) -> tuple[Qwen3, BasePolicy | None]:
+    """build_models under LoRA. The base is the engine's own weights where it lends them
+    (Engine.base_weights: one copy on the GPU), else hf_state's (every rank's); the adapters
+    start as PEFT's (lora_init: A random, B = 0) and their casts are bound to the engine's
+    adapter slot (bind_lora); the KL reference is the policy with its adapters off."""
+    lent = engine.base_weights(args) if engine else None
+    state = lent if lent is not None else hf_to_trainer(hf_state, args) if hf_state else {}
+    state = {**state, **lora_init(args, lora, cfg.seed)}  # the adapters' fp32 masters
+    model = build_model(args, state, ops, DTYPES[cfg.dtype], ranks.device, ranks.world, lora)
+    if engine and engine.lora_tensors is not None:  # bind_lora names a missing slot
+        bind_lora(model, engine.lora_tensors)
+    return model, BasePolicy(model) if cfg.kl_coef else None
 
 
 def start_adapter(engine: VLLMEngine, files: ModelFiles):
