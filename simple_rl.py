@@ -1392,22 +1392,6 @@ def reward(completion: str, answer: str) -> float:
 RewardFn = Callable[[str, str], float]
 
 
-def finite_advantages(rewards: torch.Tensor, cfg: Config,
-                      text: Callable[[int], str]) -> torch.Tensor:
-    """group_advantages of the rewards (n G,); RewardError naming the largest |reward| of the
-    first group whose advantages are not finite (its mean or std overflows fp32).
-    text(i): episode i's last completion, read only for the message."""
-    G = cfg.group_size
-    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (n G,)
-    bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
-    if bad:
-        first = bad[0] // G * G
-        i = first + int(rewards[first:first + G].abs().argmax())
-        raise RewardError(f"returned {rewards[i].item():.3g}, so large that its group's "
-                          "advantages are not finite", i, text(i))
-    return adv
-
-
 # ==========================================================================
 # Episodes: turns, tools and environments
 # ==========================================================================
@@ -1735,6 +1719,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
     if std_normalize:
         a = a / (r.std(-1, keepdim=True) + eps)  # unbiased std; equal rewards give A = 0
     return a.view(-1)
+
+
+def finite_advantages(rewards: torch.Tensor, cfg: Config,
+                      text: Callable[[int], str]) -> torch.Tensor:
+    """group_advantages of the rewards (n G,); RewardError naming the largest |reward| of the
+    first group whose advantages are not finite (its mean or std overflows fp32).
+    text(i): episode i's last completion, read only for the message."""
+    G = cfg.group_size
+    adv = group_advantages(rewards, G, cfg.std_normalize, cfg.adv_eps)  # (n G,)
+    bad = (~torch.isfinite(adv)).nonzero().flatten().tolist()
+    if bad:
+        first = bad[0] // G * G
+        i = first + int(rewards[first:first + G].abs().argmax())
+        raise RewardError(f"returned {rewards[i].item():.3g}, so large that its group's "
+                          "advantages are not finite", i, text(i))
+    return adv
 
 
 def ppo_clip_loss(logp, old_logp, adv, clip_eps: float):
