@@ -1515,8 +1515,9 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     """m fresh envs per problem (G; 1 for the eval), reset, and each problem's first prompt as
     ids: the task's (prompt_ids) when reset gives the question, else its message formatted as
     the task's (the chat template's user turn, or 'Q: ...\\nA:'). An env whose reset ran past
-    --tool-timeout is None: its episode ends at once. A RewardError's `sample` is its episode
-    (j m + k)."""
+    --tool-timeout is None: its episode ends at once. Episode j m + k is problem j's k-th
+    (RewardError's `sample`): problems a, b with m = 2 give envs a0 a1 b0 b1, and firsts[2] is
+    b's first message."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * m)]
     # firsts: each episode's first message, the same for a problem's m (reset_all refuses
@@ -2214,19 +2215,8 @@ def train(trainer: Trainer, start: int, run_dir: Path, model_dir: Path) -> str:
                             (time.perf_counter() - began) / done)
                 # --strict-parity, a Ctrl-C or SIGTERM, --save-every ("Stops")
                 after_step(stop, trainer, run_dir, model_dir, step, parity)
-            if eval_due(cfg, cfg.steps):
-                with stops_at(trainer, cfg.steps, run_dir, model_dir):
-                    final = evaluate(trainer, cfg.steps)
-                log_row(metrics_log, {"step": cfg.steps, **final})
-                print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
-                       f" ({len(trainer.task.eval_problems)} problems, greedy)")
-            # a stop during the last eval: no export
-            stop_if_asked(stop, trainer, run_dir, model_dir, cfg.steps,
-                          "after the last step, before the final export")
-            digest = export_final(trainer, run_dir, model_dir)
-            # a stop during the export, which is whole
-            stop_if_asked(stop, trainer, run_dir, model_dir, cfg.steps,
-                          f"after the final export ({export_dir(cfg, run_dir)})")
+            # the last held-out eval, then the export (a stop between them: no export)
+            digest = finish(stop, trainer, metrics_log, run_dir, model_dir)
     finally:
         close_logs(trainer, metrics_log, run_dir)
     return digest
@@ -6866,6 +6856,26 @@ def after_step(stop: StopRequest, trainer: Trainer, run_dir: Path, model_dir: Pa
     if trainer.cfg.save_every and (step + 1) % trainer.cfg.save_every == 0:
         print0(f"saving checkpoint step_{step + 1:06d}")
         save_checkpoint(run_dir, trainer, step + 1, model_dir)
+
+
+def finish(stop: StopRequest, trainer: Trainer, metrics_log, run_dir: Path,
+           model_dir: Path) -> str:
+    """After the last step: the held-out eval (where due) and the final export; its sha256. A
+    Ctrl-C or SIGTERM during the eval saves and stops before the export; one during the export
+    lets it finish whole, then saves and stops."""
+    cfg = trainer.cfg
+    if eval_due(cfg, cfg.steps):
+        with stops_at(trainer, cfg.steps, run_dir, model_dir):
+            final = evaluate(trainer, cfg.steps)
+        log_row(metrics_log, {"step": cfg.steps, **final})
+        print0(f"held-out accuracy after {cfg.steps} steps: {final['eval/accuracy']:.3f}"
+               f" ({len(trainer.task.eval_problems)} problems, greedy)")
+    stop_if_asked(stop, trainer, run_dir, model_dir, cfg.steps,
+                  "after the last step, before the final export")
+    digest = export_final(trainer, run_dir, model_dir)
+    stop_if_asked(stop, trainer, run_dir, model_dir, cfg.steps,
+                  f"after the final export ({export_dir(cfg, run_dir)})")
+    return digest
 
 
 def stop_if_asked(stop: StopRequest, trainer: Trainer, run_dir: Path, model_dir: Path,
