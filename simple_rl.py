@@ -920,7 +920,10 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     """HF names -> TorchTitan names (hf_key_map) -> fused vLLM-layout projections.
 
     A sparse layer's router and experts are taken out first (`moe_from_hf`, with the model
-    files after the story), per expert (hub) or fused (the push's names) alike.
+    files after the story: {trainer name: router, or the experts stacked (E, rows, cols)}),
+    per expert (hub) or fused (the push's names) alike. A fused projection is made in the
+    layers that have it (`fused_in_layer`): a Qwen3.5's wqkv in its full-attention layers,
+    in_proj_qkvz and in_proj_ba in its Gated DeltaNet layers.
     """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
     try:
