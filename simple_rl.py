@@ -805,9 +805,9 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
     try:
         if world == 1 or lora:
             # the base adopted as given; the fp32 masters copies (the KL reference shares state)
-            held = {k: v.to(device, held_dtype(k, dtype)) if k in base
-                    else v.to(device, torch.float32, copy=True) for k, v in state.items()}
-            model.load_state_dict(held, strict=True, assign=True)
+            loaded = {k: v.to(device, held_dtype(k, dtype)) if k in base
+                      else v.to(device, torch.float32, copy=True) for k, v in state.items()}
+            model.load_state_dict(loaded, strict=True, assign=True)
             for name, p in model.named_parameters():
                 p.requires_grad_(not (frozen or name in base))
             if world > 1:
@@ -1049,9 +1049,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
         from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
-        # LoRA: one adapter slot on the layers of --lora-targets, shared with the trainer
-        # (start_adapter, bind_lora)
-        self.lora = lora_spec(cfg, files.args)
+        self.lora = lora_spec(cfg, files.args)  # one adapter slot, shared with the trainer
         # The prefix cache. A Qwen3.5 never reads it: a cached prefix resumes its linear
         # attention from a saved state, a split the trainer does not replay. An MoE's engine
         # returns each token's experts (the routing-parity check) only with the cache on (vLLM
@@ -2107,8 +2105,8 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
                             rollout.logprobs.to(device), adv[episode.to(device)], cfg,
                             n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
-        e.samples = sorted({int(episode[s]) for s in e.samples})  # episodes, not turns
-        e.prompts = sorted({mine[s // G] for s in e.samples})
+        e.episodes = sorted({int(episode[s]) for s in e.samples})  # a Qwen3.5's: not turns
+        e.prompts = sorted({mine[i // G] for i in e.episodes})
         raise
     parity = parity_report(rollout.logprobs, first_pass.logprobs, packed.targets,
                            generated_lengths(rollout), cfg.parity_rows)
@@ -3515,7 +3513,9 @@ class NonFiniteError(RuntimeError):
         self.samples = samples
         self.optimizer_step = optimizer_step  # k of --updates-per-batch (optimizer_steps)
         self.optimizer_steps = optimizer_steps
-        self.prompts: list[int] = []  # their prompts' indices in the step (update_with_parity)
+        # their episodes and those episodes' prompts (indices in the step): update_with_parity
+        self.episodes: list[int] = []
+        self.prompts: list[int] = []
 
     def applied(self) -> str:
         """What the in-memory weights already took, in words."""
@@ -6807,7 +6807,7 @@ def nonfinite_stop(e: NonFiniteError, step: int, label: str, run_dir: Path) -> R
         with writing(diag):
             diag.write_text(json.dumps(dict(step=step, quantity=e.quantity,
                                             optimizer_step=e.optimizer_step,
-                                            samples=e.samples, prompts=prompts), indent=1))
+                                            samples=e.episodes, prompts=prompts), indent=1))
     return RunStopped(f"{label}: {e}; {e.applied()}. Diagnostic: {diag}. Last good "
                       f"checkpoint: {last_good(run_dir)}.", EXIT_NONFINITE)
 
