@@ -269,6 +269,37 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # how often each cast runs (FSDP2's all-gather, LoRA's adapter slot): `weights_cast_once`.
 
 
+@dataclass(frozen=True)
+class Qwen35Args:
+    """What Qwen3.5 adds to TorchTitan's Qwen3ModelArgs (model_args_from_hf sets it on them as
+    `qwen35`; Qwen3 has none): the kind of every layer, the linear attention's shape, the
+    rotated part of a full-attention head, Qwen3.5-MoE's shared expert."""
+
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" (Gated DeltaNet) or "full_..."
+    k_heads: int  # linear_num_key_heads
+    v_heads: int  # linear_num_value_heads, a multiple of k_heads (each k head serves a group)
+    k_dim: int  # linear_key_head_dim
+    v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim: the causal convolution's taps
+    rotary_dim: int  # head_dim * partial_rotary_factor (a quarter of each head)
+    shared_expert_dim: int = 0  # shared_expert_intermediate_size (Qwen3.5-MoE; 0: none)
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")  # the kinds of Qwen3.5 layer simple_rl runs
+
+
+def qwen35(args) -> Qwen35Args | None:
+    """What a Qwen3.5 adds to the model args, or None (Qwen3, Qwen3-MoE)."""
+    return getattr(args, "qwen35", None)
+
+
+def gdn_layers(args) -> tuple[int, ...]:
+    """The layers whose token mixer is linear attention (Gated DeltaNet): Qwen3.5's three in
+    four; Qwen3 has none."""
+    c = qwen35(args)
+    return tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention") if c else ()
+
+
 @dataclass
 class Packed:
     """What every forward takes (pack builds it, in "Rollout"): samples back to back. A sample
@@ -463,7 +494,7 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.gated = qwen35(args) is not None  # qwen35: what a Qwen3.5 adds to the args, or None
+        self.gated = qwen35(args) is not None
         self.sizes = fused_sizes(args)["attention.wqkv.weight"]
         self.wqkv = Linear(args.dim, sum(self.sizes), ops)  # vLLM's qkv_proj = [q; k; v]
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, gemma=self.gated)
@@ -2786,37 +2817,6 @@ def expected_hf_shapes(args, fused: set[int] = frozenset()) -> dict[str, tuple[i
     with torch.device("meta"):
         model = Qwen3(args, bib.reference_kernels(), torch.float32)
     return {k: tuple(v.shape) for k, v in trainer_to_hf(model.state_dict(), args, fused).items()}
-
-
-@dataclass(frozen=True)
-class Qwen35Args:
-    """What Qwen3.5 adds to TorchTitan's Qwen3ModelArgs (model_args_from_hf sets it on them as
-    `qwen35`; Qwen3 has none): the kind of every layer, the linear attention's shape, the
-    rotated part of a full-attention head, Qwen3.5-MoE's shared expert."""
-
-    layer_types: tuple[str, ...]  # per layer: "linear_attention" (Gated DeltaNet) or "full_..."
-    k_heads: int  # linear_num_key_heads
-    v_heads: int  # linear_num_value_heads, a multiple of k_heads (each k head serves a group)
-    k_dim: int  # linear_key_head_dim
-    v_dim: int  # linear_value_head_dim
-    conv_kernel: int  # linear_conv_kernel_dim: the causal convolution's taps
-    rotary_dim: int  # head_dim * partial_rotary_factor (a quarter of each head)
-    shared_expert_dim: int = 0  # shared_expert_intermediate_size (Qwen3.5-MoE; 0: none)
-
-
-LAYER_TYPES = ("linear_attention", "full_attention")  # the kinds of Qwen3.5 layer simple_rl runs
-
-
-def qwen35(args) -> Qwen35Args | None:
-    """What a Qwen3.5 adds to the model args, or None (Qwen3, Qwen3-MoE)."""
-    return getattr(args, "qwen35", None)
-
-
-def gdn_layers(args) -> tuple[int, ...]:
-    """The layers whose token mixer is linear attention (Gated DeltaNet): Qwen3.5's three in
-    four; Qwen3 has none."""
-    c = qwen35(args)
-    return tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention") if c else ()
 
 
 def fused_in_layer(fused: str, i: int, args) -> bool:
