@@ -2289,7 +2289,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     prompt_lens = prompt_range(task, cfg)  # (shortest, longest) prompt, in tokens
     cfg = with_micro_batch(cfg, files.args, ranks, prompt_lens)  # the run's config keeps the choice
     estimate = check_memory(cfg, files.args, ranks, prompt_lens) if device_type == "cuda" else ""
-    hf_state = read_weights(cfg, files, engine_factory is VLLMEngine)  # "Model and data files"
+    hf_state = read_weights(cfg, files, engine_lends=engine_factory is VLLMEngine)
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
     # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
@@ -3472,13 +3472,13 @@ def check_inputs(cfg: Config, ckpt: Path | None, expect: dict | None,
     return files, task, reward_fn, make_env, hashed
 
 
-def read_weights(cfg: Config, files: ModelFiles, vllm: bool) -> dict[str, torch.Tensor]:
+def read_weights(cfg: Config, files: ModelFiles, engine_lends: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, checked finite, on rank 0 (it later hands out the shards; {}
     elsewhere), or on every rank for a LoRA run (each holds the whole base); none for a LoRA
-    run on vLLM (`vllm`), whose trainer adopts the engine's own weights."""
+    run whose engine lends its weights (vLLM's: the trainer adopts them, one copy)."""
     lora = lora_spec(cfg, files.args)
     loaded: dict = {}
-    if not (lora and vllm):
+    if not (lora and engine_lends):
         note = vision_note(files.path)
         print0(f"reading the weights of {files.path} (each checked finite){note}")
         read = lambda: loaded.update(state=load_hf_state_dict(files.path))  # noqa: E731
