@@ -253,8 +253,9 @@ class Config:
     keep_last: int = opt("checkpoints", 3, "checkpoints to keep")
     resume: str = opt("checkpoints", "", "continue from a checkpoint directory, or 'latest'")
     overwrite: bool = opt("checkpoints", False, "replace LOG_DIR/RUN_NAME if it holds a run")
-    allow_changed_files: bool = opt("checkpoints", False, "resume with a --reward, --model or "
-                                    "--data-files whose files differ from the checkpoint's run's")
+    allow_changed_files: bool = opt("checkpoints", False, "resume with a --reward, --env, "
+                                    "--model or --data-files whose files differ from the "
+                                    "checkpoint's run's")
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -760,8 +761,9 @@ def weights_cast_once(model: Qwen3):
     if model.output is None:
         linears.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    # FSDP2 (full fine-tuning) shards the masters and its all-gather casts them (Qwen3.5's
-    # Gated DeltaNet layers: gathered in fp32, cast in their forward); fp32 needs no cast
+    # Sharded (FSDP2, full fine-tuning: a DTensor master), the all-gather casts the masters
+    # (shard_model's policy; a Qwen3.5's Gated DeltaNet layers gather in fp32 for A_log and
+    # their modules cast their own); an fp32 model needs no cast
     if hasattr(model.norm.weight, "to_local") or model.dtype == torch.float32:
         linears, experts = [], []
     for m in lora_modules(model):  # in every case, and kept: bound, they are the engine's slot
@@ -806,9 +808,11 @@ def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
 
 def build_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ranks,
                  engine: Engine | None = None):
-    """The policy and, with --kl-coef > 0, its KL reference: (model, ref_model or None), sharded
-    over the ranks (rank 0 holds hf_state, the others get their shards). Under LoRA
-    (lora_models, in the LoRA plumbing) the reference is the policy with its adapters off."""
+    """The policy and, with --kl-coef > 0, its KL reference: (model, ref_model or None).
+
+    Full fine-tuning: sharded over the ranks (rank 0 holds hf_state, the others get their
+    shards); the reference is a second, frozen model. LoRA (lora_models, in the LoRA
+    plumbing): every rank holds the whole base; the reference is the policy, adapters off."""
     if lora := lora_spec(cfg, args):
         return lora_models(cfg, args, hf_state, ops, ranks, engine, lora)
     state = hf_to_trainer(hf_state, args) if hf_state else {}
@@ -1003,11 +1007,11 @@ def trainer_to_hf(state: dict[str, torch.Tensor], args,
 # ==========================================================================
 # VLLMEngine.__init__ first patches vLLM in this process (see "vLLM patches", after the story
 # ends): fused add+RMSNorm is padded to 256 rows, as the trainer's call is (vLLM 0.26 changed
-# its reduction there); on Hopper the linear layers run on cuBLASLt, the trainer's GEMM, whose
-# bits equal vLLM's Triton matmul; a Qwen3.5's Gated DeltaNet is let into batch-invariant mode
-# (prepare_qwen35_engine). Sampling needs no patch: vLLM's sampler draws a token's noise from
-# a hash of (request seed, position, token id), so a sample depends on its seed alone, not on
-# the batch it was drawn in.
+# its reduction there; 0.34 does not, and the padding keeps the two calls one); on Hopper the
+# linear layers run on cuBLASLt, the trainer's GEMM, whose bits equal vLLM's Triton matmul; a
+# Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine). Sampling
+# needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed, position,
+# token id), so a sample depends on its seed alone, not on the batch it was drawn in.
 
 
 @dataclass
@@ -1674,7 +1678,7 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
         episode.reward = 0.0
         episode.end("tool_error" if isinstance(called.error, ToolError) else "tool_timeout")
         return None
-    if called.error is not None:  # anything else (a RewardError): the run stops
+    if called.error is not None:  # a RewardError (env_step wraps what user code raised): stop
         raise called.error
     message, reward = called.value
     episode.reward = reward or 0.0
@@ -2367,9 +2371,9 @@ def main(argv: list[str] | None = None, engine_factory=None, device_type: str = 
 # ==========================================================================
 # The RL story ends here. What follows is plumbing a researcher need not read: config
 # parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
-# patches, LoRA's engine slot and names, the tools' threads and text, the lookup task's table,
-# checkpoints and resume, the run directory and export, logging, the memory estimate, console
-# filtering, stops (signals, NaN, OOM) and the parity debugger.
+# patches, Qwen3.5 on vLLM, LoRA's engine slot and names, the tools' threads and text, the
+# lookup task's table, checkpoints and resume, the run directory and export, logging, the
+# memory estimate, console filtering, stops (signals, NaN, OOM) and the parity debugger.
 # ==========================================================================
 
 
