@@ -1564,7 +1564,7 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     changed = [j for j, p in enumerate(problems) if firsts[j * m] != p.question]
     prompts = list(prompt_ids)
     new = first_prompt_ids([firsts[j * m] for j in changed], trainer.tokenizer, trainer.cfg,
-                           [j * m for j in changed])
+                           samples=[j * m for j in changed])  # for an error's message
     for j, ids in zip(changed, new):
         prompts[j] = ids
     return envs, prompts
@@ -2000,12 +2000,13 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
         if free < engine.wake_bytes or lora:
             torch.cuda.empty_cache()
         if not lora:
-            with waking():  # young garbage only; no room to map back: an out-of-memory stop
+            with waking():  # no room to map the weights back: exit 5, as any out of memory
                 engine.llm.wake_up(tags=["weights"])
     t1 = time.perf_counter()
     if lora:  # policy_weights refreshed the adapter's casts, the engine's slot: nothing to copy
         check_in_slot(engine, weights)
     else:
+        # engine_names: a Qwen3.5 with a vision tower holds them under model.language_model.
         engine.llm.apply_model(lambda m: m.load_weights(engine_names(m, weights)))
     t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait
     if engine.asleep:
