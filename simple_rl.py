@@ -1,6 +1,6 @@
 """simple_rl: bitwise-deterministic GRPO for Qwen3 and Qwen3.5 with vLLM rollouts, one GPU or many.
 
-One file, the RL story first, in the order a step runs it:
+One file, the RL story first, in call order:
 
     config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
            -> update & parity check -> weight push -> rl_step, evaluate, train, setup, main
@@ -1225,8 +1225,9 @@ def request_seed(cfg: Config, step: int, prompt: int) -> int:
     """Per-request seed: a sample depends on (seed, step, prompt) only, not on batching or ranks.
 
     vLLM seeds a prompt's G samples with seed, seed + 1, ..., seed + G - 1. The seed is a
-    multiple of G below 2^48, consecutive prompts' G apart: no two samples of a step share one
-    (and with it their sampling noise), and seed + G - 1 stays below 2^48 (turn_seed's turns).
+    multiple of G below 2^48 (consecutive prompts' G apart, modulo that range): no two samples
+    of a step share one (and with it their sampling noise), and seed + G - 1 stays below 2^48
+    (turn_seed's turns).
     """
     base = cfg.seed * 1_000_003 + step * 10_007 + prompt
     return base % (2**48 // cfg.group_size) * cfg.group_size
@@ -3518,7 +3519,8 @@ class NonFiniteError(RuntimeError):
         self.samples = samples
         self.optimizer_step = optimizer_step  # k of --updates-per-batch (optimizer_steps)
         self.optimizer_steps = optimizer_steps
-        # their episodes and those episodes' prompts (indices in the step): update_with_parity
+        # samples: the packed samples (a Qwen3.5's turns) in this rank's batch; update_with_parity
+        # adds their episodes (in this rank's rollout) and those episodes' prompts (in the step)
         self.episodes: list[int] = []
         self.prompts: list[int] = []
 
@@ -6805,7 +6807,8 @@ def last_good(run_dir: Path) -> str:
 
 
 def nonfinite_stop(e: NonFiniteError, step: int, label: str, run_dir: Path) -> RunStopped:
-    """The diagnostic file (rank 0, every rank's samples) and the stop, exit code 3."""
+    """The diagnostic file (rank 0's: its episodes, every rank's prompts) and the stop, exit
+    code 3."""
     prompts = sorted({p for ps in all_gather_objects(e.prompts) for p in ps})
     diag = run_dir / f"nonfinite_step_{step:06d}.json"
     if is_main():

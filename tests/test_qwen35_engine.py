@@ -5,6 +5,7 @@ check, and vLLM's schedule of the gated delta rule replayed with the reference f
 in for vLLM's kernels, forward and backward."""
 
 import importlib.util
+import json
 import sys
 import types
 
@@ -442,9 +443,11 @@ def test_an_episodes_routes_are_its_turns_or_none_where_a_turn_has_none():
     assert rl.episodes_rollout(worked_episodes(r), routes=False).routed is None
 
 
-def test_a_non_finite_update_of_a_qwen35_names_episodes_and_prompts_not_turns(q35, monkeypatch):
+def test_a_non_finite_update_of_a_qwen35_names_episodes_and_prompts_not_turns(q35, monkeypatch,
+                                                                            tmp_path):
     """By turn, packed sample 3 is turn 3 of episode 1: a non-finite error in it names episode
-    1 and its prompt (mine[1 // G]), not sample 3 (there are two episodes)."""
+    1 and its prompt (mine[1 // G]), not sample 3 (there are two episodes), and so does the
+    diagnostic file."""
     args = rl.model_args_from_hf(rl.read_qwen3_config(q35()))
 
     def poisoned(*_, **__):
@@ -458,7 +461,10 @@ def test_a_non_finite_update_of_a_qwen35_names_episodes_and_prompts_not_turns(q3
     rollout = rl.episodes_rollout(worked_episodes(), routes=False)
     with pytest.raises(rl.NonFiniteError) as e:
         rl.update_with_parity(trainer, rollout, torch.zeros(2), mine=[7])
-    assert (e.value.samples, e.value.prompts) == ([1], [7])
+    assert (e.value.samples, e.value.episodes, e.value.prompts) == ([3], [1], [7])
+    stop = rl.nonfinite_stop(e.value, 5, "step 6/9", tmp_path)
+    diag = json.loads((tmp_path / "nonfinite_step_000005.json").read_text())
+    assert (diag["samples"], diag["prompts"], stop.code) == ([1], [7], rl.EXIT_NONFINITE)
 
 
 def test_a_qwen35_plays_episodes_of_several_turns_every_token_equal(q35, tmp_path):

@@ -169,25 +169,29 @@ def test_every_token_of_qwen35_4b_bitwise_equal(qwen35_4b, tmp_path, run):
 
 def test_simple_rl_on_qwen35_4b_is_exact_and_deterministic(qwen35_4b, tmp_path):
     """simple_rl.py on Qwen3.5-4B's exact shape with full fine-tuning, 2 steps at T = 0.7 at its
-    defaults otherwise, twice: every step's parity line identical, one sha256. Then a run
-    stopped at step 1 and resumed ends there too, where the disk holds the checkpoint: fp32
-    masters, Adam's two moments and the bf16 export, 7x the bf16 weights (~59 GB)."""
+    defaults otherwise, twice: every step's parity line identical, one sha256, the same
+    metrics, a gradient at every step. Then a run stopped at step 1 and resumed ends there
+    too, where the disk holds the checkpoint (fp32 masters, Adam's two moments and the bf16
+    export: 7x the bf16 weights, ~59 GB) beside the checkpoint read and the resume's export."""
     (tmp_path / "ckpt").symlink_to(qwen35_4b)
     t = ("--temperature", "0.7", "--save-every", "0")
     a, b = (simple_rl(tmp_path, name, 0, 2, *t) for name in ("a", "b"))
     parity = [line for line in a[0] if line.startswith("parity:")]
     assert len(parity) == 2 and all("identical=yes" in line for line in parity), a[0]
-    assert a[0] == b[0] and a[1] == b[1]
+    assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2]
+    steps = [r for r in a[2] if "loss" in r]
+    assert len(steps) == 2 and all(r["grad_norm"] > 0 for r in steps), steps  # it trains
     print({"sha256": a[1], "lines": a[0]})
     print("\n".join(line for line in a[3].splitlines() if line.startswith("step")))
     for name in ("a", "b"):  # the exports: room for the resume's checkpoint
         shutil.rmtree(tmp_path / "runs" / name / "final")
     weights = sum(f.stat().st_size for f in Path(qwen35_4b).glob("*.safetensors"))
     free = shutil.disk_usage(tmp_path).free
-    if free < 8 * weights:
+    if free < 8 * weights:  # the checkpoint (7x) and the resume's export (1x)
         pytest.skip(f"two runs at one sha256 {a[1][:8]}; no resume: {free / 2**30:.0f} GiB "
                     f"free, a checkpoint and an export take {8 * weights / 2**30:.0f}")
     part = simple_rl(tmp_path, "part", 0, 1, *t, "--save-every", "1")
+    shutil.rmtree(tmp_path / "runs" / "part" / "final")  # the resume writes its own
     saved = tmp_path / "runs" / "part" / "checkpoints" / "step_000001"
     resumed = simple_rl(tmp_path, "part", 0, 2, *t, "--resume", str(saved))
     assert part[1] != a[1] and resumed[1] == a[1], (part[1], resumed[1], a[1])
