@@ -301,6 +301,16 @@ def gdn_layers(args) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(c.layer_types) if t == "linear_attention") if c else ()
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather for FSDP's DTensor shards)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the tensor (its shard of an FSDP DTensor), without communication."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @dataclass
 class Packed:
     """What every forward takes (pack builds it, in "Rollout"): samples back to back. A sample
@@ -394,6 +404,8 @@ class LoRA(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return y
+        # the forward computes with the casts (the engine's bits); the gradient goes to the
+        # fp32 masters A_s and B_s (the scale carries B'_s's gradient to B_s)
         return self.ops.lora(x, y, self.casts, self.scale, *self.slice_a(), *self.b)
 
 
@@ -496,6 +508,7 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.gated = qwen35(args) is not None
+        # [Hq D (x2 in a Qwen3.5: each q head's gate), Hk D, Hk D] rows ("Load & convert")
         self.sizes = fused_sizes(args)["attention.wqkv.weight"]
         self.wqkv = Linear(args.dim, sum(self.sizes), ops)  # vLLM's qkv_proj = [q; k; v]
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, dtype, gemma=self.gated)
@@ -863,16 +876,6 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
                           f"{detail}") from e
     model.init_rope(device)
     return model
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank (an all-gather for FSDP's DTensor shards)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the tensor (its shard of an FSDP DTensor), without communication."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def hf_weights(model: Qwen3, fused_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
