@@ -14,8 +14,8 @@ TorchTitan-style Qwen3 whose forward calls *the same kernels* vLLM calls, with t
 in `batch_invariant_backward.py`:
   * norms and activations: Triton RMSNorm, CUDA fused add+RMSNorm, rotary, SiluAndMul;
   * attention: FlashAttention 3 with num_splits=1; Qwen3.5's Gated DeltaNet: vLLM's conv1d and
-    delta-rule kernels in the schedule vLLM ran (each prompt's prefill, then a step per
-    generated token: the two forms' bits differ);
+    delta-rule kernels, the rule in the schedule vLLM ran (each prompt's prefill, then a step
+    per generated token: the two forms' bits differ);
   * GEMMs: cuBLASLt without split-K, where vLLM's go on Hopper too (layers under 128 columns:
     vLLM's Triton matmul on both sides); Qwen3-MoE: vLLM's top-k softmax and fused experts;
   * logprobs: a kernel that sums in the order of vLLM's Triton log_softmax.
@@ -36,8 +36,8 @@ Departures from textbook GRPO/PPO:
     numbers exactly, so rho = 1 at the first optimizer step; the clip acts only with
     `--updates-per-batch` > 1.
   * Logprobs are those of the sampling distribution softmax(logits / temperature): vLLM returns
-    processed logprobs and the trainer divides its fp32 logits by it exactly as vLLM's sampler
-    does, so parity holds at any temperature.
+    processed logprobs and the trainer divides its logits, cast to fp32, by it exactly as
+    vLLM's sampler does, so parity holds at any temperature.
   * The loss is a token mean over the whole batch of every rank (each token weighs the same).
   * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
     which is exactly what the trainer computes with.
@@ -538,15 +538,17 @@ class Attention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear attention, as vLLM's QwenGatedDeltaNetAttention runs it:
         [q; k; v; z] = x W_qkvz^T,  [b; a] = x W_ba^T,  [q; k; v] <- silu(conv1d([q; k; v]))
-        o = gated_delta_rule(q, k, v; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
+        o = gated_delta_rule(l2norm(q), l2norm(k), v; g = -exp(A_log) softplus(a + dt_bias),
+                             beta = sigmoid(b)),   o_t = Dk^-1/2 S_t^T q_t
         y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
-    conv1d is causal and depthwise, K taps, over each sequence from zeros; the rule carries a
-    state per head through each sequence as vLLM ran it: a sample's whole prompt in one call
-    of the rule's chunked form (its prefill; batch.prefill says where it ends), then its
-    completion token by token in the recurrent form (its decode steps): the two forms differ in
-    their bits. The engine is held to that schedule ("Qwen3.5 on vLLM", after the story): a
-    prompt prefilled in one engine step, no prefix-cache hit, no preemption. Each turn of an episode
-    is a sample of its own (pack_rollout): vLLM prefilled its whole request."""
+    (the state S_t's update: bib.gated_delta_rule_recurrent's docstring). conv1d is causal and
+    depthwise, K taps, over each sequence from zeros; the rule carries a state per head
+    through each sequence as vLLM ran it: a sample's whole prompt in one call of the rule's
+    chunked form (its prefill; batch.prefill says where it ends), then its completion token
+    by token in the recurrent form (its decode steps): the two forms differ in their bits. The
+    engine is held to that schedule ("Qwen3.5 on vLLM", after the story): a prompt prefilled
+    in one engine step, no prefix-cache hit, no preemption. Each turn of an episode is a
+    sample of its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -999,7 +1001,8 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 def trainer_to_hf(state: dict[str, torch.Tensor], args,
                   fused_layers: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
     """Inverse of hf_to_trainer: split the fused projections, then map the names (hf_key_map);
-    the experts of the sparse layers in `fused_layers` stay fused, the others per expert."""
+    the experts of the sparse layers in `fused_layers` stay fused, the others per expert (the
+    hub's; fused_layers: a checkpoint's shapes as written, expected_hf_shapes)."""
     keys = hf_key_map(args)
     return dict(item for name, t in state.items() for item in to_hf_items(
         name, t, args, keys, ".moe." in name and int(name.split(".")[1]) in fused_layers))
@@ -1781,7 +1784,7 @@ def finite_advantages(rewards: torch.Tensor, cfg: Config,
 def ppo_clip_loss(logp, old_logp, adv, clip_eps: float):
     """Per token: rho = exp(logp - old), pg = -min(rho A, clip(rho, 1-eps, 1+eps) A).
 
-    Returns (pg, rho, clipped), each (N,); clipped is 1 where the clipped term is the min.
+    Returns (pg, rho, clipped), each (N,); clipped is 1 where the clipped term is the smaller.
     """
     ratio = torch.exp(logp - old_logp)
     plain = ratio * adv
@@ -1937,7 +1940,8 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
     """(tokens compared, tokens whose expert set differs in any sparse layer).
 
     engine_routed: per episode (C_b, all layers, k) or None (not compared); trainer_ids
-    (N, sparse layers, k), N = sum C_b in sample order; layers: the sparse layers' indices.
+    (N, sparse layers, k), N = sum C_b in episode order (a Qwen3.5's turns keep it); layers:
+    the sparse layers' indices.
     Sets are compared (both sides sorted), so the order of the k ids does not matter.
     """
     kept = [b for b, r in enumerate(engine_routed) if r is not None and lengths[b]]
@@ -2224,7 +2228,7 @@ def greedy_episodes(trainer: Trainer, mine: list[int]) -> list[Episode]:
 
 def eval_due(cfg: Config, step: int) -> bool:
     """Evaluate before step `step` (after `step` RL steps): at 0, every --eval-every steps, and
-    after the last step."""
+    after the last step (in `finish`)."""
     if cfg.eval_size == 0:
         return False
     return step in (0, cfg.steps) or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
