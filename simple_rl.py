@@ -5089,6 +5089,20 @@ def stack_change(saved: dict | None) -> str | None:
     return f"{then} (now {name(now)})"
 
 
+def samples_change(state: dict, cfg: Config) -> str | None:
+    """Why a checkpoint's samples would not continue bit for bit in this process, or None:
+    another stack (stack_change), or sampler seeds that request_seed no longer gives (one
+    written before it stayed a multiple of G at any seed)."""
+    other = stack_change(state.get("stack"))
+    if other:
+        return f"was made with {other}"
+    seeds = state.get("sampler_seeds")
+    if isinstance(seeds, list) and seeds != [request_seed(cfg, state["next_step"], i)
+                                             for i in range(len(seeds))]:
+        return "seeded its samples otherwise (an earlier simple_rl's request_seed)"
+    return None
+
+
 def unrestorable(ckpt: Path, e: BaseException) -> ConfigError:
     return ConfigError(f"{ckpt} cannot be restored ({root_cause(e)}); resume from an earlier "
                        "checkpoint.")
@@ -5188,10 +5202,10 @@ def restore_checkpoint(trainer: Trainer, ckpt: Path) -> int:
     same_world = state["world_size"] == trainer.ranks.world
     rng = read_rng(ckpt, trainer.ranks.rank) if same_world else None
     trainer.mismatched_total = int(state.get("mismatched_total", 0))  # older checkpoints: 0
-    other_stack = stack_change(state.get("stack"))
-    if other_stack:
-        print0(f"{ckpt.name} was made with {other_stack}: its weights and optimizer state go "
-               "on exactly, its samples will not continue bit for bit.")
+    changed = samples_change(state, trainer.cfg)
+    if changed:
+        print0(f"{ckpt.name} {changed}: its weights and optimizer state go on exactly, its "
+               "samples will not continue bit for bit.")
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optimizer"],
                                      "param_groups": optim_state["param_groups"]},

@@ -299,6 +299,23 @@ def test_a_checkpoint_of_another_stack_says_so_in_one_line_and_goes_on(saved, tm
                     "samples will not continue bit for bit."]
 
 
+def test_a_checkpoint_whose_sampler_seeds_differ_says_so_in_one_line_and_goes_on(saved, tmp_path,
+                                                                                 capsys):
+    """A checkpoint records the next step's sampler seeds; one whose seeds request_seed no
+    longer gives (an earlier formula) resumes with one sentence, as another stack does."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    state = json.loads((ckpt / "state.json").read_text())
+    run_cfg = rl.Config(**json.loads((ckpt / "run_config.json").read_text()))
+    assert rl.samples_change(state, run_cfg) is None
+    state["sampler_seeds"][1] += 1
+    (ckpt / "state.json").write_text(json.dumps(state))
+    assert main_cpu(["--resume", str(ckpt), "--steps", "3"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "otherwise" in line]
+    assert said == ["step_000002 seeded its samples otherwise (an earlier simple_rl's "
+                    "request_seed): its weights and optimizer state go on exactly, its samples "
+                    "will not continue bit for bit."]
+
+
 def test_a_checkpoint_of_zero_steps_done_reads_as_whole(tmp_path):
     """A stop in the first step's tool or reward calls saves step_000000 (next_step 0): its
     state.json is valid, not 'damaged'."""
