@@ -1679,13 +1679,22 @@ class Called(NamedTuple):
 
 def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
     """What the env made of the episode's last turn (env_step's (message, reward), or what it
-    raised): the tool message if the episode goes on, else None, the episode ended."""
+    raised): the tool message if the episode goes on, else None, the episode ended:
+
+        the env                           the episode
+        raised ToolError, or timed out    ends "tool_error" / "tool_timeout", reward 0
+        raised anything else              the run stops (env_step made it a RewardError)
+        answered (None, reward)           ends "completed" (the turn ended at a stop id), else
+                                          "max_model_len" (its limit was the context's), "length"
+        answered (message, r)             ends "max_turns" if this was turn --max-turns
+        answered (message, r), else       goes on (going_on: "max_model_len" if no room left)
+    """
     episode.tool_s += called.seconds
     if isinstance(called.error, (ToolError, ToolTimeout)):  # ends the episode, reward 0
         episode.reward = 0.0
         episode.end("tool_error" if isinstance(called.error, ToolError) else "tool_timeout")
         return None
-    if called.error is not None:  # a RewardError (env_step wraps what user code raised): stop
+    if called.error is not None:
         raise called.error
     message, reward = called.value
     episode.reward = reward or 0.0
