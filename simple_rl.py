@@ -286,9 +286,6 @@ class Qwen35Args:
     shared_expert_dim: int = 0  # shared_expert_intermediate_size (Qwen3.5-MoE; 0: none)
 
 
-LAYER_TYPES = ("linear_attention", "full_attention")  # the kinds of Qwen3.5 layer simple_rl runs
-
-
 def qwen35(args) -> Qwen35Args | None:
     """What a Qwen3.5 adds to the model args, or None (Qwen3, Qwen3-MoE)."""
     return getattr(args, "qwen35", None)
@@ -2897,6 +2894,9 @@ def vision_note(path: Path) -> str:
             if kind.endswith("ConditionalGeneration") else "")
 
 
+LAYER_TYPES = ("linear_attention", "full_attention")  # the kinds of Qwen3.5 layer simple_rl runs
+
+
 def check_qwen35_config(raw: dict, file: Path) -> None:
     """Refuse the Qwen3.5 settings the trainer does not compute as vLLM does (raw JSON of the
     text model), an unknown layer type first."""
@@ -4986,8 +4986,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, next_step: int, model_dir: 
                          stack=stack_versions(),  # a resume on another stack says so
                          # prompts and sampler seeds are pure functions of (seed, step)
                          data=dict(task=cfg.task, seed=cfg.seed, next_step=next_step),
-                         sampler_seeds=[request_seed(cfg, next_step, i)
-                                        for i in range(cfg.num_prompts)],
+                         sampler_seeds=sampler_seeds(cfg, next_step),
                          files=files_under(tmp))
             (tmp / "state.json").write_text(json.dumps(state, indent=1))
             replace_dir(tmp, final)  # a resume re-saving step_N replaces it by renames only
@@ -5077,6 +5076,11 @@ def read_checkpoint_state(ckpt: Path) -> dict:
     return state
 
 
+def sampler_seeds(cfg: Config, step: int) -> list[int]:
+    """The seeds of a step's requests (request_seed), which a checkpoint records."""
+    return [request_seed(cfg, step, i) for i in range(cfg.num_prompts)]
+
+
 def stack_versions() -> dict[str, str]:
     """The versions whose kernels decide a sample's bits: torch's, and vLLM's where it runs."""
     vllm = sys.modules.get("vllm")
@@ -5105,9 +5109,8 @@ def samples_change(state: dict, cfg: Config) -> str | None:
     other = stack_change(state.get("stack"))
     if other:
         return f"was made with {other}"
-    seeds = state.get("sampler_seeds")
-    if isinstance(seeds, list) and seeds != [request_seed(cfg, state["next_step"], i)
-                                             for i in range(len(seeds))]:
+    now = sampler_seeds(cfg, state["next_step"])
+    if state.get("sampler_seeds", now) != now:  # none recorded: nothing to compare
         return "seeded its samples otherwise (an earlier simple_rl's request_seed)"
     return None
 
