@@ -73,6 +73,12 @@ def check_every_step(r: dict, longest_prompt: int, samples: int) -> None:
         assert s["weights_equal_after_push"], s
 
 
+def check_identical(lines: list[str], steps: int | None = None) -> None:
+    """A simple_rl run's parity lines (`steps` of them, where given) all say identical."""
+    parity = [line for line in lines if line.startswith("parity:")]
+    assert steps in (None, len(parity)) and all("identical=yes" in p for p in parity), lines
+
+
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_every_generated_token_of_a_qwen35_bitwise_equal(qwen35_runs, run):
     r = qwen35_runs(run)
@@ -98,11 +104,10 @@ def test_simple_rl_on_a_qwen35_is_exact_deterministic_and_resumable(tmp_path):
                   for name, steps in (("a", 4), ("b", 4), ("part", 2)))
     saved = tmp_path / "runs" / "part" / "checkpoints" / "step_000002"
     resumed = simple_rl(tmp_path, "part", 0, 4, *t, "--resume", str(saved))
-    parity = [line for line in a[0] if line.startswith("parity:")]
-    assert len(parity) == 4 and all("identical=yes" in line for line in parity), a[0]
+    check_identical(a[0], 4)
     assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2]
     assert part[1] != a[1] and resumed[1] == a[1]
-    assert all("identical=yes" in line for line in resumed[0] if line.startswith("parity:"))
+    check_identical(resumed[0])
     print({"sha256": a[1], "lines": a[0]})
     print("\n".join(line for line in a[3].splitlines() if line.startswith("step")))  # timings
 
@@ -133,8 +138,7 @@ def test_lora_on_a_qwen35_every_token_bitwise_equal_and_deterministic(tmp_path):
     make_qwen35(tmp_path / "ckpt")
     lora = ("--lora-rank", "16", "--lr", "1e-3")
     a, b = (simple_rl(tmp_path, name, 0, 3, *lora) for name in ("a", "b"))
-    parity = [line for line in a[0] if line.startswith("parity:")]
-    assert len(parity) == 3 and all("identical=yes" in line for line in parity), a[0]
+    check_identical(a[0], 3)
     assert a[0] == b[0] and a[1] == b[1]
     print({"sha256": a[1], "lines": a[0]})
 
@@ -176,8 +180,7 @@ def test_simple_rl_on_qwen35_4b_is_exact_and_deterministic(qwen35_4b, tmp_path):
     (tmp_path / "ckpt").symlink_to(qwen35_4b)
     t = ("--temperature", "0.7", "--save-every", "0")
     a, b = (simple_rl(tmp_path, name, 0, 2, *t) for name in ("a", "b"))
-    parity = [line for line in a[0] if line.startswith("parity:")]
-    assert len(parity) == 2 and all("identical=yes" in line for line in parity), a[0]
+    check_identical(a[0], 2)
     assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2]
     steps = [r for r in a[2] if "loss" in r]
     assert len(steps) == 2 and all(r["grad_norm"] > 0 for r in steps), steps  # it trains
@@ -196,4 +199,4 @@ def test_simple_rl_on_qwen35_4b_is_exact_and_deterministic(qwen35_4b, tmp_path):
     resumed = simple_rl(tmp_path, "part", 0, 2, *t, "--resume", str(saved))
     assert part[1] != a[1] and resumed[1] == a[1], (part[1], resumed[1], a[1])
     assert resumed[2] == a[2]  # the metrics of both steps
-    assert all("identical=yes" in line for line in resumed[0] if line.startswith("parity:"))
+    check_identical(resumed[0])
