@@ -310,9 +310,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Packed:
-    """What every forward takes (pack builds it, in "Rollout"): samples back to back. A sample
-    b is an episode (Rollout's b), or a Qwen3.5's turn (pack_rollout says whose episode); in a
-    micro-batch (sub_pack), b counts from its first."""
+    """What every forward takes (pack builds it, in "Rollout"): samples back to back, no
+    padding. A sample b is an episode (Rollout's b), or a Qwen3.5's turn (pack_rollout says
+    whose episode); in a micro-batch (sub_pack), b counts from its first. E.g. prompts [a b],
+    [c] and completions [x y], [z]: tokens a b x y c z, positions 0 1 2 3 0 1, cu_seqlens
+    0 4 6, targets x y z, predicted at gen_index 1 2 4 (the rows of b, x, c), sample 0 0 1,
+    prefill 2 1."""
     tokens: torch.Tensor  # (T,) prompt + completion of every sample, back to back
     positions: torch.Tensor  # (T,) position within its sample
     cu_seqlens: torch.Tensor  # (B+1,) int32 sample boundaries
@@ -347,8 +350,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.ops = ops
-        self.compute_weight: torch.Tensor | None = None  # weights_cast_once's cast: same bits
-        self.lora: LoRA | None = None  # its adapter module, set by add_lora (a state-dict name)
+        self.compute_weight: torch.Tensor | None = None  # set only within weights_cast_once
+        self.lora: LoRA | None = None  # add_lora's adapter; state-dict keys: ...wqkv.lora.a.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # casts the master (unless given its cast); the gradient comes back in fp32
@@ -356,23 +359,46 @@ class Linear(nn.Module):
         return y if self.lora is None else self.lora(x, y)
 
 
+# LoRA: the trainer's fused layers that take adapters, with vLLM's (packed) LoRA layer and
+# PEFT's module name of each slice, in FUSED order (vLLM's q, k, v slices of Qwen3.5's
+# in_proj_qkvz are PEFT's in_proj_qkv: one A, copied into each).
+LORA_LAYERS = {"attention.wqkv": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+               "attention.wo": ("self_attn.o_proj", ("o_proj",)),
+               "attention.in_proj_qkvz": ("linear_attn.in_proj_qkvz", ("in_proj_qkv",) * 3
+                                          + ("in_proj_z",)),
+               "attention.in_proj_ba": ("linear_attn.in_proj_ba", ("in_proj_b", "in_proj_a")),
+               "attention.out_proj": ("linear_attn.out_proj", ("out_proj",)),
+               "feed_forward.w13": ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+               "feed_forward.w2": ("mlp.down_proj", ("down_proj",))}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "out_proj", "in_proj_b", "in_proj_a")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # PEFT names
+
+
 class LoRA(nn.Module):
     """A linear layer's low-rank adapter as vLLM's LoRA layers add it: on each output slice s
     (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output elsewhere)
         y_s <- y_s + (x A_s^T) B'_s^T,   B'_s = (alpha / r) B_s,
     B_s (n_s, r) and A_s (r, K) fp32 masters (one A per PEFT module: groups; the layers and
-    their slices: LORA_LAYERS, below). The forward computes with `casts`: (A_s, B'_s) in the
-    compute dtype, shaped as vLLM's lora_a_stacked / lora_b_stacked (1, 1, rows, cols); once
-    bound (`bind_lora`) they are the engine's own tensors, so refreshing them pushes."""
+    their slices: LORA_LAYERS, above). The forward computes with `casts`: (A_s, B'_s) in the
+    compute dtype, shaped as vLLM's lora_a_stacked / lora_b_stacked (1, 1, rows, cols). On a
+    GPU, bind_lora (LoRA plumbing) makes them the engine's own tensors: refreshing them pushes."""
 
     def __init__(self, d_in: int, sizes: list[int], names: tuple[str | None, ...], rank: int,
                  scale: float, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
         self.names = names  # PEFT's name of each slice, None where --lora-targets leaves it out
-        # groups[s]: slice s's A, shared by a PEFT module's slices (see LORA_LAYERS); e.g.
-        # Qwen3.5's in_proj_qkvz, names (in_proj_qkv x 3, in_proj_z): groups (0, 0, 0, 1)
-        first: dict = {}  # a PEFT name (an untargeted slice: its index) -> its A, first seen
-        self.groups = tuple(first.setdefault(n or s, len(first)) for s, n in enumerate(names))
+        # groups[s]: which A slice s uses; the slices of one PEFT module share one (see
+        # LORA_LAYERS), an untargeted slice has its own. E.g. Qwen3.5's in_proj_qkvz, names
+        # (in_proj_qkv x 3, in_proj_z): groups (0, 0, 0, 1)
+        keys = [n or s for s, n in enumerate(names)]
+        self.groups = tuple(list(dict.fromkeys(keys)).index(key) for key in keys)
         self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in))
                                   for _ in range(max(self.groups) + 1))
         self.b = nn.ParameterList(nn.Parameter(torch.empty(n, rank)) for n in sizes)
@@ -404,28 +430,6 @@ class LoRA(nn.Module):
         # the forward computes with the casts (the engine's bits); the gradient goes to the
         # fp32 masters A_s and B_s (the scale carries B'_s's gradient to B_s)
         return self.ops.lora(x, y, self.casts, self.scale, *self.slice_a(), *self.b)
-
-
-# LoRA: the trainer's fused layers that take adapters, with vLLM's (packed) LoRA layer and
-# PEFT's module name of each slice, in FUSED order (vLLM's q, k, v slices of Qwen3.5's
-# in_proj_qkvz are PEFT's in_proj_qkv: one A, copied into each).
-LORA_LAYERS = {"attention.wqkv": ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-               "attention.wo": ("self_attn.o_proj", ("o_proj",)),
-               "attention.in_proj_qkvz": ("linear_attn.in_proj_qkvz", ("in_proj_qkv",) * 3
-                                          + ("in_proj_z",)),
-               "attention.in_proj_ba": ("linear_attn.in_proj_ba", ("in_proj_b", "in_proj_a")),
-               "attention.out_proj": ("linear_attn.out_proj", ("out_proj",)),
-               "feed_forward.w13": ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
-               "feed_forward.w2": ("mlp.down_proj", ("down_proj",))}
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "in_proj_qkv", "in_proj_z", "out_proj", "in_proj_b", "in_proj_a")
-
-
-@dataclass(frozen=True)
-class LoRASpec:
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]  # PEFT names
 
 
 def add_lora(model: Qwen3, spec: LoRASpec) -> None:
@@ -774,7 +778,7 @@ def weights_cast_once(model: Qwen3):
         linears.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     # Sharded (FSDP2, full fine-tuning: a DTensor master), the all-gather casts the masters
-    # (shard_model's policy; a Qwen3.5's Gated DeltaNet layers gather in fp32 for A_log and
+    # (shard_model's MixedPrecisionPolicy; a Qwen3.5's Gated DeltaNet layers gather in fp32 for A_log and
     # their modules cast their own); an fp32 model needs no cast
     if hasattr(model.norm.weight, "to_local") or model.dtype == torch.float32:
         linears, experts = [], []
@@ -897,15 +901,6 @@ def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith("A_log") else dtype
 
 
-def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
-    """Every weight in the compute dtype, on CPU, under HF (hub) names, or under LoRA the
-    adapter (PEFT names, (rows, cols); B scaled by alpha / r, exported with lora_alpha = r);
-    on rank 0 ({} elsewhere)."""
-    keep = is_main()
-    items = adapter_weights(model) if lora_modules(model) else hf_weights(model, False)
-    return {k: v.reshape(v.shape[-2:]).cpu() if "lora_" in k else v.cpu() for k, v in items if keep}
-
-
 # ==========================================================================
 # Load & convert: HF checkpoint <-> trainer (vLLM layout)
 # ==========================================================================
@@ -995,25 +990,16 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
     return list(keys.to_hf(titan).items())
 
 
-def trainer_to_hf(state: dict[str, torch.Tensor], args,
-                  fused_layers: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
-    """Inverse of hf_to_trainer: split the fused projections, then map the names (hf_key_map);
-    the experts of the sparse layers in `fused_layers` stay fused, the others per expert (the
-    hub's; fused_layers: a checkpoint's shapes as written, expected_hf_shapes)."""
-    keys = hf_key_map(args)
-    return dict(item for name, t in state.items() for item in to_hf_items(
-        name, t, args, keys, ".moe." in name and int(name.split(".")[1]) in fused_layers))
-
-
 # ==========================================================================
 # Rollout: vLLM engine, sampling, packing
 # ==========================================================================
-# VLLMEngine.__init__ first patches vLLM in this process (see "vLLM patches", after the story
-# ends): fused add+RMSNorm is padded to 256 rows, as the trainer's call is (vLLM 0.26 changed
-# its reduction there; 0.34 does not, and the padding keeps the two calls one); on Hopper the
-# linear layers run on cuBLASLt, the trainer's GEMM, whose bits equal vLLM's Triton matmul; a
-# Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine). Sampling
-# needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed, position,
+# VLLMEngine.__init__ first patches vLLM in this process ("vLLM patches", after the story):
+# - on Hopper its linear layers run on cuBLASLt, the trainer's GEMM: for speed (vLLM's Triton
+#   matmul leaves most SMs idle at decode); with split-K off its bits are Triton's;
+# - its fused add+RMSNorm calls run the trainer's function, rows padded to 256, so both sides
+#   run one kernel (vLLM 0.26's changed its reduction order at 256 rows);
+# - a Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine).
+# Sampling needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed, position,
 # token id), so a sample depends on its seed alone, not on the batch it was drawn in.
 
 
@@ -1036,8 +1022,7 @@ def turn_tokens(cfg: Config, request: list[int]) -> int:
 
 
 class Engine:
-    """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in):
-    `generate`, and in each subclass `sleep` and `push` (the seconds it spent waking).
+    """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in).
     Every turn of every episode, the first included, is one `generate` call over the episodes
     that go on; `first_turn` is a step's first turn."""
 
@@ -1054,6 +1039,14 @@ class Engine:
                  max_tokens: list[int], temperature: float) -> list[list[Completion]]:
         """n completions of each prompt, stopping at the engine's stop ids; request j's k-th
         sample is seeded seeds[j] + k (None and temperature 0: greedy)."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory while the trainer runs (the push fills it again)."""
+        raise NotImplementedError
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Load the trainer's policy (HF names); returns the seconds spent waking the engine."""
         raise NotImplementedError
 
     def first_turn(self, prompts: list[list[int]], indices: list[int],
@@ -1253,9 +1246,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
          generated: list[list[bool]] | None = None) -> Packed:
     """Samples back to back, no padding; token t of completion b is predicted at
     start_b + P_b - 1 + t. The targets are every completion token, or those generated[b][t]
-    marks (an episode's tool tokens are context, not targets). E.g. prompts [a b], [c] and
-    completions [x y], [z]: tokens a b x y c z, positions 0 1 2 3 0 1, cu_seqlens 0 4 6,
-    targets x y z, predicted at gen_index 1 2 4 (the rows of b, x, c), sample 0 0 1."""
+    marks (an episode's tool tokens are context, not targets). Packed's docstring has an
+    example."""
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
     L = P + C
@@ -1297,7 +1289,7 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
 
 def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
     """Samples [start, stop) as their own packed batch, and the slice of targets (N,) they own.
-    E.g. range(1, 2) of pack's example: tokens c z, cu_seqlens 0 2, gen_index 0, sample 0;
+    E.g. range(1, 2) of Packed's example: tokens c z, cu_seqlens 0 2, gen_index 0, sample 0;
     slice(2, 3)."""
     t0, t1 = int(packed.cu_seqlens[samples.start]), int(packed.cu_seqlens[samples.stop])
     # packed.sample is sorted: the targets of samples [start, stop) are one run of it
@@ -1600,13 +1592,13 @@ def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
             e.end("tool_timeout")
     live = [i for i, e in enumerate(episodes) if e.env is not None]
     waited = 0.0
-    for played in range(1, cfg.max_turns + 1):  # turns played: also the next turn's index
-        messages, seconds = env_turn(episodes, live, tokenizer, cfg, played)
+    for k in range(1, cfg.max_turns + 1):  # k turns played; the next is turn k
+        messages, seconds = env_turn(episodes, live, tokenizer, cfg, played=k)
         waited += seconds
         going = going_on(episodes, messages, tokenizer, cfg)
         if not going:
             return waited
-        next_turns(engine, episodes, going, [seed_of(g.episode, played) for g in going],
+        next_turns(engine, episodes, going, [seed_of(g.episode, k) for g in going],
                    temperature, cfg)
         live = [g.episode for g in going]
     return waited
@@ -1616,8 +1608,8 @@ def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
              played: int) -> tuple[dict[int, str], float]:
     """The envs of the live episodes read their last turn's text (--env's on threads, --reward's
     inline: call_tools, "Tools"): the tool message of each episode that goes on ({episode:
-    message}), and the seconds the calls took. end_turn ends the others; a RewardError records
-    how many turns were played (1: the env read the first)."""
+    message}), and the seconds the calls took. end_turn ends the others. A RewardError (its
+    message names the episode, `.sample`) records `.turn`, the turns played (1: the first)."""
     texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
     t0 = time.perf_counter()
     called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
@@ -1906,7 +1898,8 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
             if experts is not None and real:  # read before a LoRA reference reruns it
                 experts[owned] = model.routed_ids(batch)
-            adv_tok = adv[batch.sample + samples.start]  # each token: its sample's advantage
+            # batch.sample counts from the micro-batch's first sample, adv from the rank's
+            adv_tok = adv[batch.sample + samples.start]  # (N_mb,) its sample's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
             if cfg.kl_coef > 0:
@@ -2042,7 +2035,7 @@ class Trainer:
     """Everything a step touches, built once by `setup` (or by a test, with a stand-in engine)."""
 
     cfg: Config
-    engine: Engine  # .generate and .first_turn, .sleep(), .push(weights)
+    engine: Engine  # generate, first_turn, sleep, push
     tokenizer: object
     model: Qwen3
     ref_model: Qwen3 | None
@@ -2147,15 +2140,17 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     parity check: every generated token's logprob and, for an MoE, its experts. Returns
     (the update's first pass, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    # a sample an episode, or a turn for Qwen3.5 (pack_rollout); episode[s]: sample s's
-    packed, episode = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
+    # a packed sample is an episode, or for Qwen3.5 a turn (pack_rollout); episode_of (B,):
+    # each packed sample's episode
+    packed, episode_of = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         first_pass = update(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                            rollout.logprobs.to(device), adv[episode.to(device)], cfg,
+                            rollout.logprobs.to(device), adv[episode_of.to(device)], cfg,
                             n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
-        e.episodes = sorted({int(episode[s]) for s in e.samples})  # a Qwen3.5's: not turns
+        # e.samples: the packed samples it found (a Qwen3.5's turns), made episodes
+        e.episodes = sorted({int(episode_of[s]) for s in e.samples})
         e.prompts = sorted({mine[i // G] for i in e.episodes})
         raise
     parity = parity_report(rollout.logprobs, first_pass.logprobs, packed.targets,
@@ -2828,6 +2823,16 @@ def weight_files(path: Path) -> list[str]:
 def fused_layers(found, args) -> set[int]:
     """The sparse layers whose experts the files hold fused (transformers 5's own format)."""
     return {i for i in sparse_layers(args) if f"model.layers.{i}.mlp.experts.gate_up_proj" in found}
+
+
+def trainer_to_hf(state: dict[str, torch.Tensor], args,
+                  fused: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_trainer: split the fused projections, then map the names (hf_key_map);
+    the experts of the sparse layers in `fused` stay fused (as a checkpoint may write them),
+    the others per expert (the hub's)."""
+    keys = hf_key_map(args)
+    return dict(item for name, t in state.items() for item in to_hf_items(
+        name, t, args, keys, ".moe." in name and int(name.split(".")[1]) in fused))
 
 
 def expected_hf_shapes(args, fused: set[int] = frozenset()) -> dict[str, tuple[int, ...]]:
@@ -5615,6 +5620,15 @@ def prepare_run_dir(cfg: Config, ckpt: Path | None) -> Path:
 
 EXPORT_FILES = {"model.safetensors", "config.json", *TOKENIZER_FILES,  # what an export holds
                 "adapter_model.safetensors", "adapter_config.json"}  # (LoRA: a PEFT adapter)
+
+
+def gathered_hf_state(model: Qwen3) -> dict[str, torch.Tensor]:
+    """Every weight in the compute dtype, on CPU, under HF (hub) names, or under LoRA the
+    adapter (PEFT names, (rows, cols); B scaled by alpha / r, exported with lora_alpha = r);
+    on rank 0 ({} elsewhere)."""
+    keep = is_main()
+    items = adapter_weights(model) if lora_modules(model) else hf_weights(model, False)
+    return {k: v.reshape(v.shape[-2:]).cpu() if "lora_" in k else v.cpu() for k, v in items if keep}
 
 
 def export_final(trainer: Trainer, run_dir: Path, model_dir: Path) -> str:
