@@ -310,21 +310,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Packed:
-    """What every forward takes (pack builds it, in "Rollout"): samples back to back, no
-    padding. A sample b is an episode (Rollout's b), or a Qwen3.5's turn (pack_rollout says
+    """What every forward takes (pack builds it, in "Rollout"): sequences back to back, no
+    padding. A sequence b is an episode (Rollout's b), or a Qwen3.5's turn (pack_rollout says
     whose episode); in a micro-batch (sub_pack), b counts from its first. E.g. prompts [a b],
     [c] and completions [x y], [z]: tokens a b x y c z, positions 0 1 2 3 0 1, cu_seqlens
-    0 4 6, targets x y z, predicted at gen_index 1 2 4 (the rows of b, x, c), sample 0 0 1,
+    0 4 6, targets x y z, predicted at gen_index 1 2 4 (the rows of b, x, c), seq 0 0 1,
     prefill 2 1."""
-    tokens: torch.Tensor  # (T,) prompt + completion of every sample, back to back
-    positions: torch.Tensor  # (T,) position within its sample
-    cu_seqlens: torch.Tensor  # (B+1,) int32 sample boundaries
+    tokens: torch.Tensor  # (T,) prompt + completion of every sequence, back to back
+    positions: torch.Tensor  # (T,) position within its sequence
+    cu_seqlens: torch.Tensor  # (B+1,) int32 sequence boundaries
     max_seqlen: int
     gen_index: torch.Tensor  # (N,) index into T of the hidden state that predicts each target
     targets: torch.Tensor  # (N,) the generated tokens
-    sample: torch.Tensor  # (N,) which sample (0..B-1) each generated token belongs to
-    prefill: torch.Tensor  # (B,) P_b, the tokens before sample b's first generated one: what
-    # vLLM prefilled where a sample is one turn (a Qwen3.5's, the replay's schedule)
+    seq: torch.Tensor  # (N,) which sequence (0..B-1) each generated token belongs to
+    prefill: torch.Tensor  # (B,) P_b, the tokens before sequence b's first generated one: what
+    # vLLM prefilled where a sequence is one turn (a Qwen3.5's, the replay's schedule)
 
     def to(self, device) -> "Packed":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -544,12 +544,12 @@ class GatedDeltaNet(nn.Module):
         y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
     (the state S_t's update: bib.gated_delta_rule_recurrent's docstring). conv1d is causal and
     depthwise, K taps, over each sequence from zeros; the rule carries a state per head
-    through each sequence as vLLM ran it: a sample's whole prompt in one call of the rule's
+    through each sequence as vLLM ran it: its whole prompt in one call of the rule's
     chunked form (its prefill; batch.prefill says where it ends), then its completion token
     by token in the recurrent form (its decode steps): the two forms differ in their bits. The
     engine is held to that schedule ("Qwen3.5 on vLLM", after the story): a prompt prefilled
     in one engine step, no prefix-cache hit, no preemption. Each turn of an episode is a
-    sample of its own (pack_rollout): vLLM prefilled its whole request."""
+    sequence of its own (pack_rollout): vLLM prefilled its whole request."""
 
     def __init__(self, args, ops: bib.Kernels, dtype: torch.dtype):
         super().__init__()
@@ -1244,7 +1244,7 @@ def my_prompts(num_prompts: int, ranks: Ranks) -> list[int]:
 
 def pack(prompts: list[list[int]], completions: list[list[int]],
          generated: list[list[bool]] | None = None) -> Packed:
-    """Samples back to back, no padding; token t of completion b is predicted at
+    """Sequences back to back, no padding; token t of completion b is predicted at
     start_b + P_b - 1 + t. The targets are every completion token, or those generated[b][t]
     marks (an episode's tool tokens are context, not targets). Packed's docstring has an
     example."""
@@ -1254,30 +1254,30 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     starts = torch.cumsum(L, 0) - L
     tokens = torch.tensor([t for p, c in zip(prompts, completions) for t in p + c])
     positions = torch.arange(len(tokens)) - torch.repeat_interleave(starts, L)
-    sample = torch.repeat_interleave(torch.arange(len(C)), C)
+    seq = torch.repeat_interleave(torch.arange(len(C)), C)
     offset = torch.arange(int(C.sum())) - torch.repeat_interleave(torch.cumsum(C, 0) - C, C)
     if generated is not None:
         keep = torch.tensor([m for ms in generated for m in ms], dtype=torch.bool)  # (sum C,)
-        sample, offset = sample[keep], offset[keep]
+        seq, offset = seq[keep], offset[keep]
     return Packed(
         tokens=tokens,
         positions=positions,
         cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(L, 0)]).int(),
         max_seqlen=int(L.max()),
-        gen_index=(starts + P - 1)[sample] + offset,
-        targets=tokens[(starts + P)[sample] + offset],
-        sample=sample,
+        gen_index=(starts + P - 1)[seq] + offset,
+        targets=tokens[(starts + P)[seq] + offset],
+        seq=seq,
         prefill=P,
     )
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
-    """Consecutive sample ranges whose total length fits max_tokens (each sample fits alone)."""
+    """Consecutive sequence ranges whose total length fits max_tokens (each fits alone)."""
     out = []
     start = 0
     total = 0
     for i, n in enumerate(lengths):
-        assert n <= max_tokens, f"a sample of {n} tokens exceeds micro_batch_tokens={max_tokens}"
+        assert n <= max_tokens, f"a sequence of {n} tokens exceeds micro_batch_tokens={max_tokens}"
         if total + n > max_tokens:
             out.append(range(start, i))
             start = i
@@ -1287,15 +1287,15 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[range]:
     return out
 
 
-def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
-    """Samples [start, stop) as their own packed batch, and the slice of targets (N,) they own.
-    E.g. range(1, 2) of Packed's example: tokens c z, cu_seqlens 0 2, gen_index 0, sample 0;
+def sub_pack(packed: Packed, seqs: range) -> tuple[Packed, slice]:
+    """Sequences [start, stop) as their own packed batch, and the slice of targets (N,) they own.
+    E.g. range(1, 2) of Packed's example: tokens c z, cu_seqlens 0 2, gen_index 0, seq 0;
     slice(2, 3)."""
-    t0, t1 = int(packed.cu_seqlens[samples.start]), int(packed.cu_seqlens[samples.stop])
-    # packed.sample is sorted: the targets of samples [start, stop) are one run of it
-    bounds = torch.tensor([samples.start, samples.stop], device=packed.sample.device)
-    n0, n1 = torch.searchsorted(packed.sample, bounds).tolist()
-    cu = packed.cu_seqlens[samples.start : samples.stop + 1] - t0
+    t0, t1 = int(packed.cu_seqlens[seqs.start]), int(packed.cu_seqlens[seqs.stop])
+    # packed.seq is sorted: the targets of sequences [start, stop) are one run of it
+    bounds = torch.tensor([seqs.start, seqs.stop], device=packed.seq.device)
+    n0, n1 = torch.searchsorted(packed.seq, bounds).tolist()
+    cu = packed.cu_seqlens[seqs.start : seqs.stop + 1] - t0
     part = Packed(
         tokens=packed.tokens[t0:t1],
         positions=packed.positions[t0:t1],
@@ -1303,8 +1303,8 @@ def sub_pack(packed: Packed, samples: range) -> tuple[Packed, slice]:
         max_seqlen=int((cu[1:] - cu[:-1]).max()),
         gen_index=packed.gen_index[n0:n1] - t0,
         targets=packed.targets[n0:n1],
-        sample=packed.sample[n0:n1] - samples.start,
-        prefill=packed.prefill[samples.start : samples.stop],
+        seq=packed.seq[n0:n1] - seqs.start,
+        prefill=packed.prefill[seqs.start : seqs.stop],
     )
     return part, slice(n0, n1)
 
@@ -1528,9 +1528,9 @@ EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error
 
 @dataclass
 class Rollout:
-    """A step's episodes as the trainer packs them (episodes_rollout): sample b is episode b's
-    first prompt followed by everything after it (the model's turns, the tools' messages);
-    pack_rollout cuts a Qwen3.5's into a sample a turn (each its episode's advantage)."""
+    """A step's episodes as the trainer packs them (episodes_rollout): sequence b is episode
+    b's first prompt followed by everything after it (the model's turns, the tools' messages);
+    pack_rollout cuts a Qwen3.5's into a sequence a turn (each its episode's advantage)."""
     prompts: list[list[int]]  # each episode's first prompt (a problem's, G times)
     completions: list[list[int]]  # everything after it: turns and tool messages, not one turn
     generated: list[list[bool]]  # generated[b][t]: completion b's token t is the model's
@@ -1724,11 +1724,11 @@ def episodes_rollout(episodes: list[Episode], routes: bool) -> Rollout:
 
 
 def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
-    """The update's samples, and each one's episode (B',) int64. An episode is one sample: its
-    first prompt, then its turns (the targets) and the tools' messages between them. By turn (a
-    Qwen3.5, whose linear attention vLLM ran from a zero state over each turn's whole request):
-    each turn is a sample, prompted with its request. E.g. prompt p, turn x y, tool message t,
-    turn z: samples [p | x y] and [p x y t | z], of episode 0 both; targets keep their order."""
+    """The update's sequences, and each one's episode (B',) int64. An episode is one sequence:
+    its first prompt, then its turns (the targets) and the tools' messages between them. By turn
+    (a Qwen3.5, whose linear attention vLLM ran from a zero state over each turn's whole
+    request): each turn is a sequence, prompted with its request. E.g. prompt p, turn x y, tool
+    message t, turn z: [p | x y] and [p x y t | z], of episode 0 both; targets keep their order."""
     if not by_turn:
         return (pack(rollout.prompts, rollout.completions, rollout.generated),
                 torch.arange(len(rollout.prompts)))
@@ -1828,9 +1828,9 @@ class Pass(NamedTuple):
 def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
            n_micro: int | None = None, n_tokens: int | None = None) -> Pass:
     """The update: `updates_per_batch` optimizer steps, each after a pass over all
-    micro-batches of this rank's samples.
+    micro-batches of this rank's sequences.
 
-    old_logp (N,) and adv (B,) (a packed sample's: its episode's) live on the model's device.
+    old_logp (N,) and adv (B,) (a packed sequence's: its episode's) live on the model's device.
     n_micro: micro-batches every rank runs (FSDP's collectives need the same count on every
     rank; a rank with fewer runs zero-counted ones); n_tokens: generated tokens over all
     ranks, the loss's denominator. Returns the first pass's token sums, global grad norm,
@@ -1864,18 +1864,18 @@ def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Conf
 
 
 class MicroBatch(NamedTuple):
-    batch: Packed  # its samples packed on their own, on the model's device
+    batch: Packed  # its sequences packed on their own, on the model's device
     owned: slice  # its targets' slice of the rank's N
-    samples: range  # its samples' range of the rank's B
+    seqs: range  # its sequences' range of the rank's B
     real: bool  # False for a padding micro-batch (it runs FSDP's collectives only, its loss x 0)
 
 
 def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
                       device) -> list[MicroBatch]:
-    """The rank's micro-batches, padded to n_micro with uncounted copies of the first sample."""
-    def part(samples: range, real: bool) -> MicroBatch:
-        batch, owned = sub_pack(packed, samples)
-        return MicroBatch(batch.to(device), owned, samples, real)
+    """The rank's micro-batches, padded to n_micro with uncounted copies of the first sequence."""
+    def part(seqs: range, real: bool) -> MicroBatch:
+        batch, owned = sub_pack(packed, seqs)
+        return MicroBatch(batch.to(device), owned, seqs, real)
 
     parts = [part(g, True) for g in plan_micro_batches(packed, cfg)]
     padding = (n_micro or 0) - len(parts)
@@ -1894,12 +1894,12 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     experts = torch.empty(len(old_logp), len(sparse_at), model.args.moe_args.top_k,
                           dtype=torch.int32, device=device) if sparse_at else None
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
-        for batch, owned, samples, real in parts:
+        for batch, owned, seqs, real in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
             if experts is not None and real:  # read before a LoRA reference reruns it
                 experts[owned] = model.routed_ids(batch)
-            # batch.sample counts from the micro-batch's first sample, adv from the rank's
-            adv_tok = adv[batch.sample + samples.start]  # (N_mb,) its sample's advantage
+            # batch.seq counts from the micro-batch's first sequence, adv from the rank's
+            adv_tok = adv[batch.seq + seqs.start]  # (N_mb,) its sequence's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
             if cfg.kl_coef > 0:
@@ -2136,12 +2136,12 @@ def engine_to_sleep(trainer: Trainer) -> tuple[int, float]:
 
 def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
                        mine: list[int]) -> tuple[Pass, int, Parity]:
-    """`update` on this rank's samples, whose first forward is the trainer's side of the
+    """`update` on this rank's rollout, whose first forward is the trainer's side of the
     parity check: every generated token's logprob and, for an MoE, its experts. Returns
     (the update's first pass, generated tokens over all ranks, parity over all ranks)."""
     cfg, device, G = trainer.cfg, trainer.ranks.device, trainer.cfg.group_size
-    # a packed sample is an episode, or for Qwen3.5 a turn (pack_rollout); episode_of (B,):
-    # each packed sample's episode
+    # a sequence is an episode, or for Qwen3.5 a turn (pack_rollout); episode_of (B,):
+    # each sequence's episode
     packed, episode_of = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
@@ -2149,8 +2149,7 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
                             rollout.logprobs.to(device), adv[episode_of.to(device)], cfg,
                             n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
-        # e.samples: the packed samples it found (a Qwen3.5's turns), made episodes
-        e.episodes = sorted({int(episode_of[s]) for s in e.samples})
+        e.episodes = sorted({int(episode_of[s]) for s in e.seqs})  # its sequences' episodes
         e.prompts = sorted({mine[i // G] for i in e.episodes})
         raise
     parity = parity_report(rollout.logprobs, first_pass.logprobs, packed.targets,
@@ -3533,14 +3532,14 @@ class RunStopped(RuntimeError):
 class NonFiniteError(RuntimeError):
     """A logprob, the loss, the gradient norm or an updated weight is NaN/Inf."""
 
-    def __init__(self, quantity: str, samples: list[int], optimizer_step: int,
+    def __init__(self, quantity: str, seqs: list[int], optimizer_step: int,
                  optimizer_steps: int):
         super().__init__(f"non-finite {quantity}")
         self.quantity = quantity
-        self.samples = samples
+        self.seqs = seqs
         self.optimizer_step = optimizer_step  # k of --updates-per-batch (optimizer_steps)
         self.optimizer_steps = optimizer_steps
-        # samples: the packed samples (a Qwen3.5's turns) in this rank's batch; update_with_parity
+        # seqs: the packed sequences (a Qwen3.5's turns) in this rank's batch; update_with_parity
         # adds their episodes (in this rank's rollout) and those episodes' prompts (in the step)
         self.episodes: list[int] = []
         self.prompts: list[int] = []
@@ -6885,9 +6884,9 @@ def check_finite(logps, loss_total, norm, packed: Packed, optimizer_step: int,
     finite = all_reduce(finite.int(), dist.ReduceOp.MIN).tolist()
     if not all(finite):
         quantity = ["logprobs", "loss", "gradient norm"][finite.index(0)]
-        bad = packed.sample[~torch.isfinite(logps.cpu())].unique().tolist()
-        all_samples = sorted(set(packed.sample.tolist()))
-        raise NonFiniteError(quantity, bad if quantity == "logprobs" else all_samples,
+        bad = packed.seq[~torch.isfinite(logps.cpu())].unique().tolist()
+        every = sorted(set(packed.seq.tolist()))
+        raise NonFiniteError(quantity, bad if quantity == "logprobs" else every,
                              optimizer_step, optimizer_steps)
 
 

@@ -49,7 +49,7 @@ def rollout_grads(model: str, log_dir: str, out: str, lora_rank: int = 0,
     n_micro, n_tokens = rl.batch_over_ranks(packed, cfg, ranks.device)
     trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
     trainer.optimizer.zero_grad = lambda set_to_none=True: None  # keep the gradients
-    lps = [ro.logprobs[packed.sample == s].tolist() for s in range(len(ro.completions))]
+    lps = [ro.logprobs[packed.seq == s].tolist() for s in range(len(ro.completions))]
     per_prompt = [(ro.completions[j * G:(j + 1) * G], lps[j * G:(j + 1) * G])
                   for j in range(len(mine))]
     rl.update(trainer.model, None, trainer.optimizer, packed, ro.logprobs, adv, cfg, n_micro,

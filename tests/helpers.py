@@ -414,7 +414,7 @@ class ExactEngine(TorchEngine):
         for c, lp in zip(turns, logprobs.split([len(c.ids) for c in turns])):
             c.logprobs = lp.tolist()  # fp32 values: Python floats hold them exactly
         if rl.sparse_layers(self.model.args):
-            for s, rows in enumerate(routed):  # s: a sample of the packed batch
+            for s, rows in enumerate(routed):  # s: a sequence of the packed batch
                 p, ts = self.episodes[int(episode[s])]
                 if len(ts) == 1:
                     ts[0][1].routed = rl.generated_routing(rows, len(p), len(ts[0][1].ids))

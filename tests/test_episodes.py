@@ -242,7 +242,7 @@ def test_one_turn_episodes_pack_exactly_as_the_engines_rollout(ckpt, tmp_path, m
     assert torch.equal(ro.logprobs, want.logprobs) and ro.completed == want.completed
     a = rl.pack(ro.prompts, ro.completions, ro.generated)
     b = rl.pack(want.prompts, want.completions)
-    for f in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "sample"):
+    for f in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "seq"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert not any(k.startswith("episode/") for k in m)  # single-turn logs as before
     trainer.writer.close()

@@ -179,11 +179,11 @@ def test_a_rank_pads_to_exactly_n_micro_micro_batches():
     """One real micro-batch, n_micro 1..3: 0, 1 and 2 uncounted copies of sample 0."""
     p = three_samples()
     cfg = rl.Config(micro_batch_tokens=16)
-    assert rl.micro_batch_parts(p, cfg, None, "cpu")[0].samples == range(0, 3)
+    assert rl.micro_batch_parts(p, cfg, None, "cpu")[0].seqs == range(0, 3)
     for n_micro in (1, 2, 3):
         parts = rl.micro_batch_parts(p, cfg, n_micro, "cpu")
         assert [m.real for m in parts] == [True] + [False] * (n_micro - 1)
-        assert [m.samples for m in parts[1:]] == [range(0, 1)] * (n_micro - 1)
+        assert [m.seqs for m in parts[1:]] == [range(0, 1)] * (n_micro - 1)
 
 
 def test_every_rank_runs_the_most_micro_batches_and_divides_by_all_tokens(monkeypatch):

@@ -46,7 +46,7 @@ def objective(model, ref, packed, old, adv, cfg):
     ent = -(lps.exp() * lps).sum(-1)
     with torch.no_grad():
         ref_lp = logprobs(ref).gather(-1, packed.targets[:, None])[:, 0]
-    a = adv[packed.sample]  # each token: its sample's advantage
+    a = adv[packed.seq]  # each token: its sequence's advantage
     rho = torch.exp(lp - old)
     unclipped, clipped = rho * a, rho.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a
     pg = -torch.minimum(unclipped, clipped)

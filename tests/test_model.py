@@ -52,7 +52,7 @@ def test_pack_indexes_generated_tokens():
     assert p.cu_seqlens.tolist() == [0, 5, 7] and p.max_seqlen == 5
     assert p.gen_index.tolist() == [1, 2, 3, 5]  # the hidden state before each generated token
     assert p.targets.tolist() == [8, 9, 10, 11]
-    assert p.sample.tolist() == [0, 0, 0, 1]
+    assert p.seq.tolist() == [0, 0, 0, 1]
 
 
 def test_sub_pack_and_micro_batches_cover_every_token():
@@ -126,12 +126,12 @@ def test_a_bf16_embedding_sums_the_gradient_of_a_repeated_token_in_fp32():
     assert torch.equal(emb.weight.grad[[0, 3]], torch.zeros(2, 8))
 
 
-def test_sub_pack_is_the_packing_of_its_samples_alone():
-    """pack's worked example, [a b | x y] [c | z]: sample 1 on its own is exactly pack([c], [z]),
-    max_seqlen included (its own longest sample, not the whole batch's)."""
+def test_sub_pack_is_the_packing_of_its_sequences_alone():
+    """Packed's worked example, [a b | x y] [c | z]: sequence 1 on its own is exactly
+    pack([c], [z]), max_seqlen included (its own longest sequence, not the whole batch's)."""
     p = rl.pack([[1, 2], [5]], [[3, 4], [6]])
     part, owned = rl.sub_pack(p, range(1, 2))
     alone = rl.pack([[5]], [[6]])
     assert owned == slice(2, 3) and part.max_seqlen == alone.max_seqlen == 2
-    for name in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "sample", "prefill"):
+    for name in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "seq", "prefill"):
         assert getattr(part, name).tolist() == getattr(alone, name).tolist(), name

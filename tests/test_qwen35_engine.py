@@ -424,7 +424,7 @@ def test_a_qwen35s_episodes_are_packed_a_turn_a_sample_with_its_whole_request():
     assert p.tokens.tolist() == [1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8,
                                  4, 5, 6, 7, 8, 9, 10, 11, 12]
     assert p.prefill.tolist() == [2, 1, 4, 7]
-    assert p.targets.tolist() == [3, 5, 6, 8, 11, 12] and p.sample.tolist() == [0, 1, 1, 2, 3, 3]
+    assert p.targets.tolist() == [3, 5, 6, 8, 11, 12] and p.seq.tolist() == [0, 1, 1, 2, 3, 3]
     assert p.tokens[p.gen_index + 1].tolist() == p.targets.tolist()  # each predicts the next
     whole, episode = rl.pack_rollout(rollout, by_turn=False)
     assert episode.tolist() == [0, 1] and whole.cu_seqlens.tolist() == [0, 3, 12]
@@ -461,7 +461,7 @@ def test_a_non_finite_update_of_a_qwen35_names_episodes_and_prompts_not_turns(q3
     rollout = rl.episodes_rollout(worked_episodes(), routes=False)
     with pytest.raises(rl.NonFiniteError) as e:
         rl.update_with_parity(trainer, rollout, torch.zeros(2), mine=[7])
-    assert (e.value.samples, e.value.episodes, e.value.prompts) == ([3], [1], [7])
+    assert (e.value.seqs, e.value.episodes, e.value.prompts) == ([3], [1], [7])
     stop = rl.nonfinite_stop(e.value, 5, "step 6/9", tmp_path)
     diag = json.loads((tmp_path / "nonfinite_step_000005.json").read_text())
     assert (diag["samples"], diag["prompts"], stop.code) == ([1], [7], rl.EXIT_NONFINITE)
