@@ -778,8 +778,8 @@ def weights_cast_once(model: Qwen3):
         linears.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     # Sharded (FSDP2, full fine-tuning: a DTensor master), the all-gather casts the masters
-    # (shard_model's MixedPrecisionPolicy; a Qwen3.5's Gated DeltaNet layers gather in fp32 for A_log and
-    # their modules cast their own); an fp32 model needs no cast
+    # (shard_model's MixedPrecisionPolicy; a Qwen3.5's Gated DeltaNet layers gather in fp32
+    # for A_log and their modules cast their own); an fp32 model needs no cast
     if hasattr(model.norm.weight, "to_local") or model.dtype == torch.float32:
         linears, experts = [], []
     for m in lora_modules(model):  # in every case, and kept: bound, they are the engine's slot
@@ -999,8 +999,8 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 # - its fused add+RMSNorm calls run the trainer's function, rows padded to 256, so both sides
 #   run one kernel (vLLM 0.26's changed its reduction order at 256 rows);
 # - a Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine).
-# Sampling needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed, position,
-# token id), so a sample depends on its seed alone, not on the batch it was drawn in.
+# Sampling needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed,
+# position, token id), so a sample depends on its seed alone, not on the batch it was drawn in.
 
 
 @dataclass
@@ -2273,8 +2273,9 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     (trainer, first step, run dir, model dir), or None after --check.
 
     Every check that needs only the config, the checkpoint, the files and the reward runs
-    before the GPU is looked for (in one process), the run directory is made and the engine
-    starts; engine_factory(cfg, files, ranks) makes it (VLLMEngine; the tests: a CPU stand-in).
+    before the run directory is made and the engine starts (in one process, before the GPU is
+    looked for too; under torchrun the GPU comes first, step 1). engine_factory(cfg, files,
+    ranks) makes the engine (VLLMEngine; the tests: a CPU stand-in).
     """
     # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
     # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
