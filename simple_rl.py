@@ -541,8 +541,9 @@ class GatedDeltaNet(nn.Module):
         [q; k; v; z] = x W_qkvz^T,  [b; a] = x W_ba^T,  [q; k; v] <- silu(conv1d([q; k; v]))
         o = gated_delta_rule(l2norm(q), l2norm(k), v; g = -exp(A_log) softplus(a + dt_bias),
                              beta = sigmoid(b)),   o_t = Dk^-1/2 S_t^T q_t
+        S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T   (S: Dk x Dv)
         y = (rms_norm(o) * w * silu(z)) W_out^T            (per head)
-    (the state S_t's update: bib.gated_delta_rule_recurrent's docstring). conv1d is causal and
+    (the state decays, then its error predicting v_t from k_t is written back). conv1d is causal and
     depthwise, K taps, over each sequence from zeros; the rule carries a state per head
     through each sequence as vLLM ran it: its whole prompt in one call of the rule's
     chunked form (its prefill; batch.prefill says where it ends), then its completion token
