@@ -799,24 +799,6 @@ def weights_cast_once(model: Qwen3):
             m.compute_weights = None
 
 
-class BasePolicy:
-    """The KL reference of a LoRA run: the policy with its adapters off, i.e. the frozen base
-    (no second model). Called like a Qwen3, under no_grad."""
-
-    def __init__(self, model: Qwen3):
-        self.model = model
-
-    def __call__(self, batch: Packed, temperature: float):
-        adapters = lora_modules(self.model)
-        for m in adapters:
-            m.enabled = False
-        try:
-            return self.model(batch, temperature)
-        finally:
-            for m in adapters:
-                m.enabled = True
-
-
 def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
     """What the engine needs to hold the trainer's policy: every weight (HF names), streamed, or
     under LoRA the adapter alone, whose casts (refreshed here) are the engine's slot: the push."""
@@ -1686,8 +1668,8 @@ def end_turn(episode: Episode, called: Called, last: bool) -> str | None:
         return None
     if called.error is not None:
         raise called.error
-    message, reward = called.value
-    episode.reward = reward or 0.0
+    message, given = called.value
+    episode.reward = given or 0.0
     if message is None:
         last_turn = episode.turns[-1]
         episode.end("completed" if last_turn.out.stopped
@@ -1834,10 +1816,10 @@ def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Conf
     old_logp (N,) and adv (B,) (a packed sequence's: its episode's) live on the model's device.
     n_micro: micro-batches every rank runs (FSDP's collectives need the same count on every
     rank; a rank with fewer runs zero-counted ones); n_tokens: generated tokens over all
-    ranks, the loss's denominator. Returns the first pass's token sums, global grad norm,
-    logprobs (N,) and experts: what the parity check compares. Raises NonFiniteError (on every
-    rank at once) if a logprob, the loss or the gradient norm is not finite before an optimizer
-    step, or a weight after it.
+    ranks, the loss's denominator. Returns the first pass (Pass): its summed loss, token sums,
+    global grad norm, logprobs (N,) and experts, what the parity check compares. Raises
+    NonFiniteError (on every rank at once) if a logprob, the loss or the gradient norm is not
+    finite before an optimizer step, or a weight after it.
     """
     device = old_logp.device
     n_tokens = len(packed.targets) if n_tokens is None else n_tokens
@@ -1958,7 +1940,7 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
                   lengths: list[int], rows: int) -> Parity:
     """Compare int32 views of two fp32 vectors (N,), the generated tokens in episode order
     (lengths: per episode): equal bits are the same float (-0, NaN). With the table of where
-    each of the first `rows` differing episodes first differs (`parity_table`)."""
+    each of the first `rows` differing samples first differs (`parity_table`)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
     n, bad = len(a), a.view(torch.int32) != b.view(torch.int32)  # (N,)
     assert sum(lengths) == n, f"the samples' lengths sum to {sum(lengths)}, not to the {n} tokens"
@@ -4067,6 +4049,24 @@ def engine_names(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]):
 # ==========================================================================
 # LoRA plumbing: the engine's adapter slot, names, the initial adapter
 # ==========================================================================
+
+
+class BasePolicy:
+    """The KL reference of a LoRA run: the policy with its adapters off, i.e. the frozen base
+    (no second model). Called like a Qwen3, under no_grad."""
+
+    def __init__(self, model: Qwen3):
+        self.model = model
+
+    def __call__(self, batch: Packed, temperature: float):
+        adapters = lora_modules(self.model)
+        for m in adapters:
+            m.enabled = False
+        try:
+            return self.model(batch, temperature)
+        finally:
+            for m in adapters:
+                m.enabled = True
 
 
 def lora_models(cfg: Config, args, hf_state: dict, ops: bib.Kernels, ranks: Ranks,
