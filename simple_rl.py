@@ -170,7 +170,8 @@ class Config:
                     ("arithmetic", "gsm8k", "jsonl"))
     data_files: str = opt("task", "", "local parquet or jsonl with question/answer fields")
     reward: str = opt("task", "", "FILE.py:FUNCTION, your reward(completion, answer) -> float "
-                      "(default: 1 if the number after 'Answer:' is right, else 0)")
+                      "(default: 1 if the number after the last 'Answer:', else the last "
+                      "number, is right)")
     env: str = opt("task", "", "episodes of several turns: calc (arithmetic with a calculator "
                    "tool), lookup (its own questions, 2-5 dependent <search> calls) or "
                    "FILE.py:NAME, your Env class (default: one turn, scored by --reward)")
@@ -833,17 +834,18 @@ def build_model(args, state: dict[str, torch.Tensor], ops: bib.Kernels, dtype, d
     with torch.device("meta"):
         model = Qwen3(args, ops, dtype)
         # a LoRA's base: the weights before its adapters; frozen, adopted as the engine holds them
-        base = {name for name, _ in model.named_parameters()} if lora else set()
+        frozen_base = {name for name, _ in model.named_parameters()} if lora else set()
         if lora:
             add_lora(model, lora)
     try:
         if world == 1 or lora:
-            # the base adopted as given; the fp32 masters copies (the KL reference shares state)
-            loaded = {k: v.to(device, held_dtype(k, dtype)) if k in base
+            # the base adopted as given; the fp32 masters copied, so that the policy and the KL
+            # reference, built from one `state`, never share a tensor
+            loaded = {k: v.to(device, held_dtype(k, dtype)) if k in frozen_base
                       else v.to(device, torch.float32, copy=True) for k, v in state.items()}
             model.load_state_dict(loaded, strict=True, assign=True)
             for name, p in model.named_parameters():
-                p.requires_grad_(not (frozen or name in base))
+                p.requires_grad_(not (frozen or name in frozen_base))
             if world > 1:
                 shard_model(model, dtype)
         else:
@@ -934,9 +936,10 @@ def fused_sizes(args) -> dict[str, list[int]]:
 def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Tensor]:
     """HF names -> TorchTitan names (hf_key_map) -> fused vLLM-layout projections.
 
-    A sparse layer's router and experts are taken out first (`moe_from_hf`, with the model
-    files after the story: {trainer name: router, or the experts stacked (E, rows, cols)}),
-    per expert (hub) or fused (the push's names) alike. A fused projection is made in the
+    A sparse layer's router and experts are taken out first by `moe_from_hf` (model files,
+    after the story), as the trainer's router and stacked experts (E, rows, cols); it reads
+    experts stored one by one (the hub's Qwen3-MoE files) or already stacked (vLLM's layout,
+    which some checkpoints use). A fused projection is made in the
     layers that have it (`fused_in_layer`): a Qwen3.5's wqkv in its full-attention layers,
     in_proj_qkvz and in_proj_ba in its Gated DeltaNet layers.
     """
@@ -978,9 +981,10 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 # ==========================================================================
 # VLLMEngine.__init__ first patches vLLM in this process ("vLLM patches", after the story):
 # - on Hopper its linear layers run on cuBLASLt, the trainer's GEMM: for speed (vLLM's Triton
-#   matmul leaves most SMs idle at decode); with split-K off its bits are Triton's;
+#   matmul leaves most SMs idle at decode); with split-K off, cuBLASLt's bits are the Triton
+#   kernel's (tests/test_gemm_gpu.py checks every row count);
 # - its fused add+RMSNorm calls run the trainer's function, rows padded to 256, so both sides
-#   run one kernel (vLLM 0.26's changed its reduction order at 256 rows);
+#   run one kernel whose bits hold at any row count (vLLM 0.26's did not);
 # - a Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine).
 # Sampling needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed,
 # position, token id), so a sample depends on its seed alone, not on the batch it was drawn in.
@@ -1054,7 +1058,6 @@ class VLLMEngine(Engine):
     engine joins the existing process group (vLLM's external launcher).
     """
 
-    lora: LoRASpec | None = None  # --lora-rank: the adapter every request names
     lora_request = None
     adapter_ptrs: frozenset[int] = frozenset()  # LoRA: the slot's tensor addresses (start_adapter)
     preempted: Callable[[], int] | None = None  # Qwen3.5: requests preempted since last asked
@@ -1488,7 +1491,7 @@ class Episode:
     turns: list[Turn]
     status: str = "running"  # then one of EPISODE_ENDS
     reward: float = 0.0  # the env's, or 0 if it ended without one
-    tool_calls: int = 0  # tool messages the env gave
+    tool_calls: int = 0  # tool messages the env gave (one at --max-turns: never read)
     tool_s: float = 0.0  # seconds in env.step (its calls: call_tools)
 
     def ids(self) -> list[int]:
@@ -1530,8 +1533,8 @@ def new_episodes(trainer: Trainer, problems: list[Problem], prompt_ids: list[lis
     """m fresh envs per problem (G; 1 for the eval), reset, and each problem's first prompt as
     ids: the task's (prompt_ids) when reset gives the question, else its message formatted as
     the task's (the chat template's user turn, or 'Q: ...\\nA:'). An env whose reset ran past
-    --tool-timeout is None: its episode ends at once. Episode j m + k is problem j's k-th
-    (RewardError's `sample`): problems a, b with m = 2 give envs a0 a1 b0 b1, and firsts[2] is
+    --tool-timeout is None: its episode ends at once. Episode j m + k (the rank's; an error
+    names it) is problem j's k-th: problems a, b with m = 2 give envs a0 a1 b0 b1, and firsts[2] is
     b's first message."""
     make = trainer.make_env or (lambda: RewardEnv(trainer.reward_fn))
     envs = [make() for _ in range(len(problems) * m)]
@@ -1707,7 +1710,7 @@ def episodes_rollout(episodes: list[Episode], routes: bool) -> Rollout:
 
 
 def pack_rollout(rollout: Rollout, by_turn: bool) -> tuple[Packed, torch.Tensor]:
-    """The update's sequences, and each one's episode (B',) int64. An episode is one sequence:
+    """The update's sequences, and each one's episode (B,) int64. An episode is one sequence:
     its first prompt, then its turns (the targets) and the tools' messages between them. By turn
     (a Qwen3.5, whose linear attention vLLM ran from a zero state over each turn's whole
     request): each turn is a sequence, prompted with its request. E.g. prompt p, turn x y, tool
@@ -1879,7 +1882,9 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, seqs, real in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            if experts is not None and real:  # read before a LoRA reference reruns it
+            # read now: under LoRA the reference is this model (adapters off), whose forward
+            # overwrites TopK.ids
+            if experts is not None and real:
                 experts[owned] = model.routed_ids(batch)
             # batch.seq counts from the micro-batch's first sequence, adv from the rank's
             adv_tok = adv[batch.seq + seqs.start]  # (N_mb,) its sequence's advantage
@@ -1939,7 +1944,8 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
                   lengths: list[int], rows: int) -> Parity:
     """Compare int32 views of two fp32 vectors (N,), the generated tokens in episode order
-    (lengths: per episode): equal bits are the same float (-0, NaN). With the table of where
+    (lengths: per episode). Bits, not values: -0.0 against +0.0 is a mismatch, a NaN matches
+    only the same NaN. With the table of where
     each of the first `rows` differing samples first differs (`parity_table`)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
     n, bad = len(a), a.view(torch.int32) != b.view(torch.int32)  # (N,)
@@ -2001,7 +2007,10 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
     t2 = time.perf_counter()  # the copies may still run: the wake-up below does not wait
     if engine.asleep:
         with waking():
-            map_kv_cache(True) if lora else engine.llm.wake_up(tags=["kv_cache"])
+            if lora:
+                map_kv_cache(True)
+            else:
+                engine.llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
     wake_s = (t1 - t0) + (time.perf_counter() - t2)
     engine.llm.reset_prefix_cache()
@@ -2256,9 +2265,8 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     (trainer, first step, run dir, model dir), or None after --check.
 
     Every check that needs only the config, the checkpoint, the files and the reward runs
-    before the run directory is made and the engine starts (in one process, before the GPU is
-    looked for too; under torchrun the GPU comes first, step 1). engine_factory(cfg, files,
-    ranks) makes the engine (VLLMEngine; the tests: a CPU stand-in).
+    before the run directory and the engine (in one process, before the GPU too: step 1).
+    engine_factory(cfg, files, ranks) makes the engine (VLLMEngine; tests: a CPU stand-in).
     """
     # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
     # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
