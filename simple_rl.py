@@ -1595,7 +1595,7 @@ def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
     """The envs of the live episodes read their last turn's text (--env's on threads, --reward's
     inline: call_tools, "Tools"): the tool message of each episode that goes on ({episode:
     message}), and the seconds the calls took. end_turn ends the others. A RewardError (its
-    message names the episode, `.sample`) records `.turn`, the turns played (1: the first)."""
+    message names the episode, `.sample`) records `.played`, the turns played (1: the first)."""
     texts = decode(tokenizer, [episodes[i].turns[-1].out.ids for i in live])
     t0 = time.perf_counter()
     called = call_tools([lambda i=i, text=text: env_step(episodes[i].env, text, i)
@@ -1606,7 +1606,7 @@ def env_turn(episodes: list[Episode], live: list[int], tokenizer, cfg: Config,
         try:
             message = end_turn(episodes[i], c, played == cfg.max_turns)
         except RewardError as e:
-            e.turn = played
+            e.played = played
             raise
         if message is not None:
             messages[i] = message
@@ -3554,7 +3554,7 @@ class RewardError(RuntimeError):
         super().__init__(what)
         self.sample = sample  # index among this rank's episodes (of the step, or of the eval)
         self.completion = completion
-        self.turn: int | None = None  # turns played when the env failed (1: the first), if any
+        self.played: int | None = None  # turns played when the env failed (1: the first)
         self.where = f"sample {sample}"  # failing_together names it by its problem
 
     def __reduce__(self):  # sent between ranks by all_gather_objects, with its fields
@@ -3705,7 +3705,7 @@ def failing_together(trainer: Trainer, name: Callable[[int], str]):
     try:
         yield
     except RewardError as e:
-        e.where = name(e.sample) + (f", turn {e.turn}" if e.turn else "")
+        e.where = name(e.sample) + (f", turn {e.played}" if e.played else "")
         failure = e
     except (ToolsStopped, ToolsStuck) as e:
         failure = e
