@@ -355,7 +355,8 @@ class Linear(nn.Module):
         self.lora: LoRA | None = None  # add_lora's adapter; state-dict keys: ...wqkv.lora.a.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # casts the master (unless given its cast); the gradient comes back in fp32
+        # ops.linear(x, master, its cast or None): casts the master unless given the cast; the
+        # gradient comes back in fp32
         y = self.ops.linear(x, self.weight, self.compute_weight)
         return y if self.lora is None else self.lora(x, y)
 
@@ -779,9 +780,9 @@ def weights_cast_once(model: Qwen3):
     if model.output is None:
         linears.append(model.tok_embeddings)  # the tied head's weight
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    # Sharded (FSDP2, full fine-tuning: a DTensor master), the all-gather casts the masters
-    # (shard_model's MixedPrecisionPolicy; a Qwen3.5's Gated DeltaNet layers gather in fp32
-    # for A_log and their modules cast their own); an fp32 model needs no cast
+    # Nothing to cast under FSDP2 (full fine-tuning on several ranks: a DTensor master), whose
+    # all-gather already gives the compute dtype (a Qwen3.5's Gated DeltaNet layers gather in
+    # fp32, for A_log, and cast in their forward), nor in an fp32 model
     if hasattr(model.norm.weight, "to_local") or model.dtype == torch.float32:
         linears, experts = [], []
     for m in lora_modules(model):  # in every case, and kept: bound, they are the engine's slot
@@ -802,7 +803,8 @@ def weights_cast_once(model: Qwen3):
 
 def policy_weights(model: Qwen3) -> Iterable[tuple[str, torch.Tensor]]:
     """What the engine needs to hold the trainer's policy: every weight (HF names), streamed, or
-    under LoRA the adapter alone, whose casts (refreshed here) are the engine's slot: the push."""
+    under LoRA the adapter alone, a list (adapter_weights, LoRA plumbing): making it refreshes
+    the casts, which are the engine's slot, so the call itself pushes."""
     return adapter_weights(model) if lora_modules(model) else hf_weights(model)
 
 
@@ -1926,7 +1928,8 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
                    lengths: list[int], layers: tuple[int, ...]) -> tuple[int, int]:
     """(tokens compared, tokens whose expert set differs in any sparse layer).
 
-    engine_routed: per episode (C_b, all layers, k) or None (not compared); trainer_ids
+    engine_routed: per episode (C_b, all layers, k) or None (not compared): Rollout.routed,
+    vLLM's experts for every layer, a dense one's included; trainer_ids
     (N, sparse layers, k), N = sum C_b in episode order (a Qwen3.5's turns keep it); layers:
     the sparse layers' indices.
     Sets are compared (both sides sorted), so the order of the k ids does not matter.
