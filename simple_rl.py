@@ -40,7 +40,7 @@ Departures from textbook GRPO/PPO:
     vLLM's sampler does, so parity holds at any temperature.
   * The loss is a token mean over the whole batch of every rank (each token weighs the same).
   * The trainer keeps fp32 master weights and computes in bf16; vLLM receives the bf16 cast,
-    which is exactly what the trainer computes with.
+    which is exactly what the trainer computes with (a Qwen3.5's A_log: fp32 on both sides).
   * LoRA (--lora-rank r): the base stays frozen in bf16 and is the engine's own tensors (one
     copy on the GPU); each --lora-targets layer adds (x A^T)(alpha/r B)^T through vLLM's LoRA
     kernels, the trainer's adapter casts being the engine's adapter slot, so the push moves no
@@ -226,8 +226,8 @@ class Config:
                                   "(0: the largest the GPU's memory fits, up to 32768 or one "
                                   "--max-model-len sequence)")
     # --- eval
-    eval_every: int = opt("eval", 0, "held-out greedy eval every N steps (0: only before the "
-                          "first step and after the last)")
+    eval_every: int = opt("eval", 0, "held-out greedy eval every N steps (0: only before a "
+                          "fresh run's first step and after the last)")
     eval_size: int = opt("eval", 256, "held-out problems, disjoint from the training pool "
                          "(0: no eval)")
     # --- logging
@@ -385,7 +385,7 @@ class LoRASpec:
 
 class LoRA(nn.Module):
     """A linear layer's low-rank adapter as vLLM's LoRA layers add it: on each output slice s
-    (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output elsewhere)
+    (LORA_LAYERS: q, k, v of qkv_proj; gate, up of gate_up_proj; ...; o_proj's is the whole)
         y_s <- y_s + (x A_s^T) B'_s^T,   B'_s = (alpha / r) B_s,
     B_s (n_s, r) and A_s (r, K) fp32 masters (one A per PEFT module: groups; the layers and
     their slices: LORA_LAYERS, above). The forward computes with `casts`: (A_s, B'_s) in the
@@ -774,7 +774,8 @@ def weights_cast_once(model: Qwen3):
     The contract: a Linear (or the tied head) whose `compute_weight` is set, or GroupedExperts
     whose `compute_weights` are, computes with it instead of casting its master in the
     forward; it is that same cast (`weight.to(dtype)`) of that same master, so no bit of a
-    forward or a gradient changes, only how often the cast runs. On exit they are None again.
+    forward or a gradient changes, only how often the cast runs. On exit they are None again
+    (LoRA's casts are refreshed and kept: bound, they are the engine's slot).
     """
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if model.output is None:
@@ -1012,8 +1013,8 @@ def turn_tokens(cfg: Config, request: list[int]) -> int:
 
 class Engine:
     """What the RL loop asks of a rollout engine (VLLMEngine, or the tests' CPU stand-in).
-    Every turn of every episode, the first included, is one `generate` call over the episodes
-    that go on; `first_turn` is a step's first turn."""
+    A step's first turn is one `generate` call over its prompts, G samples each (`first_turn`);
+    every later turn, one call over the episodes that go on, one sample each."""
 
     cfg: Config
     returns_routes = False  # vLLM returns the experts each token chose (MoE)
@@ -1884,8 +1885,8 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
     with weights_cast_once(model):  # the weights do not change until the optimizer steps
         for batch, owned, seqs, real in parts:
             logp, ent = model(batch, cfg.temperature)  # (N_mb,) each
-            # read now: under LoRA the reference is this model (adapters off), whose forward
-            # overwrites TopK.ids
+            # read now: under LoRA the reference is this model (BasePolicy: adapters off), whose
+            # forward overwrites TopK.ids
             if experts is not None and real:
                 experts[owned] = model.routed_ids(batch)
             # batch.seq counts from the micro-batch's first sequence, adv from the rank's
@@ -2033,7 +2034,7 @@ class Trainer:
     engine: Engine  # generate, first_turn, sleep, push
     tokenizer: object
     model: Qwen3
-    ref_model: Qwen3 | None
+    ref_model: "Qwen3 | BasePolicy | None"  # LoRA's: the policy, adapters off
     optimizer: torch.optim.Optimizer
     task: Task
     ranks: Ranks
@@ -2268,23 +2269,23 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     (trainer, first step, run dir, model dir), or None after --check.
 
     Every check that needs only the config, the checkpoint, the files and the reward runs
-    before the run directory and the engine (in one process, before the GPU too: step 1).
+    before the run directory and the engine, and in one process before the GPU is touched.
     engine_factory(cfg, files, ranks) makes the engine (VLLMEngine; tests: a CPU stand-in).
     """
-    # 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under torchrun NCCL
-    # starts with the group, so the environment vLLM needs is set (and the GPU checked) first.
-    # --check asks no GPU question (it runs on a laptop): its ranks meet on gloo.
+    # Phase 1. Ranks. The process group exists before vLLM starts: vLLM joins it. Under
+    # torchrun NCCL starts with the group, so the environment vLLM needs is set (and the GPU
+    # checked) first. --check asks no GPU question (it runs on a laptop): its ranks use gloo.
     gpu_first = engine_factory is None and "RANK" in os.environ and not cfg.check
     if gpu_first:
         prepare_environment(cfg)
     ranks = init_ranks("cpu" if cfg.check else device_type)
 
-    # 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
+    # Phase 2. What to run: decided on rank 0 (resume config, run name), the same on every rank.
     cfg, ckpt, expect = on_rank0(lambda: resolve_run(cfg, passed))  # expect: a resume's hashes
     check_ranks(cfg, ranks.world)
 
-    # 3. Every check that needs no GPU, in seconds: the files a resume's run read, model files,
-    # tokenizer, prompts, reward and env ("Model and data files", after the story ends).
+    # Phase 3. Every check that needs no GPU, in seconds: the files a resume's run read, model
+    # files, tokenizer, prompts, reward and env ("Model and data files", after the story ends).
     checked = check_inputs(cfg, ckpt, expect, passed)
     if checked is None:  # --check: nothing made, no engine; it said what was checked
         return None
@@ -2300,7 +2301,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
     hf_state = read_weights(cfg, files, engine_lends=engine_factory is VLLMEngine)
     run_dir = Path(on_rank0(lambda: str(prepare_run_dir(cfg, ckpt))))
 
-    # 4. Engine, then the trainer's model (vLLM sizes itself from the memory free at its start).
+    # Phase 4. Engine, then the trainer's model (vLLM sizes itself from the memory free then).
     ops = bib.vllm_kernels() if cfg.kernels != "reference" and device_type == "cuda" \
         else bib.reference_kernels()
     torch.manual_seed(cfg.seed)
@@ -2319,7 +2320,7 @@ def setup(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
         start = restore_checkpoint(trainer, ckpt) if ckpt else 0
         engine.push(policy_weights(model))  # from here on the engine holds the trainer's policy
 
-    # 5. Logging: TensorBoard on rank 0, and the run's first lines ("Logging").
+    # Phase 5. Logging: TensorBoard on rank 0, and the run's first lines ("Logging").
     start_logs(trainer, run_dir, ckpt, start, files, estimate)
     return trainer, start, run_dir, files.path
 
