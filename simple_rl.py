@@ -1349,11 +1349,6 @@ def arithmetic_problems(n: int, seed: int) -> list[Problem]:
     return out
 
 
-def heldout_arithmetic_questions() -> set[str]:
-    """Every question the arithmetic task may hold out (a warm start must not train on them)."""
-    return {p.question for p in arithmetic_problems(EVAL_CANDIDATES, EVAL_SEED)}
-
-
 def arithmetic_split(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     """(training pool, held-out problems): the first --eval-size distinct candidates of the
     held-out stream that are not in the pool."""
@@ -1481,6 +1476,13 @@ class CalcEnv(RewardEnv):
         return str(calculate(completion[: -len("</calc>")].rsplit("<calc>", 1)[-1])), None
 
 
+# completed: the env scored a turn that ended at a stop id; length: one that hit
+# --max-new-tokens; max_model_len: the turn or the tool's message ran into --max-model-len;
+# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError;
+# tool_timeout: step or reset ran past --tool-timeout
+EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error", "tool_timeout")
+
+
 @dataclass
 class Turn:
     context: list[int]  # the ids added before it: the prompt (the first turn), else a tool's
@@ -1506,13 +1508,6 @@ class Episode:
     def end(self, status: str) -> None:  # the one place an episode ends
         assert self.status == "running" and status in EPISODE_ENDS, (self.status, status)
         self.status = status
-
-
-# completed: the env scored a turn that ended at a stop id; length: one that hit
-# --max-new-tokens; max_model_len: the turn or the tool's message ran into --max-model-len;
-# max_turns: the env answered a tool call at --max-turns; tool_error: step raised ToolError;
-# tool_timeout: step or reset ran past --tool-timeout
-EPISODE_ENDS = ("completed", "length", "max_model_len", "max_turns", "tool_error", "tool_timeout")
 
 
 @dataclass
@@ -3198,6 +3193,11 @@ def chat_texts(tokenizer, conversations: list[list[dict]], cfg: Config) -> list[
     except Exception as e:
         raise ConfigError(f"the tokenizer's chat template fails ({type(e).__name__}: "
                           f"{str(e)[:200]}); fix it, or pass --chat-template off.") from e
+
+
+def heldout_arithmetic_questions() -> set[str]:
+    """Every question the arithmetic task may hold out (a warm start must not train on them)."""
+    return {p.question for p in arithmetic_problems(EVAL_CANDIDATES, EVAL_SEED)}
 
 
 def load_task(cfg: Config, tokenizer) -> Task:
