@@ -1081,6 +1081,7 @@ class VLLMEngine(Engine):
         #     Qwen3.5        never                       no           -
         #     Qwen3.5-MoE    never                       yes          yes
         q35 = qwen35(files.args) is not None
+        # the engine's own config: its prefix_caching says whether it reads the cache
         cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching and not q35)
         self.returns_routes = bool(sparse_layers(files.args)) and (cfg.prefix_caching or q35)
         # The plumbing's part, after the story ("vLLM patches"): two vLLM ops run on the
