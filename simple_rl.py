@@ -1254,7 +1254,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
         positions=positions,
         cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(L, 0)]).int(),
         max_seqlen=int(L.max()),
-        gen_index=(starts + P - 1)[seq] + offset,
+        gen_index=(starts + P - 1)[seq] + offset,  # start_b + P_b - 1 + t
         targets=tokens[(starts + P)[seq] + offset],
         seq=seq,
         prefill=P,
@@ -1385,12 +1385,13 @@ def parse_answer(text: str) -> Decimal | None:
     """The number after the last 'Answer:' (else the last number) of the final answer: after
     any </think> block, before the model starts a new 'Q:'."""
     text = text.rsplit("</think>", 1)[-1].split("\nQ:")[0]
-    tail = text.rsplit("Answer:", 1)[-1] if "Answer:" in text else text
+    marked = "Answer:" in text
+    tail = text.rsplit("Answer:", 1)[-1] if marked else text
     found = _NUMBER.findall(tail.replace("**", "").replace("$", ""))
     if not found:
         return None
     try:
-        return Decimal((found[0] if "Answer:" in text else found[-1]).replace(",", ""))
+        return Decimal((found[0] if marked else found[-1]).replace(",", ""))
     except InvalidOperation:
         return None
 
