@@ -16,8 +16,9 @@ in `batch_invariant_backward.py`:
   * attention: FlashAttention 3 with num_splits=1; Qwen3.5's Gated DeltaNet: vLLM's conv1d and
     delta-rule kernels, the rule in the schedule vLLM ran (each prompt's prefill, then a step
     per generated token: the two forms' bits differ);
-  * GEMMs: cuBLASLt without split-K, where vLLM's go on Hopper too (layers under 128 columns:
-    vLLM's Triton matmul on both sides); Qwen3-MoE: vLLM's top-k softmax and fused experts;
+  * GEMMs: cuBLASLt without split-K, where vLLM's go on Hopper too (a layer of under 128
+    output features: vLLM's Triton matmul on both sides); Qwen3-MoE: vLLM's top-k softmax and
+    fused experts;
   * logprobs: a kernel that sums in the order of vLLM's Triton log_softmax.
 So the trainer's logprob of every generated token equals vLLM's bit for bit (for MoE, every
 token's experts too); every step checks that for every token of every sample, then pushes the
@@ -673,9 +674,9 @@ class MoE(nn.Module):
 
 
 def sparse_layers(args) -> tuple[int, ...]:
-    """The layers with a sparse MLP, as transformers and vLLM decide (qwen3_moe.py): layer i
-    unless i is in mlp_only_layers, when num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
-    Set on the args by model_args_from_hf; dense Qwen3 has none."""
+    """The layers with a sparse MLP, as transformers and vLLM decide (qwen3_moe.py): layer i is
+    sparse iff num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0. Set on the args by model_args_from_hf; dense Qwen3 has none."""
     if getattr(args, "moe_enabled", False) and not hasattr(args, "sparse_layers"):
         raise ValueError("MoE args without sparse_layers (dataclasses.replace drops it): build "
                          "them with model_args_from_hf, or set it again")
@@ -1036,7 +1037,7 @@ class Engine:
         raise NotImplementedError
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Load the trainer's policy (HF names); returns the seconds spent waking the engine."""
+        """Load the trainer's policy (policy_weights); returns the seconds spent waking."""
         raise NotImplementedError
 
     def first_turn(self, prompts: list[list[int]], indices: list[int],
@@ -1133,7 +1134,8 @@ class VLLMEngine(Engine):
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int | None],
                  max_tokens: list[int], temperature: float) -> list[list[Completion]]:
         """Engine.generate, one vLLM call. A greedy call (the held-out eval) drops the prefix
-        cache it filled, so the next rollout computes exactly what it would without an eval."""
+        cache it filled: the next rollout starts from the cache it would have had without an
+        eval, so a run's schedule and memory do not depend on --eval-every."""
         from vllm import TokensPrompt
 
         params = [self.sampling_params(s, n=n, max_tokens=m, temperature=temperature)
@@ -1797,6 +1799,7 @@ def batch_over_ranks(packed: Packed, cfg: Config, device) -> tuple[int, int]:
 
 
 def plan_micro_batches(packed: Packed, cfg: Config) -> list[range]:
+    """micro_batches of the sequences (setup has made --micro-batch-tokens 0 a number)."""
     lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
     return micro_batches(lengths, cfg.micro_batch_tokens)
 
@@ -1981,12 +1984,12 @@ def parity_line(p: Parity) -> str:
 
 
 def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Hand the weights the trainer computes with (bf16; A_log fp32) to vLLM's own loader.
-
-    The loader fuses q/k/v and gate/up itself and copies in place; no file is written. A
-    sleeping engine gets its weight memory back first and its KV cache after; then the prefix
-    cache is dropped, since its KV was computed with the old weights. Returns the seconds the
-    waking took (the rest is the push itself; under LoRA policy_weights wrote the adapter).
+    """Full fine-tuning: hand the weights the trainer computes with (bf16; A_log fp32) to
+    vLLM's own loader, which fuses q/k/v and gate/up itself and copies in place (no file). A
+    sleeping engine gets its weight memory back first and its KV cache after. LoRA: making
+    `weights` (policy_weights) already wrote the engine's adapter slot; this checks it, and
+    wakes the KV cache. Either way the prefix cache is dropped (its KV is of the old weights).
+    Returns the seconds the waking took.
     """
     lora = engine.lora
     t0 = time.perf_counter()
@@ -2019,7 +2022,7 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
 
 
 # ==========================================================================
-# Training loop: rl_step, evaluate, train, setup, main
+# Training loop: rl_step, evaluate, train, setup (main, at the file's end, calls setup, then train)
 # ==========================================================================
 
 
@@ -2097,7 +2100,7 @@ def roll_out(trainer: Trainer, step: int, mine: list[int],
     outs = trainer.engine.first_turn(prompts, mine, step)
     episodes = start_episodes(envs, prompts, outs, cfg)
     waited = play(trainer.engine, trainer.tokenizer, cfg, episodes,
-                  lambda i, turn: turn_seed(cfg, step, mine[i // G], i % G, turn),
+                  lambda i, turn: turn_seed(cfg, step, prompt=mine[i // G], g=i % G, turn=turn),
                   cfg.temperature)
     return episodes_rollout(episodes, trainer.engine.returns_routes), waited
 
@@ -2139,10 +2142,11 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
         first_pass = update(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                            rollout.logprobs.to(device), adv[episode_of.to(device)], cfg,
+                            rollout.logprobs.to(device), adv[episode_of.to(device)], cfg,  # (B,)
                             n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
-        e.episodes = sorted({int(episode_of[s]) for s in e.seqs})  # its sequences' episodes
+        # e.seqs: the rank's packed sequences it found; their episodes, their prompts
+        e.episodes = sorted({int(episode_of[s]) for s in e.seqs})
         e.prompts = sorted({mine[i // G] for i in e.episodes})
         raise
     parity = parity_report(rollout.logprobs, first_pass.logprobs, packed.targets,
@@ -2331,51 +2335,13 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=fused)
 
 
-def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
-        device_type: str = "cuda") -> str:
-    """The whole job; returns the sha256 of its export (under LoRA by default the adapter; ""
-    after --check or --debug-parity). The run directory's lock is released however it ends."""
-    held = set(RUN_LOCKS)  # the run directories this process had locked before
-    try:
-        built = setup(cfg, passed, engine_factory, device_type)
-        if built is None:  # --check
-            return ""
-        trainer, start, run_dir, model_dir = built  # a hub model's: its local copy
-        if trainer.cfg.debug_parity:  # op by op on one episode, printed; no step
-            print_debug_parity(trainer)
-            return ""
-        return train(trainer, start, run_dir, model_dir)
-    finally:
-        for locked in set(RUN_LOCKS) - held:
-            release_run_dir(locked)
-
-
-def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:
-    try:
-        cfg, passed = parse_config(argv)
-    except SystemExit as e:  # --help, or a flag argparse refused (said in one line)
-        return int(e.code or 0)
-    quiet_console(cfg.verbose)
-    try:
-        validate(cfg)
-        run(cfg, passed, engine_factory, device_type)
-    except (ConfigError, RunStopped) as e:  # bad input (exit 2), or a stop and its exit code
-        said = f"simple_rl: {'error: ' if isinstance(e, ConfigError) else ''}{e}"
-        if is_main():
-            print(said, file=sys.stderr)
-        tell_torchrun(said)
-        return e.code if isinstance(e, RunStopped) else 2
-    finally:
-        end_process_groups()
-    return 0
-
-
 # ==========================================================================
 # The RL story ends here. What follows is plumbing a researcher need not read: config
 # parsing and validation, model and data files, errors and exit codes, rank helpers, the vLLM
 # patches, Qwen3.5 on vLLM, LoRA's engine slot and names, the tools' threads and text, the
 # lookup task's table, checkpoints and resume, the run directory and export, logging, the
-# memory estimate, console filtering, stops (signals, NaN, OOM) and the parity debugger.
+# memory estimate, console filtering, stops (signals, NaN, OOM), the parity debugger and, last,
+# the entry point (main).
 # ==========================================================================
 
 
@@ -7185,6 +7151,51 @@ def format_debug(rows: list[dict]) -> str:
     lines.append(f"first divergence: {first}" if first else
                  "no divergence: every traced op is bitwise equal")
     return "\n".join(lines)
+
+
+
+# ==========================================================================
+# The entry point: main (exit codes) and run (setup, then train; the run directory's lock)
+# ==========================================================================
+
+
+def run(cfg: Config, passed: set[str] = frozenset(), engine_factory=None,
+        device_type: str = "cuda") -> str:
+    """The whole job; returns the sha256 of its export (under LoRA by default the adapter; ""
+    after --check or --debug-parity). The run directory's lock is released however it ends."""
+    held = set(RUN_LOCKS)  # the run directories this process had locked before
+    try:
+        built = setup(cfg, passed, engine_factory, device_type)
+        if built is None:  # --check
+            return ""
+        trainer, start, run_dir, model_dir = built  # a hub model's: its local copy
+        if trainer.cfg.debug_parity:  # op by op on one episode, printed; no step
+            print_debug_parity(trainer)
+            return ""
+        return train(trainer, start, run_dir, model_dir)
+    finally:
+        for locked in set(RUN_LOCKS) - held:
+            release_run_dir(locked)
+
+
+def main(argv: list[str] | None = None, engine_factory=None, device_type: str = "cuda") -> int:
+    try:
+        cfg, passed = parse_config(argv)
+    except SystemExit as e:  # --help, or a flag argparse refused (said in one line)
+        return int(e.code or 0)
+    quiet_console(cfg.verbose)
+    try:
+        validate(cfg)
+        run(cfg, passed, engine_factory, device_type)
+    except (ConfigError, RunStopped) as e:  # bad input (exit 2), or a stop and its exit code
+        said = f"simple_rl: {'error: ' if isinstance(e, ConfigError) else ''}{e}"
+        if is_main():
+            print(said, file=sys.stderr)
+        tell_torchrun(said)
+        return e.code if isinstance(e, RunStopped) else 2
+    finally:
+        end_process_groups()
+    return 0
 
 
 if __name__ == "__main__":
