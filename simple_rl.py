@@ -3,7 +3,7 @@
 One file, the RL story first, in call order:
 
     config -> model -> load & convert -> rollout -> reward -> episodes -> advantages & loss
-           -> update & parity check -> weight push -> rl_step, evaluate, train, setup, main
+           -> update & parity check -> weight push -> rl_step, evaluate, train, setup
 
 then, after one banner, the plumbing: validation, files, errors, ranks, vLLM patches, Qwen3.5
 on vLLM, LoRA's engine slot, tools, the lookup task, checkpoints, run directory, logging,
@@ -232,7 +232,8 @@ class Config:
     eval_size: int = opt("eval", 256, "held-out problems, disjoint from the training pool "
                          "(0: no eval)")
     # --- logging
-    seed: int = opt("logging", 0, "seed for prompts, sampling and everything else")
+    seed: int = opt("logging", 0, "seed for prompts, sampling and everything else but the "
+                    "held-out problems (fixed)")
     log_dir: str = opt("logging", "runs", "TensorBoard root; a run logs to LOG_DIR/RUN_NAME")
     run_name: str = opt("logging", "", "run name: letters, digits, . _ - (default: time stamp)")
     output_dir: str = opt("logging", "", "final HF checkpoint (default: LOG_DIR/RUN_NAME/final)")
@@ -1085,10 +1086,9 @@ class VLLMEngine(Engine):
         # the engine's own config: its prefix_caching says whether it reads the cache
         cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching and not q35)
         self.returns_routes = bool(sparse_layers(files.args)) and (cfg.prefix_caching or q35)
-        # The plumbing's part, after the story ("vLLM patches"): two vLLM ops run on the
-        # trainer's kernels, a Qwen3.5's Gated DeltaNet let into batch-invariant mode and
-        # its schedule made one the trainer replays, the engine's memory, LoRA's slot: LLM's
-        # arguments and the bytes a wake-up maps again.
+        # engine_setup ("vLLM patches", after the story) patches vLLM as the Rollout section
+        # says, sizes the engine's memory and LoRA's slot, and returns LLM's other arguments
+        # and wake_bytes, the bytes a wake-up maps back (push_weights checks they are free).
         engine_kwargs, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
         self.stop_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
@@ -1110,7 +1110,7 @@ class VLLMEngine(Engine):
                 mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
                 max_decode_cudagraph_capture_requests=min(engine_kwargs["max_num_seqs"],
                                                           CUDA_GRAPH_MAX_BATCH),
-                # every request has the adapter: no graphs for requests without one
+                # under LoRA every request has the adapter: no graphs for requests without one
                 cudagraph_specialize_lora=False) if graphs else None,
         )
         self.llm = LLM(
@@ -1566,10 +1566,11 @@ def start_episodes(envs: list[Env | None], prompts: list[list[int]],
 def play(engine: Engine, tokenizer, cfg: Config, episodes: list[Episode],
          seed_of: Callable[[int, int], int | None], temperature: float) -> float:
     """Advance every episode until it ends, all together. After each turn, every live
-    episode's env reads the turn's text (`env_turn`); a tool message is rendered to ids and
-    appended (`going_on`), and the episodes that go on get their next turn from one
-    engine.generate over all of them (`next_turns`). seed_of(i, k) seeds episode i's turn k (0:
-    the first, already generated). Returns the seconds the turns waited on the envs.
+    episode's env reads the turn's text (`env_turn`; what ends an episode: end_turn's table);
+    a tool message is rendered to ids (`going_on`), and the episodes that go on get it and
+    their next turn from one engine.generate over all of them (`next_turns`). seed_of(i, k)
+    seeds episode i's turn k (0: the first, already generated). Returns the seconds the turns
+    waited on the envs.
 
     For example, --env calc on "What is 3*4?": turn 0 ends "...<calc>3*4</calc>"; the env
     answers ("12", None), a tool message, so the episode goes on, and turn 1 is generated after
@@ -1995,8 +1996,9 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
     t0 = time.perf_counter()
     if engine.asleep:
         free, _ = torch.cuda.mem_get_info()
-        # the trainer's allocator caches blocks the engine needs; under LoRA they would sit
-        # beside the whole KV cache through the rollout (measured at 14B: 133 of 140 GiB)
+        # the trainer's allocator keeps freed blocks cached, which the engine needs; under
+        # LoRA, kept, they would sit beside the whole KV cache through the rollout (measured
+        # at 14B: 133 of 140 GiB in use), so they are always released
         if free < engine.wake_bytes or lora:
             torch.cuda.empty_cache()
         if not lora:
@@ -2160,8 +2162,8 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
 
 
 def push_policy(trainer: Trainer) -> float:
-    """The push; returns the seconds within it that woke the engine (0 if it was awake). Under
-    LoRA, policy_weights' refresh of the adapter's casts writes the engine's slot: the push."""
+    """The push; returns the seconds within it spent waking the engine. Under LoRA,
+    policy_weights' refresh of the adapter's casts writes the engine's slot: the push."""
     wake_s = trainer.engine.push(policy_weights(trainer.model))
     if trainer.ranks.device.type == "cuda":
         torch.cuda.synchronize()  # the push is asynchronous: time it whole
