@@ -232,8 +232,8 @@ class Config:
     eval_size: int = opt("eval", 256, "held-out problems, disjoint from the training pool "
                          "(0: no eval)")
     # --- logging
-    seed: int = opt("logging", 0, "seed for prompts, sampling and everything else but the "
-                    "held-out problems (fixed)")
+    seed: int = opt("logging", 0, "seed for prompts, sampling and everything else (the "
+                    "held-out candidates are fixed)")
     log_dir: str = opt("logging", "runs", "TensorBoard root; a run logs to LOG_DIR/RUN_NAME")
     run_name: str = opt("logging", "", "run name: letters, digits, . _ - (default: time stamp)")
     output_dir: str = opt("logging", "", "final HF checkpoint (default: LOG_DIR/RUN_NAME/final)")
@@ -944,9 +944,9 @@ def hf_to_trainer(hf_state: dict[str, torch.Tensor], args) -> dict[str, torch.Te
     A sparse layer's router and experts are taken out first by `moe_from_hf` (model files,
     after the story), as the trainer's router and stacked experts (E, rows, cols); it reads
     experts stored one by one (the hub's Qwen3-MoE files) or already stacked (vLLM's layout,
-    which some checkpoints use). A fused projection is made in the
-    layers that have it (`fused_in_layer`): a Qwen3.5's wqkv in its full-attention layers,
-    in_proj_qkvz and in_proj_ba in its Gated DeltaNet layers.
+    which some checkpoints use). A fused projection is made in the layers that have it
+    (`fused_in_layer`): a Qwen3.5's wqkv in its full-attention layers, in_proj_qkvz and
+    in_proj_ba in its Gated DeltaNet layers.
     """
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(ROPE_BUFFER)}
     try:
@@ -987,7 +987,7 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 # VLLMEngine.__init__ first patches vLLM in this process ("vLLM patches", after the story):
 # - on Hopper its linear layers run on cuBLASLt, the trainer's GEMM: for speed (vLLM's Triton
 #   matmul leaves most SMs idle at decode); with split-K off, cuBLASLt's bits are the Triton
-#   kernel's (tests/test_gemm_gpu.py checks every row count);
+#   kernel's (tests/test_gemm_gpu.py: every decode row count, and larger ones);
 # - its fused add+RMSNorm calls run the trainer's function, rows padded to 256, so both sides
 #   run one kernel whose bits hold at any row count (vLLM 0.26's did not);
 # - a Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine).
@@ -1088,7 +1088,8 @@ class VLLMEngine(Engine):
         self.returns_routes = bool(sparse_layers(files.args)) and (cfg.prefix_caching or q35)
         # engine_setup ("vLLM patches", after the story) patches vLLM as the Rollout section
         # says, sizes the engine's memory and LoRA's slot, and returns LLM's other arguments
-        # and wake_bytes, the bytes a wake-up maps back (push_weights checks they are free).
+        # and wake_bytes, the bytes a wake-up maps back (push_weights frees the allocator's
+        # cache when fewer are free).
         engine_kwargs, self.wake_bytes = engine_setup(cfg, files.args, ranks, self.lora)
         self.stop_ids = files.eos_ids + files.tool_ids  # every id that ends a turn
         self.asleep = False
@@ -1950,8 +1951,8 @@ def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch
                   lengths: list[int], rows: int) -> Parity:
     """Compare int32 views of two fp32 vectors (N,), the generated tokens in episode order
     (lengths: per episode). Bits, not values: -0.0 against +0.0 is a mismatch, a NaN matches
-    only the same NaN. With the table of where
-    each of the first `rows` differing samples first differs (`parity_table`)."""
+    only the same NaN. With the table of where each of the first `rows` differing samples
+    first differs (`parity_table`)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
     n, bad = len(a), a.view(torch.int32) != b.view(torch.int32)  # (N,)
     assert sum(lengths) == n, f"the samples' lengths sum to {sum(lengths)}, not to the {n} tokens"
@@ -2024,7 +2025,7 @@ def push_weights(engine: VLLMEngine, weights: Iterable[tuple[str, torch.Tensor]]
 
 
 # ==========================================================================
-# Training loop: rl_step, evaluate, train, setup (main, at the file's end, calls setup, then train)
+# Training loop: rl_step, evaluate, train, setup (run, at the file's end, calls setup, then train)
 # ==========================================================================
 
 
@@ -2036,7 +2037,7 @@ class Trainer:
     engine: Engine  # generate, first_turn, sleep, push
     tokenizer: object
     model: Qwen3
-    ref_model: "Qwen3 | BasePolicy | None"  # LoRA's: the policy, adapters off
+    ref_model: Qwen3 | BasePolicy | None  # LoRA's: the policy, adapters off
     optimizer: torch.optim.Optimizer
     task: Task
     ranks: Ranks
@@ -2143,9 +2144,9 @@ def update_with_parity(trainer: Trainer, rollout: Rollout, adv: torch.Tensor,
     packed, episode_of = pack_rollout(rollout, by_turn=bool(gdn_layers(trainer.model.args)))
     n_micro, n_tokens = batch_over_ranks(packed, cfg, device)
     try:
+        seq_adv = adv[episode_of.to(device)]  # (B,): each sequence its episode's advantage
         first_pass = update(trainer.model, trainer.ref_model, trainer.optimizer, packed,
-                            rollout.logprobs.to(device), adv[episode_of.to(device)], cfg,  # (B,)
-                            n_micro, n_tokens)
+                            rollout.logprobs.to(device), seq_adv, cfg, n_micro, n_tokens)
     except NonFiniteError as e:  # name the step's prompts, for the diagnostic
         # e.seqs: the rank's packed sequences it found; their episodes, their prompts
         e.episodes = sorted({int(episode_of[s]) for s in e.seqs})
@@ -3919,7 +3920,7 @@ def route_vllm_linear_through_cublaslt() -> None:
 # and each generated token decoded once. These settings make it so; a preemption (a request
 # prefilled again, prompt and generated tokens together) is refused after each generate. In an
 # episode of several turns vLLM prefills each turn's whole request again, so the trainer takes
-# each turn as a sample of its own (pack_rollout, in the story's "Episodes").
+# each turn as a sequence of its own (pack_rollout, in the story's "Episodes").
 # Measured on an H200 (results/h200_qwen35_parity/): 0 of 131,072 generated tokens differ at
 # Qwen3.5-0.8B's layer shapes, eager and with CUDA graphs, across a push.
 QWEN35_ENGINE_ARGS = dict(
@@ -7153,7 +7154,6 @@ def format_debug(rows: list[dict]) -> str:
     lines.append(f"first divergence: {first}" if first else
                  "no divergence: every traced op is bitwise equal")
     return "\n".join(lines)
-
 
 
 # ==========================================================================

@@ -406,8 +406,8 @@ class ExactEngine(TorchEngine):
         logprobs = torch.empty(len(packed.targets))  # (N,)
         routed = []
         with torch.no_grad():
-            for part_samples in rl.plan_micro_batches(packed, self.cfg):
-                part, owned = rl.sub_pack(packed, part_samples)
+            for part_seqs in rl.plan_micro_batches(packed, self.cfg):
+                part, owned = rl.sub_pack(packed, part_seqs)
                 logprobs[owned], _ = self.model(part, self.cfg.temperature)
                 routed += self.routed_rows(part)
         turns = [c for _, ts in self.episodes for _, c in ts]

@@ -170,14 +170,14 @@ def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(
         assert not engine.asleep and gc.collect is plain
 
 
-def three_samples() -> rl.Packed:
-    """3 samples of 5 tokens (prompts of 3, 4, 2), 6 generated tokens in all."""
+def three_seqs() -> rl.Packed:
+    """3 sequences of 5 tokens (prompts of 3, 4, 2), 6 generated tokens in all."""
     return rl.pack([[1] * 3, [2] * 4, [3] * 2], [[4] * 2, [5], [6] * 3])
 
 
 def test_a_rank_pads_to_exactly_n_micro_micro_batches():
-    """One real micro-batch, n_micro 1..3: 0, 1 and 2 uncounted copies of sample 0."""
-    p = three_samples()
+    """One real micro-batch, n_micro 1..3: 0, 1 and 2 uncounted copies of sequence 0."""
+    p = three_seqs()
     cfg = rl.Config(micro_batch_tokens=16)
     assert rl.micro_batch_parts(p, cfg, None, "cpu")[0].seqs == range(0, 3)
     for n_micro in (1, 2, 3):
@@ -189,7 +189,7 @@ def test_a_rank_pads_to_exactly_n_micro_micro_batches():
 def test_every_rank_runs_the_most_micro_batches_and_divides_by_all_tokens(monkeypatch):
     """batch_over_ranks beside a second rank (helpers.two_ranks): the larger micro-batch count
     (MAX) and the generated tokens of both (SUM)."""
-    p = three_samples()
+    p = three_seqs()
     cfg = rl.Config(micro_batch_tokens=10)  # 2 micro-batches here
     two_ranks(monkeypatch, [3], [7])
     assert rl.batch_over_ranks(p, cfg, "cpu") == (3, 13)

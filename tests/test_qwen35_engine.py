@@ -381,7 +381,7 @@ def test_packed_holds_each_samples_prefill_length():
     assert part.prefill.tolist() == [1] and part.cu_seqlens.tolist() == [0, 4]
     three = rl.pack([[1, 2, 3], [4], [5, 6]], [[7, 8], [9, 10, 11], [12]])
     for r in (range(0, 1), range(0, 2), range(1, 2), range(1, 3), range(2, 3)):
-        part, _ = rl.sub_pack(three, r)  # a micro-batch holds its own samples' lengths only
+        part, _ = rl.sub_pack(three, r)  # a micro-batch holds its own sequences' lengths only
         assert part.prefill.tolist() == [3, 1, 2][r.start:r.stop] == three.prefill[r].tolist()
     rows, cu, decoded, counts = bib.prefill_schedule(p.cu_seqlens, p.prefill)
     assert rows.tolist() == [0, 1, 2, 5] and cu.tolist() == [0, 3, 4]
