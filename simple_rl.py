@@ -480,7 +480,10 @@ class GatedRMSNorm(RMSNorm):
 
 
 class FlashAttention(nn.Module):
-    """Causal varlen attention over the packed batch (vLLM's `attn`: FA3, num_splits=1)."""
+    """Causal varlen attention over the packed batch (vLLM's `attn`: FA3, num_splits=1). With
+    one split, a query row's keys are reduced in one fixed order, whether they come from vLLM's
+    paged cache (a decode step, a prefix-cache hit) or from this one pass: the bits match
+    (tests/test_gpu.py), so a Qwen3 episode of several turns packs as one sequence."""
 
     def __init__(self, scale: float, ops: bib.Kernels):
         super().__init__()
@@ -503,7 +506,8 @@ class SiluAndMul(nn.Module):
 
 
 class Attention(nn.Module):
-    """Qwen3.5's (`gated`) projects a gate beside each q head (a head's q rows, then its gate's),
+    """Qwen3's attention (vLLM's Qwen3Attention: q/k RMSNorm per head, rotary, FlashAttention);
+    Qwen3.5's (`gated`) projects a gate beside each q head (a head's q rows, then its gate's),
     scales the head's output by sigmoid(gate) and rotates the head's first rotary_dim dims only;
     its q and k norms are Gemma's, as every Qwen3.5 norm is (RMSNorm's `gemma`)."""
 
@@ -989,7 +993,7 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 #   matmul leaves most SMs idle at decode); with split-K off, cuBLASLt's bits are the Triton
 #   kernel's (tests/test_gemm_gpu.py: every decode row count, and larger ones);
 # - its fused add+RMSNorm calls run the trainer's function, rows padded to 256, so both sides
-#   run one kernel whose bits hold at any row count (vLLM 0.26's did not);
+#   make the same call (vLLM 0.26's own kernel changed its reduction at 256 rows; 0.34's not);
 # - a Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine).
 # Sampling needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed,
 # position, token id), so a sample depends on its seed alone, not on the batch it was drawn in.
@@ -1437,8 +1441,9 @@ class Env:
 
     The contract that keeps runs bit-exact, resumed ones too: an env is fresh per episode, and
     step is a deterministic function of the episode's texts (no state across episodes, no
-    clock, no unseeded randomness). reset and step run on worker threads (so they cannot set
-    signal handlers: no signal.alarm); one that runs past --tool-timeout ends its episode.
+    clock, no unseeded randomness). --env's reset and step run on worker threads (so they
+    cannot set signal handlers: no signal.alarm); one that runs past --tool-timeout ends its
+    episode.
     problem is a Problem: problem.question and problem.answer (or problem["answer"]).
     """
 
