@@ -402,7 +402,8 @@ class LoRA(nn.Module):
         # LORA_LAYERS), an untargeted slice has its own. E.g. Qwen3.5's in_proj_qkvz, names
         # (in_proj_qkv x 3, in_proj_z): groups (0, 0, 0, 1)
         keys = [n or s for s, n in enumerate(names)]
-        self.groups = tuple(list(dict.fromkeys(keys)).index(key) for key in keys)
+        distinct = list(dict.fromkeys(keys))  # in order of first appearance
+        self.groups = tuple(distinct.index(key) for key in keys)
         self.a = nn.ParameterList(nn.Parameter(torch.empty(rank, d_in))
                                   for _ in range(max(self.groups) + 1))
         self.b = nn.ParameterList(nn.Parameter(torch.empty(n, rank)) for n in sizes)
