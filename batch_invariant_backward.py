@@ -94,7 +94,7 @@ class Kernels:
     causal_conv1d: Callable  # (x (T, C), w (C, K), cu_seqlens, max_seqlen) -> (T, C)
     # (q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv), A_log, dt_bias (Hv,), cu_seqlens,
     # max_seqlen, prefill (B,)) -> o (T, Hv, Dv): the gated delta rule over each sequence from
-    # a zero state (vLLM's: each sample's first prefill[n] tokens chunked, the rest recurrent)
+    # a zero state (vLLM's: each sequence's first prefill[n] tokens chunked, the rest recurrent)
     gated_delta_rule: Callable
     # (q_gate (T, Hq 2D), k (T, Hk D), wq, wk (D,), eps, positions (T,), cos_sin (P, R)) ->
     # (q (T, Hq, D), k (T, Hk, D), gate (T, Hq, D)): Gemma-normed, the first R dims turned
@@ -1557,10 +1557,10 @@ def ref_prefill_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_lo
 
 def ref_decode_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                     dt_bias: Tensor, states: Tensor, lens: list[int]) -> Tensor:
-    """N samples' decode steps in the recurrent form, in fp32, each from the state its prefill
-    left: the reference's stand-in for vLLM's (gdn_decode_vllm). The samples' rows are back to
-    back, lens[n] of sample n; they run as one batch padded to the longest (a padded step
-    comes after a sample's last and changes none of its outputs).
+    """N sequences' decode steps in the recurrent form, in fp32, each from the state its prefill
+    left: the reference's stand-in for vLLM's (gdn_decode_vllm). The sequences' rows are back to
+    back, lens[n] of sequence n; they run as one batch padded to the longest (a padded step
+    comes after a sequence's last and changes none of its outputs).
     q, k (L, Hk, Dk), v (L, Hv, Dv), a, b (L, Hv), states (N, Hv, Dk, Dv), L = sum(lens)
     -> o (L, Hv, Dv) in v's dtype."""
     n = torch.tensor(lens, device=q.device)
@@ -1578,15 +1578,15 @@ def ref_decode_form(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log
 
 def prefill_schedule(cu_seqlens: Tensor, prefill: Tensor) -> tuple[Tensor, Tensor, Tensor,
                                                                    Tensor]:
-    """The rows vLLM prefilled and those it decoded, in a packed batch of B samples whose first
+    """The rows vLLM prefilled and those it decoded, in a packed batch of B sequences whose first
     prefill[n] tokens (its prompt) were prefilled in one pass and the rest decoded one a step:
     (prompt rows (Tp,) of the packed batch, their cu_seqlens (B+1,) int32 (on CPU), decoded
-    rows (Td,), each sample's decoded count (B,)), rows on cu_seqlens' device."""
+    rows (Td,), each sequence's decoded count (B,)), rows on cu_seqlens' device."""
     starts = cu_seqlens[:-1].long().cpu()
     L = cu_seqlens[1:].long().cpu() - starts
     P = prefill.long().cpu()
     assert starts[0] == 0 and bool(((P >= 1) & (P <= L)).all()), "from row 0; prefills of 1 to L"
-    offset = torch.arange(int(L.sum())) - torch.repeat_interleave(starts, L)  # within its sample
+    offset = torch.arange(int(L.sum())) - torch.repeat_interleave(starts, L)  # within its sequence
     prompt = offset < torch.repeat_interleave(P, L)  # (T,)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), P.cumsum(0)]).int()
     on = cu_seqlens.device
@@ -1596,9 +1596,9 @@ def prefill_schedule(cu_seqlens: Tensor, prefill: Tensor) -> tuple[Tensor, Tenso
 def replay_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
                             A_log: Tensor, dt_bias: Tensor, cu_seqlens: Tensor, prefill: Tensor,
                             prefill_form: Callable, decode_form: Callable) -> Tensor:
-    """The gated delta rule over a packed batch as vLLM's engine scheduled it: every sample's
+    """The gated delta rule over a packed batch as vLLM's engine scheduled it: every sequence's
     prompt rows through `prefill_form` (one call over all prompts, each from a zero state),
-    then every sample's generated rows through `decode_form` (one call over them all), each
+    then every sequence's generated rows through `decode_form` (one call over them all), each
     from the state its prompt left. The forms are vLLM's kernels (gdn_prefill_vllm,
     gdn_decode_vllm) or the reference's (ref_prefill_form, ref_decode_form); exact arithmetic
     gives ref_gated_delta_rule.
@@ -1608,7 +1608,7 @@ def replay_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tenso
     o_prompt, states = prefill_form(q[rows], k[rows], v[rows], a[rows], b[rows], A_log, dt_bias,
                                     cu_prompt.to(q.device))
     o[rows] = o_prompt
-    going = counts > 0  # samples that generated a token
+    going = counts > 0  # sequences that generated a token
     if going.any():
         o[decoded] = decode_form(*(x[decoded] for x in (q, k, v, a, b)), A_log, dt_bias,
                                  states[going.to(states.device)], counts[going].tolist())
@@ -1646,8 +1646,8 @@ def gated_delta_rule_backward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Ten
     chunked rule over each whole sequence, in fp32 or wider). Backpropagating through the
     chunked form is the derivative of
         S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,  o_t = scale S_t^T q_t
-    in the adjoint states dS_t, run backward in time. It holds fp32 tensors of every sample's
-    rows in whole chunks, not padded to the longest sample (simple_rl's gdn_backward_bytes)."""
+    in the adjoint states dS_t, run backward in time. It holds fp32 tensors of every sequence's
+    rows in whole chunks, not padded to the longest sequence (simple_rl's gdn_backward_bytes)."""
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_() for x in (q, k, v, a, b, A_log, dt_bias)]
         o = ref_gated_delta_rule(*leaves, cu_seqlens, max_seqlen)
@@ -1721,7 +1721,7 @@ def gated_delta_rule_backward_fla(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b:
                                   A_log: Tensor, dt_bias: Tensor, cu_seqlens: Tensor,
                                   max_seqlen: int, go: Tensor) -> tuple[Tensor, ...]:
     """gated_delta_rule_backward on flash-linear-attention's chunked kernels (what transformers'
-    Qwen3.5 trains with): its forward over every sample in 64-token chunks, the L2 norms in its
+    Qwen3.5 trains with): its forward over every sequence in 64-token chunks, the L2 norms in its
     kernel, then its fused backward; the gates (gdn_gates, fp32) through autograd. This is the
     gradient of fla's bf16 chunked forward at the same inputs, not of the fp32 reference: at
     Qwen3.5-4B's heads within 0.6% of it for q, k, v, a, b, about 9x faster (fla's forward runs
@@ -2092,10 +2092,10 @@ def vllm_rms_norm_gated(x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def vllm_causal_conv1d(x: Tensor, w: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-    """Gated DeltaNet's conv1d + silu: vLLM's causal_conv1d_fn over every token of each sample,
+    """Gated DeltaNet's conv1d + silu: vLLM's causal_conv1d_fn over every token of each sequence,
     as a prefill with no state runs it (a decode step's causal_conv1d_update computes each
     token alike). x (T, C) is the column slice of the qkvz projection the engine passes (its
-    transpose: channel-last); conv states bf16, slot n + 1 sample n's (slot 0: the null block).
+    transpose: channel-last); conv states bf16, slot n + 1 sequence n's (slot 0: the null block).
     w (C, K) -> (T, C)."""
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
 
@@ -2194,12 +2194,12 @@ def prefill_pin_order(config: triton.Config) -> tuple[int, int, int]:
 
 def gdn_decode_vllm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                     dt_bias: Tensor, states: Tensor, lens: list[int]) -> Tensor:
-    """N samples' decode steps as vLLM runs decode tokens (packed decode off), in one launch of
-    fused_sigmoid_gating_delta_rule_update over all their rows, back to back (lens[n] of sample
+    """N sequences' decode steps as vLLM runs decode tokens (packed decode off), in one launch of
+    fused_sigmoid_gating_delta_rule_update over all their rows, back to back (lens[n] of sequence
     n): gates, L2 norms and scale inside the kernel, each from the state its prefill left, in
     slot n + 1 (slot 0: the null block), through a 2-D slot index, row n all n + 1 (each token's
     state is written back there). Its arithmetic per token does not depend on how many tokens
-    or samples a launch covers (the state stays fp32 in registers): the engine's decode steps'
+    or sequences a launch covers (the state stays fp32 in registers): the engine's decode steps'
     bits (tests/test_qwen35_gpu.py, P3 and P12). states (N, Hv, Dv, Dk) fp32 -> o (L, Hv, Dv)."""
     from vllm.third_party.flash_linear_attention.ops import (
         fused_sigmoid_gating_delta_rule_update)
@@ -2217,7 +2217,7 @@ def decode_slot_index(lens: list[int], device) -> Tensor:
     """gdn_decode_vllm's slot index: row n all n + 1, at least max(lens) wide, rounded up to a
     power of two (the kernel's row stride is a compile-time constant: a few compiles per run,
     not one per longest decode), contiguous (the kernel ignores the column stride: an expanded
-    index would read other samples' slots) -> (N, W) int32."""
+    index would read other sequences' slots) -> (N, W) int32."""
     width = 1 << (max(lens) - 1).bit_length()
     n = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=device)
     return n[:, None].expand(len(lens), width).contiguous()
