@@ -21,8 +21,8 @@ in `batch_invariant_backward.py`:
     fused experts;
   * logprobs: a kernel that sums in the order of vLLM's Triton log_softmax.
 So the trainer's logprob of every generated token equals vLLM's bit for bit (for MoE, every
-token's experts too); every step checks that for every token of every sample, then pushes the
-new weights into vLLM.
+token's experts too; checked where vLLM returns them: with its prefix cache on, the default);
+every step checks that for every token of every sample, then pushes the new weights into vLLM.
 
 The objective (GRPO, token-level, sample i of group g, generated token t):
 
@@ -993,8 +993,9 @@ def to_hf_items(name: str, tensor: torch.Tensor, args, keys, fused_experts=False
 # - on Hopper its linear layers run on cuBLASLt, the trainer's GEMM: for speed (vLLM's Triton
 #   matmul leaves most SMs idle at decode); with split-K off, cuBLASLt's bits are the Triton
 #   kernel's (tests/test_gemm_gpu.py: every decode row count, and larger ones);
-# - its fused add+RMSNorm calls run the trainer's function, rows padded to 256, so both sides
-#   make the same call (vLLM 0.26's own kernel changed its reduction at 256 rows; 0.34's not);
+# - its fused add+RMSNorm calls run the trainer's function, rows padded to 256: vLLM 0.26's own
+#   kernel changed its reduction at 256 rows; 0.34's does not, and the padding stays so that
+#   both sides still make the one call whose bits were proved;
 # - a Qwen3.5's Gated DeltaNet is let into batch-invariant mode (prepare_qwen35_engine).
 # Sampling needs no patch: vLLM's sampler draws a token's noise from a hash of (request seed,
 # position, token id), so a sample depends on its seed alone, not on the batch it was drawn in.
@@ -1024,7 +1025,7 @@ class Engine:
     every later turn, one call over the episodes that go on, one sample each."""
 
     cfg: Config
-    returns_routes = False  # vLLM returns the experts each token chose (MoE)
+    returns_routes = False  # vLLM returns the experts each token chose (MoE; VLLMEngine says when)
     lora: LoRASpec | None = None  # LoRA: the adapters the engine serves
     lora_tensors: dict | None = None  # LoRA: the adapter slot's tensors, by vLLM's layer name
 
@@ -1082,15 +1083,15 @@ class VLLMEngine(Engine):
         # returns each token's experts (the routing-parity check) only with the cache on (vLLM
         # keeps them beside its blocks), so a Qwen3.5-MoE keeps it on, unread:
         #
-        #     model          read (cfg.prefix_caching)   on           experts returned
+        #     model          read (reads_cache)          on           experts returned
         #     Qwen3          under --prefix-caching      when read    -
         #     Qwen3-MoE      under --prefix-caching      when read    when on
         #     Qwen3.5        never                       no           -
         #     Qwen3.5-MoE    never                       yes          yes
         q35 = qwen35(files.args) is not None
-        # the engine's own config: its prefix_caching says whether it reads the cache
-        cfg = self.cfg = dataclasses.replace(cfg, prefix_caching=cfg.prefix_caching and not q35)
-        self.returns_routes = bool(sparse_layers(files.args)) and (cfg.prefix_caching or q35)
+        self.cfg = cfg
+        self.reads_cache = cfg.prefix_caching and not q35
+        self.returns_routes = bool(sparse_layers(files.args)) and (self.reads_cache or q35)
         # engine_setup ("vLLM patches", after the story) patches vLLM as the Rollout section
         # says, sizes the engine's memory and LoRA's slot, and returns LLM's other arguments
         # and wake_bytes, the bytes a wake-up maps back (push_weights frees the allocator's
@@ -1125,7 +1126,7 @@ class VLLMEngine(Engine):
             **engine_kwargs,
             max_model_len=cfg.max_model_len,
             enable_sleep_mode=cfg.engine_sleep,
-            enable_prefix_caching=cfg.prefix_caching or self.returns_routes,
+            enable_prefix_caching=self.reads_cache or self.returns_routes,
             skip_tokenizer_init=True,  # we pass token ids; the reward decodes with our tokenizer
             use_tqdm_on_load=cfg.verbose,  # no progress bars for loading and graph capture
             distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
@@ -1175,7 +1176,7 @@ class VLLMEngine(Engine):
                               logprobs=0, flat_logprobs=True,
                               max_tokens=max_tokens or cfg.max_new_tokens, seed=seed,
                               stop_token_ids=self.stop_ids, detokenize=False,
-                              skip_reading_prefix_cache=not cfg.prefix_caching)
+                              skip_reading_prefix_cache=not self.reads_cache)
 
     def sleep(self) -> None:
         """Free the KV cache and the weights (under LoRA the KV cache alone) while the trainer
@@ -1204,7 +1205,8 @@ def completion_logprobs(c) -> list[float]:
 
 def generated_routing(routed, n_prompt: int, n_gen: int) -> torch.Tensor | None:
     """A completion's routed experts (vLLM's CompletionOutput.routed_experts) at the positions
-    that predict its generated tokens: (n_gen, layers, k), or None if it has not those rows.
+    that predict its generated tokens: (n_gen, layers, k), or None if it has not those rows
+    (or generated none).
 
     vLLM returns a row per token that went through the model: the P prompt tokens (from its
     slot table when the prefill completes), then each fed generated token (the last sampled
@@ -1244,8 +1246,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
          generated: list[list[bool]] | None = None) -> Packed:
     """Sequences back to back, no padding; token t of completion b is predicted at
     start_b + P_b - 1 + t. The targets are every completion token, or those generated[b][t]
-    marks (an episode's tool tokens are context, not targets). Packed's docstring has an
-    example."""
+    marks (an episode's tool tokens are context, not targets). Packed's example, prompts [a b],
+    [c] and completions [x y], [z]: starts 0 4; x y at 0 + 2 - 1 + (0, 1) = 1 2; z at 4 + 1 - 1.
+    """
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
     L = P + C
@@ -1532,7 +1535,8 @@ class Rollout:
     logprobs: torch.Tensor  # (N,) fp32: vLLM's logprob of every generated token, concatenated
     completed: list[bool]  # the episode completed: its env scored a turn that ended at a stop id
     # MoE: per episode, the experts vLLM chose for its generated tokens (Completion.routed, all
-    # layers, the turns concatenated), or None where the engine returned none; None if dense
+    # layers, the turns concatenated), or None where the engine returned none; None if the
+    # engine returns no routes (a dense model, or a Qwen3-MoE under --no-prefix-caching)
     routed: list[torch.Tensor | None] | None
     episodes: list[Episode]
 
@@ -1822,12 +1826,13 @@ class Pass(NamedTuple):
     grad_norm: torch.Tensor | None = None  # () the global one, before clipping (`update`'s)
 
 
-def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Config,
+def update(model, ref_model, optimizer, packed: Packed, old_logp, seq_adv, cfg: Config,
            n_micro: int | None = None, n_tokens: int | None = None) -> Pass:
     """The update: `updates_per_batch` optimizer steps, each after a pass over all
     micro-batches of this rank's sequences.
 
-    old_logp (N,) and adv (B,) (a packed sequence's: its episode's) live on the model's device.
+    old_logp (N,) and seq_adv (B,) (packed sequence b's episode's advantage) live on the model's
+    device.
     n_micro: micro-batches every rank runs (FSDP's collectives need the same count on every
     rank; a rank with fewer runs zero-counted ones); n_tokens: generated tokens over all
     ranks, the loss's denominator. Returns the first pass (Pass): its summed loss, token sums,
@@ -1845,7 +1850,8 @@ def update(model, ref_model, optimizer, packed: Packed, old_logp, adv, cfg: Conf
     first = None
     for k in range(cfg.updates_per_batch):  # the k-th pass over the rollout
         optimizer.zero_grad(set_to_none=True)
-        this_pass = accumulate_gradients(model, ref_model, parts, old_logp, adv, cfg, per_token)
+        this_pass = accumulate_gradients(model, ref_model, parts, old_logp, seq_adv, cfg,
+                                         per_token)
         # clip on the global norm; every rank agrees that all is finite before stepping (the
         # NaN checks are with the stops, after the story ends)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
@@ -1879,7 +1885,7 @@ def micro_batch_parts(packed: Packed, cfg: Config, n_micro: int | None,
     return parts + [part(range(0, 1), False)] * padding if padding > 0 else parts
 
 
-def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, adv,
+def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, seq_adv,
                          cfg: Config, per_token: float) -> Pass:
     """Forward + backward of every micro-batch; gradients accumulate in fp32. Returns the
     pass's summed loss, token sums, logprobs and (MoE) the experts it chose."""
@@ -1897,8 +1903,8 @@ def accumulate_gradients(model, ref_model, parts: list[MicroBatch], old_logp, ad
             # forward overwrites TopK.ids
             if experts is not None and real:
                 experts[owned] = model.routed_ids(batch)
-            # batch.seq counts from the micro-batch's first sequence, adv from the rank's
-            adv_tok = adv[batch.seq + seqs.start]  # (N_mb,) its sequence's advantage
+            # batch.seq counts from the micro-batch's first sequence, seq_adv from the rank's
+            adv_tok = seq_adv[batch.seq + seqs.start]  # (N_mb,) its sequence's advantage
             pg, ratio, clipped = ppo_clip_loss(logp, old_logp[owned], adv_tok, cfg.clip_eps)
             kl = torch.zeros_like(logp)
             if cfg.kl_coef > 0:

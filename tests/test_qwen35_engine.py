@@ -112,7 +112,7 @@ def test_a_qwen35_engine_gets_the_schedule_the_trainer_replays(q35, monkeypatch)
     assert {k: kw[k] for k in rl.QWEN35_ENGINE_ARGS} == dict(
         gdn_prefill_backend="triton", mamba_ssm_cache_dtype="float32", mamba_cache_dtype="auto",
         enable_chunked_prefill=False, language_model_only=True)
-    assert kw["enable_prefix_caching"] is False and engine.cfg.prefix_caching is False
+    assert kw["enable_prefix_caching"] is False and engine.reads_cache is False
     assert kw["max_num_batched_tokens"] >= 9000  # --max-model-len: the longest prompt fits
     assert kw["attention_backend"] == "FLASH_ATTN" and kw["enable_return_routed_experts"] is False
     assert seen["env"][rl.PACKED_DECODE] == "0"
@@ -139,7 +139,7 @@ def test_a_qwen35_moe_engine_keeps_an_unread_prefix_cache_for_its_routes(q35, mo
     assert kw["enable_prefix_caching"] is True and kw["enable_chunked_prefill"] is True
     assert kw["enable_return_routed_experts"] is True and engine.returns_routes
     assert kw["max_num_batched_tokens"] == max(8192, block)
-    assert engine.cfg.prefix_caching is False  # the trainer replays no cache hit
+    assert engine.reads_cache is False  # the trainer replays no cache hit
     params = engine.sampling_params(3)
     assert params.skip_reading_prefix_cache is True
     assert {k: kw[k] for k in rl.QWEN35_ENGINE_ARGS if k != "enable_chunked_prefill"} == {
