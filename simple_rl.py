@@ -1940,7 +1940,7 @@ class Parity:
 
 
 def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.Tensor,
-                   lengths: list[int], layers: tuple[int, ...]) -> tuple[int, int]:
+                   gen_counts: list[int], layers: tuple[int, ...]) -> tuple[int, int]:
     """(tokens compared, tokens whose expert set differs in any sparse layer).
 
     engine_routed: per episode (C_b, all layers, k) or None (not compared): Rollout.routed,
@@ -1949,10 +1949,10 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
     the sparse layers' indices.
     Sets are compared (both sides sorted), so the order of the k ids does not matter.
     """
-    kept = [b for b, r in enumerate(engine_routed) if r is not None and lengths[b]]
+    kept = [b for b, r in enumerate(engine_routed) if r is not None and gen_counts[b]]
     if not kept:
         return 0, 0
-    ours = trainer_ids.cpu().split(lengths)
+    ours = trainer_ids.cpu().split(gen_counts)
     our_sets = torch.cat([ours[b] for b in kept]).long().sort(dim=-1).values  # (N', sparse, k)
     their_sets = torch.cat([engine_routed[b] for b in kept])[:, list(layers)]
     their_sets = their_sets.long().sort(dim=-1).values  # (N', sparse layers, k)
@@ -1960,16 +1960,16 @@ def routing_report(engine_routed: list[torch.Tensor | None], trainer_ids: torch.
 
 
 def parity_report(vllm_lp: torch.Tensor, trainer_lp: torch.Tensor, tokens: torch.Tensor,
-                  lengths: list[int], rows: int) -> Parity:
+                  gen_counts: list[int], rows: int) -> Parity:
     """Compare int32 views of two fp32 vectors (N,), the generated tokens in episode order
-    (lengths: per episode). Bits, not values: -0.0 against +0.0 is a mismatch, a NaN matches
+    (gen_counts: per episode). Bits, not values: -0.0 against +0.0 is a mismatch, a NaN matches
     only the same NaN. With the table of where each of the first `rows` differing samples
     first differs (`parity_table`)."""
     a, b = vllm_lp.float().cpu(), trainer_lp.detach().float().cpu()
     n, bad = len(a), a.view(torch.int32) != b.view(torch.int32)  # (N,)
-    assert sum(lengths) == n, f"the samples' lengths sum to {sum(lengths)}, not to the {n} tokens"
+    assert sum(gen_counts) == n, f"generated counts sum to {sum(gen_counts)}, not to {n} tokens"
     return Parity(n, int(bad.sum()), float((a - b).abs().max()) if n else 0.0,
-                  parity_table(a, b, bad, tokens, lengths, rows))
+                  parity_table(a, b, bad, tokens, gen_counts, rows))
 
 
 def parity_over_ranks(p: Parity, device) -> Parity:
@@ -5734,23 +5734,23 @@ def weights_sha256(hf_state: dict[str, torch.Tensor]) -> str:
 
 
 def parity_table(a: torch.Tensor, b: torch.Tensor, bad: torch.Tensor, tokens: torch.Tensor,
-                 lengths: list[int], rows: int) -> str:
+                 gen_counts: list[int], rows: int) -> str:
     """parity_report's table of vLLM's (a) and the trainer's (b) logprobs (N,), bad (N,) where
     their bits differ: where each of the first `rows` differing samples first differs (its
     later tokens follow from there) and how many of its tokens differ; or, with none, the
     first tokens."""
     n, bits_a, bits_b = len(a), a.view(torch.int32), b.view(torch.int32)
-    length = torch.tensor(lengths, dtype=torch.long)  # (B,)
+    length = torch.tensor(gen_counts, dtype=torch.long)  # (B,)
     sample = torch.repeat_interleave(length)  # (N,)
     start = length.cumsum(0) - length  # (B,) each sample's first token
-    differ = torch.zeros(len(lengths), dtype=torch.long).index_add_(0, sample, bad.long())  # (B,)
-    first = torch.full((len(lengths),), n).scatter_reduce(  # (B,) first differing token, or N
+    differ = torch.zeros(len(length), dtype=torch.long).index_add_(0, sample, bad.long())  # (B,)
+    first = torch.full((len(length),), n).scatter_reduce(  # (B,) first differing token, or N
         0, sample, torch.where(bad, torch.arange(n), n), "amin")
     lines = [f"{'sample':>7} {'pos/len':>9} {'differ':>6} {'token':>8} {'vllm':>14} "
              f"{'trainer':>14} {'vllm bits':>10} {'trainer bits':>12} {'delta':>10}"]
     for i in first[first < n][:rows].tolist() if bad.any() else range(min(rows, n)):
         s = int(sample[i])
-        lines.append(f"{s:>7} {f'{i - int(start[s])}/{lengths[s]}':>9} "
+        lines.append(f"{s:>7} {f'{i - int(start[s])}/{gen_counts[s]}':>9} "
                      f"{int(differ[s]):>6} {int(tokens[i]):>8} {a[i].item():>14.8f} "
                      f"{b[i].item():>14.8f} {bits_a[i].item() & 0xFFFFFFFF:>10x} "
                      f"{bits_b[i].item() & 0xFFFFFFFF:>12x} {abs(a[i] - b[i]).item():>10.3g}")
