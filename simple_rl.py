@@ -1247,7 +1247,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]],
     """Sequences back to back, no padding; token t of completion b is predicted at
     start_b + P_b - 1 + t. The targets are every completion token, or those generated[b][t]
     marks (an episode's tool tokens are context, not targets). Packed's example, prompts [a b],
-    [c] and completions [x y], [z]: starts 0 4; x y at 0 + 2 - 1 + (0, 1) = 1 2; z at 4 + 1 - 1.
+    [c] and completions [x y], [z]: starts 0 4; x y at 0 + 2 - 1 + (0, 1) = 1 2; z at 4 + 1 - 1 = 4.
     """
     P = torch.tensor([len(p) for p in prompts])
     C = torch.tensor([len(c) for c in completions])
