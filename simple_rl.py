@@ -1026,6 +1026,7 @@ class Engine:
 
     cfg: Config
     returns_routes = False  # vLLM returns the experts each token chose (MoE; VLLMEngine says when)
+    reads_cache = True  # it reads vLLM's prefix cache (VLLMEngine says when not)
     lora: LoRASpec | None = None  # LoRA: the adapters the engine serves
     lora_tensors: dict | None = None  # LoRA: the adapter slot's tensors, by vLLM's layer name
 

@@ -209,7 +209,6 @@ def user_engine_class():
             self.cfg = rl.dataclasses.replace(cfg, engine_sleep=False)  # TRL's default
             self.stop_ids, self.asleep = files.eos_ids, False
             self.returns_routes = False  # users' stacks do not compare routed experts
-            self.reads_cache = cfg.prefix_caching  # vLLM's default cache, read as simple_rl's
             samples = rl.samples_per_rank(cfg, ranks.world)
             self.llm = LLM(
                 model=str(files.path),

@@ -19,7 +19,6 @@ def engine_on(monkeypatch, llm, cfg=None):
     engine = object.__new__(rl.VLLMEngine)
     engine.cfg, engine.stop_ids, engine.returns_routes, engine.llm = cfg or rl.Config(), [0], \
         False, llm
-    engine.reads_cache = engine.cfg.prefix_caching  # a Qwen3's rule
     return engine
 
 
