@@ -41,6 +41,7 @@ def test_steps_walk_through_shuffled_epochs():
     (" Answer: 5 (not 6)", "5"),
     ("<think>\nAnswer: 3? no, 9\n</think>\n\nAnswer: 4", "4"),  # the final answer, after thinking
     ("<think>so 11</think>The result is 12", "12"),
+    ("<think>a</think>Answer: 3 <think>no</think> 4", "4"),  # after the last thinking block
     (" no idea", None),
     ("", None),
 ])
