@@ -29,6 +29,7 @@ from helpers import copy_checkpoint, cpu_argv, latest, refuse
     ("--clip-eps", "0", "--clip-eps must be > 0"),
     ("--adv-eps", "=-1e-6", "--adv-eps must be > 0"),
     ("--kv-cache-gib", "=-2", "--kv-cache-gib must be >= 0"),
+    ("--max-tool-tokens", "=-1", "--max-tool-tokens must be >= 0"),
     ("--parity-every", "0", "--parity-every >= 1"),
 ])
 def test_bad_floats_and_ranges(ckpt, tmp_path, capsys, flag, value, needle):

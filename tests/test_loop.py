@@ -100,6 +100,15 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, 
     assert abs(m["weight_delta/layers.1/magnitude"] - layer) <= 1e-4 * layer
 
 
+def test_the_optimizer_is_adamw_on_the_trainable_weights_at_the_configs_settings():
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)  # frozen (a LoRA base): not the optimizer's
+    cfg = rl.Config(lr=1e-3, beta1=0.8, beta2=0.95, weight_decay=0.1)
+    (group,) = rl.make_optimizer(model, cfg).param_groups
+    assert group["params"] == [model.weight]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.8, 0.95), 0.1)
+
+
 def test_update_logprobs_equal_a_fresh_forward(ckpt, tmp_path):
     """The logprobs handed to the parity check are exactly the first pass's forward."""
     trainer = cpu_trainer_of_run(ckpt(), tmp_path, updates_per_batch=2)

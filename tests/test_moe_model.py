@@ -101,6 +101,16 @@ def test_config_errors(tmp_path, moe_ckpt, change, words):
         rl.read_qwen3_config(broken(tmp_path, moe_ckpt, **change))
 
 
+def test_decoder_sparse_step_counts_layers_from_one(tmp_path, moe_ckpt):
+    """decoder_sparse_step 2 makes layers 2, 4, ... (counted from 1) sparse: index 1 of 3; the
+    tiny checkpoint's files, sparse at 0 and 2, are then refused from their headers."""
+    bad = broken(tmp_path, moe_ckpt, decoder_sparse_step=2, mlp_only_layers=[])
+    args = rl.model_args_from_hf(rl.read_qwen3_config(bad))
+    assert rl.sparse_layers(args) == (1,)
+    with pytest.raises(rl.ConfigError, match="experts"):
+        rl.check_weight_headers(bad, args)
+
+
 def test_headers_name_missing_experts(tmp_path, moe_ckpt):
     # config says 16 experts, the files hold 8: refused from the headers, before any start
     bad = broken(tmp_path, moe_ckpt, num_experts=16)
