@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 import simple_rl as rl
@@ -135,3 +136,21 @@ def test_parity_over_two_ranks_sums_the_counts_and_takes_the_larger_delta(monkey
     p = rl.parity_over_ranks(rl.Parity(4, 1, 0.5, "t", True, 4, 0), torch.device("cpu"))
     assert (p.n_tokens, p.n_mismatch, p.routing_tokens, p.routing_mismatch) == (10, 3, 9, 1)
     assert (p.max_abs_diff, p.table, p.routes_checked) == (0.5, "t", True)
+
+
+def test_step_metrics_are_token_means_and_sample_fractions():
+    """The logged step: (pg, kl, entropy, ratio, clipped) token sums over the step's 10
+    generated tokens; rewards, lengths and stops over its 4 samples (2 prompts x G = 2)."""
+    cfg = rl.Config(group_size=2, kl_coef=0.1, entropy_coef=0.01)
+    lens = (1, 2, 3, 4)
+    rollout = rl.Rollout(prompts=[[0]] * 4, completions=[[1] * n for n in lens],
+                         generated=[[True] * n for n in lens], logprobs=torch.zeros(10),
+                         completed=[True, True, True, False], routed=None, episodes=[])
+    sums = torch.tensor([1.0, 2.0, 5.0, 10.4, 4.0])
+    m = rl.step_metrics(cfg, rollout, torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, sums, 10,
+                        torch.tensor(0.5), rl.Parity(10, 0, 0.0, ""), (1.0, 2.0, 3.0))
+    want = {"pg_loss": 0.1, "kl_div": 0.2, "entropy": 0.5, "ratio_mean": 1.04,
+            "ratio_clipped_frac": 0.4, "loss": 0.1 + 0.1 * 0.2 - 0.01 * 0.5,
+            "reward_mean": 0.75, "reward_std": 0.5, "completion_len_mean": 2.5,
+            "completion_stopped_frac": 0.75, "grad_norm": 0.5, "time/step_s": 6.0}
+    assert {k: m[k] for k in want} == pytest.approx(want, rel=1e-6)
