@@ -138,19 +138,25 @@ def test_parity_over_two_ranks_sums_the_counts_and_takes_the_larger_delta(monkey
     assert (p.max_abs_diff, p.table, p.routes_checked) == (0.5, "t", True)
 
 
-def test_step_metrics_are_token_means_and_sample_fractions():
-    """The logged step: (pg, kl, entropy, ratio, clipped) token sums over the step's 10
-    generated tokens; rewards, lengths and stops over its 4 samples (2 prompts x G = 2)."""
-    cfg = rl.Config(group_size=2, kl_coef=0.1, entropy_coef=0.01)
-    lens = (1, 2, 3, 4)
-    rollout = rl.Rollout(prompts=[[0]] * 4, completions=[[1] * n for n in lens],
-                         generated=[[True] * n for n in lens], logprobs=torch.zeros(10),
+def test_step_metrics_are_token_means_and_sample_statistics():
+    """The logged step: (pg, kl, entropy, ratio, clipped) are token means, their sums over the
+    step's 10 generated tokens / 10; rewards, generated lengths (a tool's token is not one) and
+    stops are over its 4 samples (2 prompts x G = 2); the KL is shown only where it is used."""
+    generated = [[True], [True] * 2, [True] * 3, [True, True, False, True, True]]
+    rollout = rl.Rollout(prompts=[[0]] * 4, completions=[[1] * len(g) for g in generated],
+                         generated=generated, logprobs=torch.zeros(10),
                          completed=[True, True, True, False], routed=None, episodes=[])
     sums = torch.tensor([1.0, 2.0, 5.0, 10.4, 4.0])
-    m = rl.step_metrics(cfg, rollout, torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, sums, 10,
-                        torch.tensor(0.5), rl.Parity(10, 0, 0.0, ""), (1.0, 2.0, 3.0))
+
+    def metrics(cfg):
+        return rl.step_metrics(cfg, rollout, torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, sums, 10,
+                               torch.tensor(0.5), rl.Parity(10, 0, 0.0, ""), (1.0, 2.0, 3.0))
+
+    m = metrics(rl.Config(group_size=2, kl_coef=0.1, entropy_coef=0.01))
     want = {"pg_loss": 0.1, "kl_div": 0.2, "entropy": 0.5, "ratio_mean": 1.04,
-            "ratio_clipped_frac": 0.4, "loss": 0.1 + 0.1 * 0.2 - 0.01 * 0.5,
+            "ratio_clipped_frac": 0.4, "loss": 0.115,  # 0.1 + 0.1 x 0.2 - 0.01 x 0.5
             "reward_mean": 0.75, "reward_std": 0.5, "completion_len_mean": 2.5,
-            "completion_stopped_frac": 0.75, "grad_norm": 0.5, "time/step_s": 6.0}
+            "completion_stopped_frac": 0.75, "grad_norm": 0.5, "time/rollout_s": 1.0,
+            "time/train_s": 2.0, "time/push_s": 3.0, "time/step_s": 6.0}
     assert {k: m[k] for k in want} == pytest.approx(want, rel=1e-6)
+    assert "kl_div" not in metrics(rl.Config(group_size=2))

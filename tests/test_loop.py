@@ -101,11 +101,15 @@ def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, 
 
 
 def test_the_optimizer_is_adamw_on_the_trainable_weights_at_the_configs_settings():
+    """--lr, --beta1, --beta2 and --weight-decay reach a decoupled AdamW, which holds the
+    trainable weights only (a LoRA base stays out)."""
     model = torch.nn.Linear(2, 2)
-    model.bias.requires_grad_(False)  # frozen (a LoRA base): not the optimizer's
+    model.bias.requires_grad_(False)  # frozen, as a LoRA base is
     cfg = rl.Config(lr=1e-3, beta1=0.8, beta2=0.95, weight_decay=0.1)
-    (group,) = rl.make_optimizer(model, cfg).param_groups
-    assert group["params"] == [model.weight]
+    optimizer = rl.make_optimizer(model, cfg)
+    assert type(optimizer) is torch.optim.AdamW
+    (group,) = optimizer.param_groups
+    assert [id(p) for p in group["params"]] == [id(model.weight)]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.8, 0.95), 0.1)
 
 
