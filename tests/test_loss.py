@@ -127,6 +127,7 @@ def test_kl_pulls_a_policy_that_left_the_reference_back(ckpt, tmp_path):
     its update leaves them a smaller KL than it found."""
     trainer = cpu_trainer_of_run(ckpt(), tmp_path, kl_coef=1.0, entropy_coef=0.0, lr=1e-4,
                                  temperature=0.7, eval_size=0, save_every=0)
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())  # frozen
     trainer.reward_fn = lambda completion, answer: 0.0
     with torch.no_grad():
         g = torch.Generator().manual_seed(2)
