@@ -139,9 +139,10 @@ def test_parity_over_two_ranks_sums_the_counts_and_takes_the_larger_delta(monkey
 
 
 def test_step_metrics_are_token_means_and_sample_statistics():
-    """The logged step: (pg, kl, entropy, ratio, clipped) are token means, their sums over the
-    step's 10 generated tokens / 10; rewards, generated lengths (a tool's token is not one) and
-    stops are over its 4 samples (2 prompts x G = 2); the KL is shown only where it is used."""
+    """The logged step: (pg, kl, entropy, ratio, clipped) are token means (their sums over the
+    step's 10 generated tokens, divided by 10); rewards, generated lengths (a tool's token is
+    not one) and stops are over its 4 samples (2 prompts x G = 2); the KL is shown only where
+    it is used."""
     generated = [[True], [True] * 2, [True] * 3, [True, True, False, True, True]]
     rollout = rl.Rollout(prompts=[[0]] * 4, completions=[[1] * len(g) for g in generated],
                          generated=generated, logprobs=torch.zeros(10),
