@@ -139,6 +139,30 @@ def test_linear_backward():
     check(CUSTOM.linear, REF.linear, [torch.randn(6, 24, **F64), torch.randn(10, 24, **F64)])
 
 
+def test_an_fp32_masters_gradient_of_bf16_compute_is_summed_in_fp32():
+    """A bf16 forward on an fp32 master: dW = gy^T x summed in fp32 (the GEMM widened), not a
+    bf16 GEMM cast up afterwards, whose rounding over 512 rows shows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 24, generator=g).bfloat16()
+    gy = torch.randn(512, 10, generator=g).bfloat16()
+    w = torch.randn(10, 24, generator=g).requires_grad_()  # the fp32 master
+    y = CUSTOM.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    y.backward(gy)
+    assert w.grad.dtype == torch.float32
+    assert torch.equal(w.grad, gy.float().t() @ x.float())
+    assert not torch.equal(w.grad, (gy.t() @ x).float())  # what a bf16 GEMM would give
+
+
+def test_a_frozen_weight_costs_no_weight_gemm(monkeypatch):
+    """LoRA's frozen base: the backward computes dx alone, not dW (half a linear's backward)."""
+    monkeypatch.setattr(bib, "_mm", lambda *a: pytest.fail("a weight GEMM for a frozen weight"))
+    x = torch.randn(6, 24, **F64).requires_grad_()
+    w, gy = torch.randn(10, 24, **F64), torch.randn(6, 10, **F64)  # w frozen
+    CUSTOM.linear(x, w).backward(gy)
+    assert torch.equal(x.grad, gy @ w) and w.grad is None
+
+
 @pytest.mark.parametrize("rows", [1024, 2])
 def test_logprobs_entropy_backward(monkeypatch, rows):
     """Both outputs carry gradient: the sampled token's logprob and the entropy; computed whole,

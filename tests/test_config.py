@@ -173,6 +173,15 @@ def test_world_larger_than_the_prompts_is_refused(ckpt, tmp_path, monkeypatch, c
     assert "4 ranks but --num-prompts 2: every rank needs at least one prompt" in err
 
 
+def test_every_rank_is_sized_for_the_most_prompts_a_rank_gets():
+    """5 prompts on 2 ranks: rank 0 generates 3 of them (prompt i on rank i mod 2), so each
+    rank's KV cache and micro-batches are sized for 3 x G samples, not 2 x G."""
+    most = max(len(rl.my_prompts(5, rl.Ranks(r, 2, torch.device("cpu")))) for r in range(2))
+    cfg = rl.Config(num_prompts=5, group_size=8)
+    assert most == 3 and rl.samples_per_rank(cfg, 2) == most * 8
+    assert rl.samples_per_rank(cfg, 1) == 40
+
+
 QWEN3_8B = types.SimpleNamespace(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
                                  hidden_dim=12288, vocab_size=151936, enable_weight_tying=False)
 

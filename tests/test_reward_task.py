@@ -59,6 +59,16 @@ def test_jsonl_task_holds_out_problems_and_trains(ckpt, tmp_path):
     assert [r["step"] for r in got] == [0, 1] and got[0]["determinism/tokens"] == 2 * 3 * 5
 
 
+def test_a_question_a_file_repeats_is_held_out_everywhere_or_nowhere():
+    """20 questions, each written twice: every copy of a held-out question leaves the pool (the
+    run would otherwise train on what it is scored on)."""
+    problems = [rl.Problem(f"What is {i % 20} + 1?", str(i % 20 + 1)) for i in range(40)]
+    pool, heldout = rl.split_heldout(problems, 5, "mine.jsonl")
+    asked = {p.question for p in heldout}
+    assert len(heldout) == 5 and len(pool) == 40 - 2 * len(asked)
+    assert not asked & {p.question for p in pool}
+
+
 @pytest.mark.parametrize("text, expected", [
     ("x = 1\n", "has no function 'score'"),
     ("def score(completion):\n    return 1.0\n", "must take (completion, answer)"),
