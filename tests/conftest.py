@@ -1,3 +1,5 @@
+import faulthandler
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +8,29 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import pytest  # noqa: E402
+
+
+# A CPU test that hangs (a tool's thread, a loop whose count went wrong) ends the whole run with
+# every thread's traceback after this long, not at CI's limit (the longest takes under 30 s).
+CPU_TEST_LIMIT_S = 600
+_stderr = None
+
+
+def pytest_configure(config):
+    global _stderr
+    _stderr = os.fdopen(os.dup(2), "w")  # the terminal's, not the capture of a test's output
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    armed = item.get_closest_marker("gpu") is None
+    if armed:
+        faulthandler.dump_traceback_later(CPU_TEST_LIMIT_S, exit=True, file=_stderr)
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
