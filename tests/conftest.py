@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 
 # A CPU test that hangs (a tool's thread, a loop whose count went wrong) ends the whole run with
 # every thread's traceback after this long, not at CI's limit (the longest takes under 30 s).
+# (pytest's own faulthandler_timeout would time the GPU tests too.)
 CPU_TEST_LIMIT_S = 600
 _stderr = None
 
@@ -21,16 +22,23 @@ def pytest_configure(config):
     _stderr = os.fdopen(os.dup(2), "w")  # the terminal's, not the capture of a test's output
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    armed = item.get_closest_marker("gpu") is None
-    if armed:
-        faulthandler.dump_traceback_later(CPU_TEST_LIMIT_S, exit=True, file=_stderr)
+def pytest_unconfigure(config):
+    _stderr.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A CPU test's setup, call and teardown under CPU_TEST_LIMIT_S."""
+    if item.get_closest_marker("gpu") is not None:
+        return (yield)
+    pid = os.getpid()
+    faulthandler.dump_traceback_later(CPU_TEST_LIMIT_S, exit=True, file=_stderr)
     try:
-        yield
+        return (yield)
     finally:
-        if armed:
-            faulthandler.cancel_dump_traceback_later()
+        if os.getpid() != pid:  # a child a test forked came back here: it must not go on
+            os._exit(1)
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

@@ -140,8 +140,8 @@ def test_linear_backward():
 
 
 def test_an_fp32_masters_gradient_of_bf16_compute_is_summed_in_fp32():
-    """A bf16 forward on an fp32 master: dW = gy^T x summed in fp32 (the GEMM widened), not a
-    bf16 GEMM cast up afterwards, whose rounding over 512 rows shows."""
+    """A bf16 forward on an fp32 master: dW = gy^T x in fp32 (the GEMM widened), not a bf16
+    GEMM's output (rounded to bf16) cast up afterwards."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 24, generator=g).bfloat16()
     gy = torch.randn(512, 10, generator=g).bfloat16()

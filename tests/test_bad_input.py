@@ -347,14 +347,18 @@ def test_the_upper_and_lower_edges_of_betas_and_keep_last_are_refused(change, ne
         rl.validate_numbers(rl.Config(**change))
 
 
-def test_max_turns_and_the_samples_a_step_holds_at_their_edges():
+def test_max_turns_at_its_edges():
+    """--max-turns 0 would score no episode (every reward 0, nothing learned, no error)."""
     for turns in (1, rl.MAX_TURNS):
         rl.validate_task(rl.Config(max_turns=turns))  # taken
     for turns in (0, rl.MAX_TURNS + 1):
-        with pytest.raises(rl.ConfigError, match=re.escape(
-                f"--max-turns must lie in [1, {rl.MAX_TURNS}] (got {turns}).")):
+        needle = f"--max-turns must lie in [1, {rl.MAX_TURNS}] (got {turns})."
+        with pytest.raises(rl.ConfigError, match="^" + re.escape(needle) + "$"):
             rl.validate_task(rl.Config(max_turns=turns))
+
+
+def test_the_most_samples_a_step_holds_is_taken_and_one_prompt_more_is_not():
     most = rl.MAX_SAMPLES // 8
-    rl.validate_numbers(rl.Config(num_prompts=most, group_size=8))  # exactly the most: taken
-    with pytest.raises(rl.ConfigError, match=f"is {8 * most + 8:,} samples a step"):
+    rl.validate_numbers(rl.Config(num_prompts=most, group_size=8))
+    with pytest.raises(rl.ConfigError, match=f"^--num-prompts x --group-size is {8 * most + 8:,} "):
         rl.validate_numbers(rl.Config(num_prompts=most + 1, group_size=8))

@@ -101,9 +101,10 @@ def test_the_eval_does_not_change_the_training_run(ckpt, tmp_path):
 def test_held_out_arithmetic_is_disjoint_from_every_training_pool():
     for seed in (0, 1):
         # the most held out: the candidate stream repeats a problem from its 897th on
-        pool, heldout = rl.arithmetic_split(rl.Config(seed=seed, eval_size=2048))
+        most = rl.EVAL_CANDIDATES // 2
+        pool, heldout = rl.arithmetic_split(rl.Config(seed=seed, eval_size=most))
         questions = [p.question for p in heldout]
-        assert len(questions) == len(set(questions)) == 2048
+        assert len(questions) == len(set(questions)) == most
         assert not set(questions) & {p.question for p in pool}
         assert set(questions) <= rl.heldout_arithmetic_questions()
     # the same problems whatever the seed, but for the few that seed's pool happens to hold

@@ -59,7 +59,7 @@ def test_jsonl_task_holds_out_problems_and_trains(ckpt, tmp_path):
     assert [r["step"] for r in got] == [0, 1] and got[0]["determinism/tokens"] == 2 * 3 * 5
 
 
-def test_a_question_a_file_repeats_is_held_out_everywhere_or_nowhere():
+def test_a_held_out_question_a_file_repeats_is_never_trained_on():
     """20 questions, each written twice: every copy of a held-out question leaves the pool (the
     run would otherwise train on what it is scored on)."""
     problems = [rl.Problem(f"What is {i % 20} + 1?", str(i % 20 + 1)) for i in range(40)]
