@@ -154,15 +154,6 @@ def test_an_fp32_masters_gradient_of_bf16_compute_is_summed_in_fp32():
     assert not torch.equal(w.grad, (gy.t() @ x).float())  # what a bf16 GEMM would give
 
 
-def test_a_frozen_weight_costs_no_weight_gemm(monkeypatch):
-    """LoRA's frozen base: the backward computes dx alone, not dW (half a linear's backward)."""
-    monkeypatch.setattr(bib, "_mm", lambda *a: pytest.fail("a weight GEMM for a frozen weight"))
-    x = torch.randn(6, 24, **F64).requires_grad_()
-    w, gy = torch.randn(10, 24, **F64), torch.randn(6, 10, **F64)  # w frozen
-    CUSTOM.linear(x, w).backward(gy)
-    assert torch.equal(x.grad, gy @ w) and w.grad is None
-
-
 @pytest.mark.parametrize("rows", [1024, 2])
 def test_logprobs_entropy_backward(monkeypatch, rows):
     """Both outputs carry gradient: the sampled token's logprob and the entropy; computed whole,
