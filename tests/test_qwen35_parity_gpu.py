@@ -95,8 +95,9 @@ def test_a_qwen35_rollout_is_batch_free(qwen35_runs, run):
 
 def test_simple_rl_on_a_qwen35_is_exact_deterministic_and_resumable(tmp_path):
     """simple_rl.py on the Qwen3.5 above, 4 steps at T = 0.7 (its settings: no prefix cache,
-    prompts prefilled whole): every step's parity line says identical, two runs of one seed end
-    at one sha256 with the same lines, and a run stopped at step 2 and resumed ends there too."""
+    prompts prefilled whole): every step's parity line says identical (the stopped and resumed
+    runs' too), two runs of one seed end at one sha256 with the same lines, and a run stopped at
+    step 2 and resumed ends there too."""
     _need_gpu_stack()
     make_qwen35(tmp_path / "ckpt")
     t = ("--temperature", "0.7")
@@ -107,6 +108,7 @@ def test_simple_rl_on_a_qwen35_is_exact_deterministic_and_resumable(tmp_path):
     check_identical(a[0], 4)
     assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2]
     assert part[1] != a[1] and resumed[1] == a[1]
+    check_identical(part[0], 2)
     check_identical(resumed[0])
     print({"sha256": a[1], "lines": a[0]})
     print("\n".join(line for line in a[3].splitlines() if line.startswith("step")))  # timings
