@@ -192,3 +192,25 @@ def test_the_step_lines_eta_counts_the_steps_left_after_this_one(capsys):
         rl.report_step(trainer, step, False, m, parity, None, 60.0)
         line = capsys.readouterr().out.strip().splitlines()[-1]
         assert line.startswith(f"step {step + 1}/10 ") and line.endswith(f"60.0 s/step | {eta}")
+
+
+def test_a_step_whose_tokens_differ_prints_its_table_between_parity_every_steps(capsys):
+    """On the bitwise kernels the table of differing tokens is printed every --parity-every
+    steps, at the run's first step, and at any step whose tokens differ: a mismatch at step 3
+    of a run checked every 4 shows where it differs then, not only in the counts (the table is
+    the one place that says which sample and token went wrong first)."""
+    trainer = SimpleNamespace(cfg=rl.Config(steps=10, parity_every=4),
+                              model=SimpleNamespace(ops=SimpleNamespace(name="vllm")))
+    m = {"reward_mean": 0.5, "loss": 0.1, "entropy": 1.0, "completion_len_mean": 4.0,
+         "determinism/mismatched_tokens": 0, "determinism/tokens": 6, "time/rollout_s": 1.0,
+         "time/train_s": 1.0, "time/push_s": 0.1}
+    for step, first, differ, shown in ((1, True, 0, True), (2, False, 0, False),
+                                       (3, False, 2, True), (4, False, 0, True)):
+        parity = rl.Parity(n_tokens=6, n_mismatch=differ, max_abs_diff=0.5 * differ,
+                           table="<the table>")
+        capsys.readouterr()
+        rl.report_step(trainer, step, first, {**m, "determinism/mismatched_tokens": differ},
+                       parity, None, 1.0)
+        out = capsys.readouterr().out
+        assert ("<the table>" in out) == shown, (step, out)
+        assert f"| {differ}/6 tokens differ |" in out

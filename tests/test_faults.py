@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -399,6 +400,27 @@ def test_non_finite_weights_after_the_step_are_caught_before_saving(ckpt, tmp_pa
     assert not (tmp_path / "runs" / "big" / "checkpoints").exists()  # nothing non-finite saved
 
 
+def test_non_finite_logprobs_name_the_sequences_that_hold_them_and_a_loss_names_all():
+    """check_finite on one rank: NaN or Inf logprobs name the packed sequences whose tokens
+    hold them (the episodes and prompts a user is told to look at), a non-finite loss or
+    gradient norm names every sequence of the batch (any of them may have caused it), with
+    the optimizer step it was found at. Naming every sequence for a bad logprob would send the
+    user through the whole batch to find one bad sample."""
+    nan, inf = float("nan"), float("inf")
+    packed = SimpleNamespace(seq=torch.tensor([0, 0, 1, 1, 1, 2, 3, 3]))
+    logps, fine = torch.zeros(8), torch.tensor(1.0)
+    logps[3], logps[6] = nan, -inf
+    with pytest.raises(rl.NonFiniteError) as e:
+        rl.check_finite(logps, fine, fine, packed, 0, 1)
+    assert e.value.quantity == "logprobs" and e.value.seqs == [1, 3]
+    for loss, norm, quantity in ((nan, 1.0, "loss"), (1.0, inf, "gradient norm")):
+        with pytest.raises(rl.NonFiniteError) as e:
+            rl.check_finite(torch.zeros(8), torch.tensor(loss), torch.tensor(norm), packed, 1, 2)
+        assert e.value.quantity == quantity and e.value.seqs == [0, 1, 2, 3]
+        assert (e.value.optimizer_step, e.value.optimizer_steps) == (1, 2)
+    rl.check_finite(torch.zeros(8), fine, fine, packed, 0, 1)  # all finite: nothing raised
+
+
 # ---------------------------------------------------------------- a signal after the last step
 
 
@@ -532,3 +554,23 @@ def test_5_a_signal_during_the_last_eval_or_export_saves_the_last_step(
     else:
         assert "after the final export" in err and rl.is_earlier_export(run_dir / "final")
     assert not list(run_dir.glob(".tmp_*"))
+
+
+def test_sigterm_asks_to_stop_and_only_a_second_ctrl_c_aborts():
+    """StopRequest's handlers: SIGTERM (a scheduler's stop) asks for a stop and leaves Ctrl-C
+    asking too; the first Ctrl-C asks and arms the next one to abort at once
+    (KeyboardInterrupt); leaving the block restores the handlers it found. A SIGTERM that armed
+    the abort would turn the Ctrl-C that follows into a kill without a checkpoint, and a Ctrl-C
+    that did not leave a user no way to end a hung step from the keyboard."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with rl.StopRequest() as stop:
+        assert rl.StopRequest.asked() == 0
+        stop.handle(signal.SIGTERM, None)
+        assert rl.StopRequest.asked() == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) == stop.handle  # still asks, does not abort
+        stop.handle(signal.SIGINT, None)
+        assert rl.StopRequest.asked() == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == stop.handle
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert rl.StopRequest.asked() == 0

@@ -120,3 +120,46 @@ def test_a_lookup_run_needs_room_for_its_deepest_question():
     assert run.stderr.strip().splitlines()[-1] == (
         "simple_rl: error: --max-turns 5: the lookup task's questions need up to 5 searches and "
         "an answer; give --max-turns 6.")
+
+
+def test_a_search_reads_the_turns_last_call_whatever_the_spaces_around_the_name():
+    """A turn ending in </search> searches the name in its last <search> tag, stripped of the
+    spaces and newlines a model writes around it: "<search> Name\\n</search>" finds Name, and a
+    tag the turn mentions before its call does not swallow the call. Else a model that writes
+    its calls so is told "no one is called ..." for a person in the table, and its episodes
+    fail for want of a character."""
+    table = rl.lookup_table()
+    name, (mentor, age) = sorted(table.items())[0]
+    entry = f"{name}: mentor {mentor}, age {age}"
+    problem, env = rl.lookup_problems(table)[0], rl.LookupEnv()
+    env.reset(problem)
+    assert env.step(f"<search>{name}</search>") == (entry, None)
+    assert env.step(f"Let me look.\n<search> {name}\n</search>") == (entry, None)
+    assert env.step(f"I call <search>NAME</search> with a name: <search>{name}</search>") == (
+        entry, None)
+    assert env.step("<search>Nobody</search>") == ("no one is called 'Nobody'", None)
+    assert env.step(f"Answer: {problem.answer}") == (None, 1.0)  # no call: the reward
+
+
+def test_the_warm_start_trains_on_its_calls_and_answer_never_on_the_tools_entries():
+    """examples/warm_start.py's batch for a lookup answer of two searches: the labels are -100
+    over the prompt and over each tool entry (the env writes those; the model never samples
+    them), and the token ids over each call, the answer and the eos. Training on the entries
+    would teach the model to write the table's answers itself instead of calling the tool."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import warm_start
+
+    tok = warm_start.make_tokenizer(512, 0, "lookup")
+    problem = next(p for p in rl.lookup_problems(rl.lookup_table()) if p.question.count(
+        "the mentor of") == 1)
+    parts = warm_start.lookup_answer(problem, tok, 2)
+    assert [own for _, own in parts] == [True, False, True, False, True]
+    ids, mask, labels = warm_start.batch_of([problem], [parts], tok, "cpu")
+    prompt = rl.format_prompts([problem], tok, rl.Config())[0]
+    want = [-100] * len(prompt)
+    for piece, own in parts:
+        want += piece if own else [-100] * len(piece)
+    assert labels[0].tolist() == want + [tok.eos_token_id]
+    assert ids[0].tolist() == prompt + [t for piece, _ in parts for t in piece] + [
+        tok.eos_token_id]
+    assert mask[0].tolist() == [1] * (len(want) + 1)

@@ -163,6 +163,43 @@ def test_a_qwen3_engine_is_untouched(tmp_path, monkeypatch):
     assert all(len(t.configs) == 3 for t in seen["tuners"])  # Triton autotunes as it would
 
 
+def test_cuda_graphs_replay_decode_steps_of_up_to_every_sample_and_the_debugger_stays_eager(
+        tmp_path, monkeypatch):
+    """--cuda-graphs (the default): vLLM runs eager (no compiler) but replays captured decode
+    steps, captured for every batch up to max_num_seqs (the step's samples) and no more than
+    CUDA_GRAPH_MAX_BATCH; --no-cuda-graphs and --debug-parity (its hooks see eager steps only)
+    run every step eagerly. Guards the flag's sense and the capture size: graphs left off cost
+    a real run half its decode speed, and graphs for fewer sequences than a step decodes leave
+    the larger batches eager, both silently."""
+    from helpers import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "q3")
+    config = types.SimpleNamespace(
+        CompilationConfig=dict, CompilationMode=types.SimpleNamespace(NONE="none"),
+        CUDAGraphMode=types.SimpleNamespace(FULL_DECODE_ONLY="full decode only"))
+
+    def llm_kwargs(seqs: int, **cfg) -> dict:
+        seen = fake_vllm(monkeypatch)
+        monkeypatch.setitem(sys.modules, "vllm.config", config)
+        monkeypatch.setattr(rl, "engine_memory", lambda cfg, args, ranks, lora: (dict(
+            max_num_seqs=seqs, max_num_batched_tokens=8192), 0))
+        files = types.SimpleNamespace(args=model_args(path), path=path, eos_ids=[0], tool_ids=[])
+        rl.VLLMEngine(rl.Config(model=str(path), **cfg), files,
+                      rl.Ranks(0, 1, torch.device("cpu")))
+        return seen["kwargs"]
+
+    kw = llm_kwargs(8)
+    assert kw["enforce_eager"] is False
+    assert kw["compilation_config"] == dict(
+        mode="none", cudagraph_mode="full decode only", max_decode_cudagraph_capture_requests=8,
+        cudagraph_specialize_lora=False)
+    capped = llm_kwargs(4096)["compilation_config"]
+    assert capped["max_decode_cudagraph_capture_requests"] == rl.CUDA_GRAPH_MAX_BATCH == 1024
+    for eager in (dict(cuda_graphs=False), dict(debug_parity=True)):
+        kw = llm_kwargs(8, **eager)
+        assert kw["enforce_eager"] is True and kw["compilation_config"] is None
+
+
 def test_the_prefill_pin_is_one_config_on_either_tile_list():
     """chunk_o's candidates as vLLM builds them after its shared-memory probe passed ([64, 128]
     tiles) and where it failed before CUDA started ([32, 64]), 2 or 4 warps, 2 to 4 stages:

@@ -171,6 +171,36 @@ def test_engine_memory_asks_vllm_for_the_hybrid_kv_cache(monkeypatch):
     assert wake == 2 * rl.count_params(args) + 641 * 18874368
 
 
+def test_engine_memory_schedules_every_sample_with_a_margin_and_lora_wakes_its_kv_cache(
+        monkeypatch):
+    """Qwen3.5-4B, the default 16 prompts x 8 samples: max_num_seqs holds every sample of the
+    rank (128 in one process, 64 a rank of two), so every sample decodes in every step (fewer
+    would queue samples, and a Qwen3.5 refuses the preemption that follows); the fraction vLLM
+    checks is free is weights + KV cache + ENGINE_MARGIN over the card (6 GiB of margin: without
+    it vLLM may start on a card without room for its activations); a sleeping LoRA engine keeps
+    its weights, so a push maps its KV cache alone back (the weights too would make
+    push_weights free the allocator's cache needlessly at every step)."""
+    props = SimpleNamespace(total_memory=140 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    args = qwen35_args()
+    weights, kv = 2 * 4_205_751_296, 12_098_469_888  # 2 bytes a parameter; 641 x 18,874,368
+    assert 2 * rl.count_params(args) == weights
+    for lora, wake in ((False, weights + kv), (True, kv)):
+        sizes, woken = rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
+                                        lora)
+        assert woken == wake and sizes["kv_cache_memory_bytes"] == kv
+        assert sizes["max_num_seqs"] == 128 and sizes["max_num_batched_tokens"] == 8192
+        assert sizes["gpu_memory_utilization"] == (weights + kv + 6 * GIB) / (140 * GIB)
+    sizes, _ = rl.engine_memory(rl.Config(), args, rl.Ranks(0, 2, torch.device("cpu")), False)
+    assert sizes["max_num_seqs"] == 64
+    props.total_memory = 16 * GIB  # the bounds: at most 0.9 of a card, at least 0.05
+    assert rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
+                            False)[0]["gpu_memory_utilization"] == 0.9
+    props.total_memory = 1024 * GIB
+    assert rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
+                            False)[0]["gpu_memory_utilization"] == 0.05
+
+
 # --- the trainer's activations ------------------------------------------------------------
 
 
