@@ -162,9 +162,18 @@ def test_readme_documents_every_option_and_the_test_command():
 
 
 def test_stop_ids_gather_every_eos(ckpt, tmp_path):
+    """The engine stops at the tokenizer's eos, config.json's and generation_config.json's (an
+    int or a list each), once each, sorted. Qwen3 names <|im_end|> in one file and
+    <|endoftext|> in another: a stop id left out lets a completion run on past its end to
+    --max-new-tokens, trained on as if it were the answer."""
     shutil.copytree(ckpt(), tmp_path / "m")
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 1]}))
     assert rl.load_model_files(rl.Config(model=str(tmp_path / "m"))).eos_ids == [0, 1]
+    eos = types.SimpleNamespace
+    assert rl.stop_token_ids(tmp_path, eos(eos_token_id=5), eos(eos_token_id=[7, 5])) == [5, 7]
+    assert rl.stop_token_ids(tmp_path, eos(eos_token_id=None), eos(eos_token_id=7)) == [7]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 3]}))
+    assert rl.stop_token_ids(tmp_path, eos(eos_token_id=5), eos(eos_token_id=11)) == [3, 5, 9, 11]
 
 
 def test_world_larger_than_the_prompts_is_refused(ckpt, tmp_path, monkeypatch, capsys):

@@ -196,9 +196,10 @@ def test_the_step_lines_eta_counts_the_steps_left_after_this_one(capsys):
 
 def test_a_step_whose_tokens_differ_prints_its_table_between_parity_every_steps(capsys):
     """On the bitwise kernels the table of differing tokens is printed every --parity-every
-    steps, at the run's first step, and at any step whose tokens differ: a mismatch at step 3
-    of a run checked every 4 shows where it differs then, not only in the counts (the table is
-    the one place that says which sample and token went wrong first)."""
+    steps, at the first step this process runs (a resumed run's too), and at any step whose
+    tokens differ: a mismatch at step 3 of a run checked every 4 shows where it differs then,
+    not only in the counts (the table is the one place that says which sample and token went
+    wrong first)."""
     trainer = SimpleNamespace(cfg=rl.Config(steps=10, parity_every=4),
                               model=SimpleNamespace(ops=SimpleNamespace(name="vllm")))
     m = {"reward_mean": 0.5, "loss": 0.1, "entropy": 1.0, "completion_len_mean": 4.0,

@@ -131,22 +131,20 @@ def test_a_search_reads_the_turns_last_call_whatever_the_spaces_around_the_name(
     table = rl.lookup_table()
     name, (mentor, age) = sorted(table.items())[0]
     entry = f"{name}: mentor {mentor}, age {age}"
-    problem, env = rl.lookup_problems(table)[0], rl.LookupEnv()
-    env.reset(problem)
+    env = rl.LookupEnv()
+    env.reset(rl.lookup_problems(table)[0])
     assert env.step(f"<search>{name}</search>") == (entry, None)
     assert env.step(f"Let me look.\n<search> {name}\n</search>") == (entry, None)
     assert env.step(f"I call <search>NAME</search> with a name: <search>{name}</search>") == (
         entry, None)
-    assert env.step("<search>Nobody</search>") == ("no one is called 'Nobody'", None)
-    assert env.step(f"Answer: {problem.answer}") == (None, 1.0)  # no call: the reward
 
 
-def test_the_warm_start_trains_on_its_calls_and_answer_never_on_the_tools_entries():
+def test_the_warm_start_trains_on_its_calls_and_answer_never_on_the_tools_entries(monkeypatch):
     """examples/warm_start.py's batch for a lookup answer of two searches: the labels are -100
     over the prompt and over each tool entry (the env writes those; the model never samples
     them), and the token ids over each call, the answer and the eos. Training on the entries
     would teach the model to write the table's answers itself instead of calling the tool."""
-    sys.path.insert(0, str(ROOT / "examples"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import warm_start
 
     tok = warm_start.make_tokenizer(512, 0, "lookup")

@@ -1,8 +1,8 @@
-"""Qwen3.5 on vLLM, what can be checked without a GPU: the engine's arguments, environment and
-patches (vLLM replaced by stand-ins that record them), the push's names and dtypes, the
-adoption of the engine's tensors, Packed's prefill lengths, the refusals, the preemption
-check, and vLLM's schedule of the gated delta rule replayed with the reference forms standing
-in for vLLM's kernels, forward and backward."""
+"""Qwen3.5 on vLLM, what can be checked without a GPU: the engine's arguments (with those every
+model's engine shares: CUDA graphs), environment and patches (vLLM replaced by stand-ins that
+record them), the push's names and dtypes, the adoption of the engine's tensors, Packed's prefill
+lengths, the refusals, the preemption check, and vLLM's schedule of the gated delta rule replayed
+with the reference forms standing in for vLLM's kernels, forward and backward."""
 
 import importlib.util
 import json

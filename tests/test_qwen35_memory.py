@@ -162,18 +162,8 @@ def test_a_qwen35_moes_block_holds_max_len_and_one_sample_passes_vllms_check():
 
 
 def test_engine_memory_asks_vllm_for_the_hybrid_kv_cache(monkeypatch):
-    props = SimpleNamespace(total_memory=140 * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    args = qwen35_args()
-    cfg = rl.Config()
-    sizes, wake = rl.engine_memory(cfg, args, rl.Ranks(0, 1, torch.device("cpu")), False)
-    assert sizes["kv_cache_memory_bytes"] == rl.kv_cache_bytes(cfg, args, 1) == 641 * 18874368
-    assert wake == 2 * rl.count_params(args) + 641 * 18874368
-
-
-def test_engine_memory_schedules_every_sample_with_a_margin_and_lora_wakes_its_kv_cache(
-        monkeypatch):
-    """Qwen3.5-4B, the default 16 prompts x 8 samples: max_num_seqs holds every sample of the
+    """What engine_memory asks vLLM for at Qwen3.5-4B, the default 16 prompts x 8 samples: the
+    hybrid KV cache kv_cache_bytes counts (641 pages); max_num_seqs holds every sample of the
     rank (128 in one process, 64 a rank of two), so every sample decodes in every step (fewer
     would queue samples, and a Qwen3.5 refuses the preemption that follows); the fraction vLLM
     checks is free is weights + KV cache + ENGINE_MARGIN over the card (6 GiB of margin: without
@@ -184,7 +174,7 @@ def test_engine_memory_schedules_every_sample_with_a_margin_and_lora_wakes_its_k
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     args = qwen35_args()
     weights, kv = 2 * 4_205_751_296, 12_098_469_888  # 2 bytes a parameter; 641 x 18,874,368
-    assert 2 * rl.count_params(args) == weights
+    assert 2 * rl.count_params(args) == weights and rl.kv_cache_bytes(rl.Config(), args, 1) == kv
     for lora, wake in ((False, weights + kv), (True, kv)):
         sizes, woken = rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
                                         lora)

@@ -109,7 +109,7 @@ def test_simple_rl_on_a_qwen35_is_exact_deterministic_and_resumable(tmp_path):
     assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2]
     assert part[1] != a[1] and resumed[1] == a[1]
     check_identical(part[0], 2)
-    check_identical(resumed[0])
+    check_identical(resumed[0], 2)
     print({"sha256": a[1], "lines": a[0]})
     print("\n".join(line for line in a[3].splitlines() if line.startswith("step")))  # timings
 

@@ -174,19 +174,3 @@ def test_generate_at_t0_asks_for_t0_and_a_training_step_for_its_temperature(monk
     p = engine.sampling_params(11)
     assert (p["temperature"], p["n"], p["seed"], p["max_tokens"]) == (0.9, 4, 11, 7)
 
-
-def test_every_eos_id_of_the_tokenizer_and_of_both_config_files_ends_a_turn(tmp_path):
-    """The engine stops at the tokenizer's eos, config.json's and generation_config.json's (an
-    int or a list each), once each, sorted. Qwen3 names <|im_end|> in one file and
-    <|endoftext|> in another: a stop id left out lets a completion run on past its end to
-    --max-new-tokens, trained on as if it were the answer."""
-    import json
-
-    import simple_rl as rl
-
-    eos = types.SimpleNamespace
-    assert rl.stop_token_ids(tmp_path, eos(eos_token_id=5), eos(eos_token_id=[7, 5])) == [5, 7]
-    assert rl.stop_token_ids(tmp_path, eos(eos_token_id=None), eos(eos_token_id=7)) == [7]
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 3]}))
-    tokenizer, config = eos(eos_token_id=5), eos(eos_token_id=11)
-    assert rl.stop_token_ids(tmp_path, tokenizer, config) == [3, 5, 9, 11]
