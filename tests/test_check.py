@@ -164,3 +164,24 @@ def test_a_negative_eval_flag_is_named_with_its_value(ckpt, tmp_path, capsys, fl
     code, _, err = on_this_machine(capsys, cpu_argv(ckpt(), tmp_path / "logs", **{flag: value})
                                    + ["--check"])
     assert code == 2 and err == f"simple_rl: error: {said}\n"
+
+
+def test_check_measures_the_longest_prompt_held_out_ones_too(ckpt, tmp_path, capsys):
+    """--check's data line names the longest prompt, the held-out ones included (greedy eval
+    plays them too, under the same --max-model-len): moving the one long question between the
+    training pool and the held-out problem leaves the number as it is."""
+    long = "What is " + " + ".join(["1"] * 30) + "?"
+    shorts = ["What is 2 + 2?", "What is 3 + 3?"]
+    found = []
+    for at in range(3):  # the long question at each place: held out at one of them
+        questions = shorts[:at] + [long] + shorts[at:]
+        data = tmp_path / f"d{at}.jsonl"
+        data.write_text("".join(json.dumps({"question": q, "answer": "4"}) + "\n"
+                                for q in questions))
+        argv = cpu_argv(ckpt(), tmp_path / "logs", task="jsonl", data_files=data, eval_size=1,
+                        run_name="r") + ["--check"]
+        code, out, _ = on_this_machine(capsys, argv)
+        assert code == 0, out
+        [line] = [x for x in out.splitlines() if x.startswith("check: data")]
+        found.append(line.split("the longest prompt (")[1].split(" tokens")[0])
+    assert len(set(found)) == 1 and int(found[0]) > 12, found

@@ -84,10 +84,15 @@ def test_saved_checkpoint_reloads_in_transformers_with_same_hash(ckpt, tmp_path)
 
 
 def test_sha256_sees_every_bit():
+    """The export's sha256 tells apart weights that differ in a bit, or only in a tensor's
+    name (an export that writes a layer's weight under another layer's name: a server loads
+    other weights, the same digest would say they are the run's)."""
     a = {"w": torch.zeros(4)}
     b = {"w": torch.tensor([0.0, 0.0, 0.0, -0.0])}  # equal as numbers, not as bits
     assert rl.weights_sha256(a) != rl.weights_sha256(b)
     assert rl.weights_sha256(a) == rl.weights_sha256({"w": torch.zeros(4)})
+    w = torch.arange(4.0).reshape(2, 2)
+    assert rl.weights_sha256({"model.layers.0.w": w}) != rl.weights_sha256({"model.layers.1.w": w})
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(ckpt):
@@ -164,3 +169,19 @@ def test_the_exports_config_drops_the_hubs_stale_torch_dtype(tmp_path):
     rl.save_hf_checkpoint(tmp_path / "out", {"model.norm.weight": torch.ones(4)}, src)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == "float32" and "torch_dtype" not in config
+
+
+def test_the_export_carries_every_tokenizer_file_of_the_model(tmp_path):
+    """An export is served as it is: it must carry the model's tokenizer files, the chat
+    template too (chat_template.jinja, where newer transformers keep Qwen3.5's). Without it a
+    server of the trained model formats chats otherwise than the run that trained it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+    for name in names:
+        (src / name).write_text(f"the model's {name}")
+    rl.save_hf_checkpoint(tmp_path / "out", {"model.norm.weight": torch.ones(4)}, src)
+    for name in names:
+        assert (tmp_path / "out" / name).read_text() == f"the model's {name}", name

@@ -198,6 +198,18 @@ def test_a_resume_takes_eval_every_from_the_command_line(saved, tmp_path, capsys
     assert "ignores" not in capsys.readouterr().out
 
 
+def test_a_resume_keeps_the_checkpoints_seed_and_says_it_ignores_the_flag(saved, tmp_path,
+                                                                          capsys):
+    """--seed decides the prompts and every sample's seed: a resume continues the checkpoint's
+    stream, so it takes the saved seed and warns that it ignores the command line's (taking it
+    would silently train on other prompts, with sampler seeds the checkpoint never made)."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    seed = json.loads((ckpt / "run_config.json").read_text())["seed"]
+    cfg, given = rl.parse_config(["--resume", str(ckpt), "--steps", "3", "--seed", str(seed + 1)])
+    assert rl.resume_config(cfg, given, ckpt).seed == seed
+    assert "ignores the command line's: --seed." in capsys.readouterr().out
+
+
 def test_resume_names_the_flags_it_ignores(saved, tmp_path, capsys):
     ckpt = copy_checkpoint(saved, tmp_path)
     assert main_cpu(["--resume", str(ckpt), "--steps", "3", "--lr", "0.5", "--group-size", "3",

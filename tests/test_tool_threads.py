@@ -337,3 +337,34 @@ def test_a_child_forked_in_a_tool_call_exits_with_its_calls_status():
 
     got = rl.call_tools([forking(False), forking(True)], rl.Config(env="calc", tool_timeout=0))
     assert [(c.value, c.error) for c in got] == [(0, None), (1, None)]
+
+
+def test_a_call_is_abandoned_as_soon_as_it_has_run_the_timeout(monkeypatch):
+    """abandon_late ends a call once it has run --tool-timeout seconds, not later: of two calls
+    of a 10 s timeout, the one started 15 s ago gets its ToolTimeout and its thread the
+    ToolAbandoned; the one started now runs on. (A laxer bound lets each call of a hung tool
+    hold a step far past the flag's seconds.)"""
+    monkeypatch.setattr(rl, "ABANDONED", [])
+    release, ended = threading.Event(), []
+
+    def loop():  # a tool's call that only an abandon ends
+        try:
+            while not release.is_set():
+                time.sleep(0.005)
+        except rl.ToolAbandoned:
+            ended.append(True)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    results = [None, None]
+    now = time.perf_counter()
+    try:
+        late = rl.abandon_late([thread, thread], [now - 15.0, now], results, 10.0,
+                               threading.Lock())
+        assert late == 1 and results[1] is None
+        assert isinstance(results[0].error, rl.ToolTimeout) and results[0].seconds >= 15.0
+        thread.join(5.0)
+        assert ended == [True] and rl.ABANDONED == [thread]
+    finally:
+        release.set()
+        thread.join()
