@@ -346,25 +346,30 @@ def test_a_call_is_abandoned_as_soon_as_it_has_run_the_timeout(monkeypatch):
     hold a step far past the flag's seconds.)"""
     monkeypatch.setattr(rl, "ABANDONED", [])
     release, ended = threading.Event(), []
+    inside = [threading.Event(), threading.Event()]
 
-    def loop():  # a tool's call that only an abandon ends
+    def loop(i: int):  # a tool's call that only an abandon (or the release) ends
         try:
+            inside[i].set()
             while not release.is_set():
                 time.sleep(0.005)
         except rl.ToolAbandoned:
-            ended.append(True)
+            ended.append(i)
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(2)]
+    for thread, entered in zip(threads, inside):
+        thread.start()
+        assert entered.wait(5.0)
     results = [None, None]
     now = time.perf_counter()
     try:
-        late = rl.abandon_late([thread, thread], [now - 15.0, now], results, 10.0,
-                               threading.Lock())
+        late = rl.abandon_late(threads, [now - 15.0, now], results, 10.0, threading.Lock())
         assert late == 1 and results[1] is None
         assert isinstance(results[0].error, rl.ToolTimeout) and results[0].seconds >= 15.0
-        thread.join(5.0)
-        assert ended == [True] and rl.ABANDONED == [thread]
+        threads[0].join(5.0)
+        assert ended == [0] and rl.ABANDONED == [threads[0]] and threads[1].is_alive()
     finally:
         release.set()
-        thread.join()
+        for thread in threads:
+            thread.join()
+    assert ended == [0]  # the call on time ended by its own release
