@@ -178,15 +178,22 @@ def test_vllms_process_groups_end_before_ours(monkeypatch):
     assert len(calls) == 4 and not rl.dist.is_initialized()
 
 
+# a step's metrics as report_step reads them, and a trainer of 10 steps on the given kernels
+STEP_METRICS = {"reward_mean": 0.5, "loss": 0.1, "entropy": 1.0, "completion_len_mean": 4.0,
+                "determinism/mismatched_tokens": 0, "determinism/tokens": 6,
+                "time/rollout_s": 1.0, "time/train_s": 1.0, "time/push_s": 0.1}
+
+
+def ten_steps_on(kernels: str, parity_every: int) -> SimpleNamespace:
+    return SimpleNamespace(cfg=rl.Config(steps=10, parity_every=parity_every),
+                           model=SimpleNamespace(ops=SimpleNamespace(name=kernels)))
+
+
 def test_the_step_lines_eta_counts_the_steps_left_after_this_one(capsys):
     """step k of n (0-based) leaves n - k - 1 steps: at 60 s a step, step 8/10 shows ETA 2m00s
     and the last step ETA 0s."""
-    trainer = SimpleNamespace(cfg=rl.Config(steps=10, parity_every=1000),
-                              model=SimpleNamespace(ops=SimpleNamespace(name="reference")))
+    trainer, m = ten_steps_on("reference", 1000), STEP_METRICS
     parity = rl.Parity(n_tokens=6, n_mismatch=0, max_abs_diff=0.0, table="")
-    m = {"reward_mean": 0.5, "loss": 0.1, "entropy": 1.0, "completion_len_mean": 4.0,
-         "determinism/mismatched_tokens": 0, "determinism/tokens": 6, "time/rollout_s": 1.0,
-         "time/train_s": 1.0, "time/push_s": 0.1}
     for step, eta in ((7, "ETA 2m00s"), (9, "ETA 0s")):
         capsys.readouterr()
         rl.report_step(trainer, step, False, m, parity, None, 60.0)
@@ -200,11 +207,7 @@ def test_a_step_whose_tokens_differ_prints_its_table_between_parity_every_steps(
     tokens differ: a mismatch at step 3 of a run checked every 4 shows where it differs then,
     not only in the counts (the table is the one place that says which sample and token went
     wrong first)."""
-    trainer = SimpleNamespace(cfg=rl.Config(steps=10, parity_every=4),
-                              model=SimpleNamespace(ops=SimpleNamespace(name="vllm")))
-    m = {"reward_mean": 0.5, "loss": 0.1, "entropy": 1.0, "completion_len_mean": 4.0,
-         "determinism/mismatched_tokens": 0, "determinism/tokens": 6, "time/rollout_s": 1.0,
-         "time/train_s": 1.0, "time/push_s": 0.1}
+    trainer, m = ten_steps_on("vllm", 4), STEP_METRICS
     for step, first, differ, shown in ((1, True, 0, True), (2, False, 0, False),
                                        (3, False, 2, True), (4, False, 0, True)):
         parity = rl.Parity(n_tokens=6, n_mismatch=differ, max_abs_diff=0.5 * differ,

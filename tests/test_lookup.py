@@ -68,6 +68,10 @@ def test_every_question_needs_two_to_five_calls_each_reading_the_last():
 
 
 def test_the_lookup_warm_start_chains_the_calls_as_the_episode_renders_them():
+    """Each answer's calls, the env's entries between them and the answer, as an episode
+    renders them; its labels are -100 over the prompt and each entry (the env writes those:
+    training on them would teach the model to write the table's answers instead of calling the
+    tool) and the token ids over each call, the answer and the eos."""
     sys.path.insert(0, str(ROOT / "examples"))
     import warm_start
 
@@ -90,6 +94,13 @@ def test_the_lookup_warm_start_chains_the_calls_as_the_episode_renders_them():
         for call, tool in zip(right[0:-1:2], right[1:-1:2]):  # the env answers each call so
             message, _ = env.step(tok.decode(call[0]))
             assert tool[0] == rl.tool_message_ids(tok, [message], rl.Config())[0]
+        ids, mask, labels = warm_start.batch_of([p], [right], tok, "cpu")
+        prompt = rl.format_prompts([p], tok, rl.Config())[0]
+        trained = [t if own else -100 for piece, own in right for t in piece]
+        assert labels[0].tolist() == [-100] * len(prompt) + trained + [tok.eos_token_id]
+        assert ids[0].tolist() == prompt + [t for piece, _ in right for t in piece] + [
+            tok.eos_token_id]
+        assert mask[0].tolist() == [1] * (len(prompt) + len(trained) + 1)
 
 
 def test_the_lookup_warm_start_rarely_chains_as_far_as_the_question_needs():
@@ -137,27 +148,3 @@ def test_a_search_reads_the_turns_last_call_whatever_the_spaces_around_the_name(
     assert env.step(f"Let me look.\n<search> {name}\n</search>") == (entry, None)
     assert env.step(f"I call <search>NAME</search> with a name: <search>{name}</search>") == (
         entry, None)
-
-
-def test_the_warm_start_trains_on_its_calls_and_answer_never_on_the_tools_entries(monkeypatch):
-    """examples/warm_start.py's batch for a lookup answer of two searches: the labels are -100
-    over the prompt and over each tool entry (the env writes those; the model never samples
-    them), and the token ids over each call, the answer and the eos. Training on the entries
-    would teach the model to write the table's answers itself instead of calling the tool."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    import warm_start
-
-    tok = warm_start.make_tokenizer(512, 0, "lookup")
-    problem = next(p for p in rl.lookup_problems(rl.lookup_table()) if p.question.count(
-        "the mentor of") == 1)
-    parts = warm_start.lookup_answer(problem, tok, 2)
-    assert [own for _, own in parts] == [True, False, True, False, True]
-    ids, mask, labels = warm_start.batch_of([problem], [parts], tok, "cpu")
-    prompt = rl.format_prompts([problem], tok, rl.Config())[0]
-    want = [-100] * len(prompt)
-    for piece, own in parts:
-        want += piece if own else [-100] * len(piece)
-    assert labels[0].tolist() == want + [tok.eos_token_id]
-    assert ids[0].tolist() == prompt + [t for piece, _ in parts for t in piece] + [
-        tok.eos_token_id]
-    assert mask[0].tolist() == [1] * (len(want) + 1)

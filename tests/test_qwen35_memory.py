@@ -175,20 +175,17 @@ def test_engine_memory_asks_vllm_for_the_hybrid_kv_cache(monkeypatch):
     args = qwen35_args()
     weights, kv = 2 * 4_205_751_296, 12_098_469_888  # 2 bytes a parameter; 641 x 18,874,368
     assert 2 * rl.count_params(args) == weights and rl.kv_cache_bytes(rl.Config(), args, 1) == kv
+    one, two = (rl.Ranks(0, world, torch.device("cpu")) for world in (1, 2))
     for lora, wake in ((False, weights + kv), (True, kv)):
-        sizes, woken = rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
-                                        lora)
+        sizes, woken = rl.engine_memory(rl.Config(), args, one, lora)
         assert woken == wake and sizes["kv_cache_memory_bytes"] == kv
         assert sizes["max_num_seqs"] == 128 and sizes["max_num_batched_tokens"] == 8192
         assert sizes["gpu_memory_utilization"] == (weights + kv + 6 * GIB) / (140 * GIB)
-    sizes, _ = rl.engine_memory(rl.Config(), args, rl.Ranks(0, 2, torch.device("cpu")), False)
-    assert sizes["max_num_seqs"] == 64
-    props.total_memory = 16 * GIB  # the bounds: at most 0.9 of a card, at least 0.05
-    assert rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
-                            False)[0]["gpu_memory_utilization"] == 0.9
-    props.total_memory = 1024 * GIB
-    assert rl.engine_memory(rl.Config(), args, rl.Ranks(0, 1, torch.device("cpu")),
-                            False)[0]["gpu_memory_utilization"] == 0.05
+    assert rl.engine_memory(rl.Config(), args, two, False)[0]["max_num_seqs"] == 64
+    for gib, bound in ((16, 0.9), (1024, 0.05)):  # at most 0.9 of a card, at least 0.05
+        props.total_memory = gib * GIB
+        sizes, _ = rl.engine_memory(rl.Config(), args, one, False)
+        assert sizes["gpu_memory_utilization"] == bound
 
 
 # --- the trainer's activations ------------------------------------------------------------

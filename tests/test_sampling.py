@@ -173,4 +173,3 @@ def test_generate_at_t0_asks_for_t0_and_a_training_step_for_its_temperature(monk
     assert asked[2] == "reset"
     p = engine.sampling_params(11)
     assert (p["temperature"], p["n"], p["seed"], p["max_tokens"]) == (0.9, 4, 11, 7)
-
