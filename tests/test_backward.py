@@ -123,6 +123,31 @@ def test_rms_norm_gated_backward():
           [x, z, w])
 
 
+def test_qwen35s_bf16_norms_and_gates_compute_in_fp32_and_round_once():
+    """In bf16, as vLLM's kernels, the Gemma norm (with a residual too: s = x + r rounded to
+    bf16 first), the gated norm and the sigmoid gate compute in fp32 and round once: every
+    output within half a bf16 ulp (2^-8 of it) of the float64 value of its bf16 inputs, where
+    1 + w, silu(z) or sigmoid(gate) rounded to bf16 on the way ends up to twice that off."""
+    g = torch.Generator().manual_seed(5)
+    x, r, z, gate = (torch.randn(64, 4, 32, generator=g).bfloat16() for _ in range(4))
+    w = (torch.randn(32, generator=g) / 8).bfloat16()  # zero-centred, as Gemma's
+
+    def normed(t):  # float64 x_hat
+        t = t.double()
+        return t * (t.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+
+    silu, sigmoid = torch.nn.functional.silu(z.double()), torch.sigmoid(gate.double())
+    cases = {"gemma_rms_norm": (bib.ref_gemma_rms_norm(x, w, 1e-6), normed(x) * (1 + w.double())),
+             "gemma_add_rms_norm": (bib.ref_gemma_add_rms_norm(x, r, w, 1e-6)[0],
+                                    normed(x + r) * (1 + w.double())),
+             "rms_norm_gated": (bib.ref_rms_norm_gated(x, z, w, 1e-6),
+                                normed(x) * w.double() * silu),
+             "sigmoid_gate_mul": (bib.ref_sigmoid_gate_mul(x, gate), x.double() * sigmoid)}
+    for name, (got, want) in cases.items():
+        assert got.dtype == torch.bfloat16, name
+        assert ((got.double() - want).abs() <= 2**-8 * 1.001 * want.abs()).all(), name
+
+
 def test_rotary_is_a_rotation():
     q, k, _, _ = packed_qkv([6])
     cs = bib.rope_cos_sin_cache(16, 10000.0, 32, "cpu", torch.float64)

@@ -155,11 +155,9 @@ def test_causal_conv1d_runs_each_sequence_from_zeros():
 # --- the model ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
-def test_logits_match_transformers_fp32(q35, kind, monkeypatch):
-    """The trainer's packed forward (reference kernels, fp32) against transformers' own
-    Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM) on the same random weights, one sequence at a
-    time; 80 tokens run two chunks of the linear attention."""
+def transformers_model(path, moe, monkeypatch):
+    """transformers' own Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM) of `path`, fp32, running its
+    PyTorch gated delta rule (even where fla is installed)."""
     import inspect
 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -169,11 +167,18 @@ def test_logits_match_transformers_fp32(q35, kind, monkeypatch):
     for module in (modeling_qwen3_5, modeling_qwen3_5_moe):  # its torch rule, even beside fla
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
             monkeypatch.setattr(module, name, inspect.unwrap(getattr(module, name)))
+    cls = Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
 
+
+@pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
+def test_logits_match_transformers_fp32(q35, kind, monkeypatch):
+    """The trainer's packed forward (reference kernels, fp32) against transformers' own
+    Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM) on the same random weights, one sequence at a
+    time; 80 tokens run two chunks of the linear attention."""
     path = q35(**MOE) if kind == "moe" else q35(tied=kind == "tied")
     model = trainer(path)
-    cls = Qwen3_5MoeForCausalLM if kind == "moe" else Qwen3_5ForCausalLM
-    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    ref = transformers_model(path, kind == "moe", monkeypatch)
     assert ref.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     ids = seqs([33, 7, 80, 1])
     p = rl.pack(ids, [[] for _ in ids])
@@ -184,6 +189,29 @@ def test_logits_match_transformers_fp32(q35, kind, monkeypatch):
             got = ours[p.cu_seqlens[i] : p.cu_seqlens[i + 1]]
             assert want.abs().max() > 0.5
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_match_transformers_fp32(q35, monkeypatch):
+    """The gradient of the sum of the completions' logprobs, the trainer's (packed, reference
+    kernels, fp32) against autograd through transformers' Qwen3_5ForCausalLM on the same
+    weights and tokens, every weight's, by its HF name (the fused ones split as the export
+    splits them): what the hand-written backwards are checked against (the reference's
+    autograd, through its L2 norms, gates, conv and rule) is the gradient of Qwen3.5."""
+    path = q35(tied=False)
+    model, ref = trainer(path), transformers_model(path, False, monkeypatch)
+    ids = seqs([17, 80])  # the second sequence runs two chunks of the rule
+    lp, _ = model(rl.pack([x[:3] for x in ids], [x[3:] for x in ids]), 1.0)
+    lp.sum().backward()
+    for x in ids:
+        logits = ref(torch.tensor([x])).logits[0, 2:-1]  # the rows predicting tokens 3..
+        logits.log_softmax(-1).gather(1, torch.tensor(x[3:])[:, None]).sum().backward()
+    ours = rl.trainer_to_hf({n: p.grad for n, p in model.named_parameters()}, model.args)
+    theirs = {n: p.grad for n, p in ref.named_parameters()}
+    assert sorted(ours) == sorted(theirs)
+    for name, want in theirs.items():  # A_log's and dt_bias's differ most: 1e-4 of the largest
+        scale = want.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(ours[name], want, atol=1e-3 * scale, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -498,16 +526,38 @@ def test_a_qwen35_lora_keeps_A_log_in_fp32_as_vllm_does(q35):
 def test_lora_slices_are_peft_modules_and_tile_each_layer(q35):
     """Each adapted layer's output slices (vLLM's LoRA slices) are one a PEFT module name of
     LORA_LAYERS and together its whole output: Qwen3.5's in_proj_ba is b's Hv rows then a's Hv,
-    in_proj_qkvz q, k, v and z."""
+    in_proj_qkvz q, k, v and z. In every layer, the slices a PEFT name labels hold the rows of
+    the HF weight of that name (the adapter of in_proj_b's rows is exported as in_proj_b's,
+    which peft adds to that weight's output, not to in_proj_a's)."""
     args, hf = load(q35())
     state = rl.hf_to_trainer(hf, args)
     sizes = rl.lora_slice_sizes(args)
     assert sizes["attention.in_proj_ba"] == [4, 4]  # 4 v heads
     assert set(sizes) == set(rl.LORA_LAYERS)
     for path, rows in sizes.items():
-        assert len(rows) == len(rl.LORA_LAYERS[path][1]), path
-        weight = next(v for k, v in state.items() if k.endswith(f"{path}.weight"))
-        assert sum(rows) == weight.shape[0], path
+        layer, names = rl.LORA_LAYERS[path]
+        assert len(rows) == len(names), path
+        held = [i for i in range(args.n_layers) if f"layers.{i}.{path}.weight" in state]
+        assert held, path
+        for i in held:
+            weight = state[f"layers.{i}.{path}.weight"]
+            assert sum(rows) == weight.shape[0], path
+            parts = weight.split(rows)
+            for name in dict.fromkeys(names):
+                mine = torch.cat([p for p, n in zip(parts, names) if n == name])
+                module = f"model.layers.{i}.{layer.split('.')[0]}.{name}.weight"
+                assert torch.equal(mine, hf[module]), (path, name, i)
+
+
+def test_lora_params_count_the_shared_A_in_each_of_its_slices(q35):
+    """lora_params (--check's "params trained", the memory estimate's adapters) counts r (K + N)
+    a slice, as vLLM's packed layer holds them: in_proj_qkv's one A in each of its q, k and v
+    slices. The tiny Qwen3.5 at r 8, every default target: per layer the MLP's 2 x 64 + 256 and
+    128 + 64; the full-attention layer's 3 x 64 + 384 and 128 + 64; each of the 3 Gated DeltaNet
+    layers' in_proj_qkvz 4 x 64 + 4 x 32 (q, k, v, z) and out_proj 32 + 64."""
+    args = rl.model_args_from_hf(rl.read_qwen3_config(q35()))
+    mlp, attention, gdn = 2 * 64 + 256 + 128 + 64, 3 * 64 + 384 + 128 + 64, 4 * 64 + 128 + 96
+    assert rl.lora_params(rl.Config(lora_rank=8), args) == 8 * (4 * mlp + attention + 3 * gdn)
 
 
 def test_a_bf16_qwen35_gates_with_dt_bias_in_bf16_and_A_log_in_fp32(q35):
