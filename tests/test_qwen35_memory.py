@@ -433,15 +433,15 @@ def test_a_qwen35s_episodes_packed_by_turn_stay_within_the_bounds():
 @pytest.mark.parametrize("qwen35", [False, True])
 def test_the_estimate_counts_an_episode_as_the_samples_it_is_packed_into(qwen35):
     """samples_an_episode, the estimate's samples an episode of --max-turns 4, is what
-    pack_rollout makes of one: 4 samples for a Qwen3.5 (by turn: its Gated DeltaNet replays
-    each request as vLLM prefilled it), 1 for a Qwen3, whose episode packs as one sequence."""
+    pack_rollout makes of one as the trainer calls it (by turn where the model has Gated DeltaNet
+    layers, which replay each request as vLLM prefilled it): 4 for a Qwen3.5, 1 for a Qwen3."""
     from torchtitan.models.qwen3 import qwen3_args
 
     args = qwen35_args() if qwen35 else qwen3_args["1.7B"]
     turns = [rl.Turn([3] * 5 if k == 0 else [2] * 3, rl.Completion([1] * 4, [0.0] * 4, True))
              for k in range(4)]
     packed, _ = rl.pack_rollout(rl.episodes_rollout([rl.Episode(None, turns)], False),
-                                by_turn=qwen35)
+                                by_turn=bool(rl.gdn_layers(args)))
     c = rl.Config(env="calc", max_turns=4)
     assert len(packed.prefill) == rl.samples_an_episode(c, args) == (4 if qwen35 else 1)
 
