@@ -65,8 +65,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def q35(tmp_path_factory):
     """Tiny random Qwen3.5 checkpoints (make_qwen35_checkpoint's shape: 4 layers, 0-2 Gated
-    DeltaNet and 3 full attention; 2 k heads of 16 dims, 4 v heads of 8), built once per
-    session for the keyword arguments given."""
+    DeltaNet and 3 full attention; 2 k heads of 16 dims, 4 v heads of 8; each head's dt_bias
+    its own), built once per session for the keyword arguments given."""
     from helpers import make_qwen35_checkpoint
 
     made = {}
@@ -74,7 +74,8 @@ def q35(tmp_path_factory):
     def get(**kw):
         key = tuple(sorted(kw.items()))
         if key not in made:
-            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"), **kw)
+            made[key] = make_qwen35_checkpoint(tmp_path_factory.mktemp("q35"),
+                                               **{"random_dt_bias": True, **kw})
         return made[key]
 
     return get

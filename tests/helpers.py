@@ -121,6 +121,7 @@ def make_qwen35_checkpoint(
     device: str = "cpu",
     chat: bool = False,
     stop_ids: int = 0,
+    random_dt_bias: bool = False,
 ) -> Path:
     """A random Qwen3.5 text model (Qwen3_5ForCausalLM; with `experts`, Qwen3_5MoeForCausalLM)
     saved by transformers, plus a tokenizer: one full-attention layer in `attention_every`
@@ -129,6 +130,10 @@ def make_qwen35_checkpoint(
 
     With `stop_ids`, generation_config.json lists that many eos ids spread over the vocabulary
     (eos 0 among them), so that a random model's samples stop early at random lengths.
+
+    With `random_dt_bias`, each Gated DeltaNet head's dt_bias drawn from [0.5, 1.5] (HF inits
+    them all to 1, where a head given another's would not show); the GPU presets keep HF's,
+    the weights their recorded sha256s were measured on.
 
     With `vision`, laid out as the hub's Qwen3.5 checkpoints are (ForConditionalGeneration):
     config.json with a text_config, the text weights under model.language_model., and a
@@ -154,6 +159,11 @@ def make_qwen35_checkpoint(
     else:
         cfg = Qwen3_5TextConfig(**shape, intermediate_size=inter)
         model = random_model(Qwen3_5ForCausalLM, cfg, dtype, device)
+    if random_dt_bias:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("dt_bias"):
+                    p.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     make_tokenizer(out, vocab_size=min(vocab, 320), chat=chat)
     if stop_ids:
