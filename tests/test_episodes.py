@@ -164,6 +164,30 @@ def test_a_first_message_leaving_less_than_max_new_tokens_caps_the_first_turn(
     trainer.writer.close()
 
 
+def test_a_held_out_prompt_leaving_less_than_max_new_tokens_caps_its_greedy_turn(
+        ckpt, tmp_path, monkeypatch):
+    """The eval's first turns, as the rollout's: each may generate what --max-model-len leaves
+    after its prompt (max_model_len - len(prompt), here 2 for the longest), not
+    --max-new-tokens, and such a turn is capped."""
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, eval_size=4)
+    cfg, task = trainer.cfg, trainer.task
+    cfg.max_model_len = max(len(p) for p in task.eval_prompt_ids) + 2
+    assert cfg.max_new_tokens > 2
+    asked, generate = [], trainer.engine.generate
+
+    def recording(prompts, n, seeds, max_tokens, temperature):
+        asked.append(list(max_tokens))
+        return generate(prompts, n, seeds, max_tokens, temperature)
+
+    monkeypatch.setattr(trainer.engine, "generate", recording)
+    eps = rl.greedy_episodes(trainer, [0, 1, 2, 3])
+    want = [min(cfg.max_new_tokens, cfg.max_model_len - len(p)) for p in task.eval_prompt_ids]
+    assert asked[0] == want and min(want) == 2
+    assert all(e.turns[0].capped == (w < cfg.max_new_tokens) for e, w in zip(eps, want))
+    assert all(len(e.turns[0].out.ids) <= w for e, w in zip(eps, want))
+    trainer.writer.close()
+
+
 def test_a_tool_message_that_leaves_no_room_for_a_token_ends_the_episode(monkeypatch):
     """--max-model-len 10: episodes of 8 ids; a message of 2 ids fills the context (no token
     left: the episode ends as max_model_len), one of 1 leaves a turn of 1 token."""

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import simple_rl as rl
-from helpers import (CountingEngine, TorchEngine, copy_checkpoint, cpu_argv, exits, main_cpu,
-                     one_sentence, run_cpu)
+from helpers import (CountingEngine, TorchEngine, copy_checkpoint, cpu_argv, cpu_trainer_of_run,
+                     exits, main_cpu, one_sentence, run_cpu)
 
 
 FULL_DISK_DCP = "[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"  # as seen
@@ -363,6 +363,26 @@ def test_nan_guard_stops_before_the_optimizer_step(ckpt, tmp_path, monkeypatch, 
     good = rl.read_checkpoint_state(run_dir / "checkpoints" / "step_000002")
     assert good["next_step"] == 2  # the last good checkpoint is untouched
     assert not (run_dir / "final").exists()
+
+
+def test_a_non_finite_update_on_rank_1_names_that_ranks_prompts(ckpt, tmp_path, monkeypatch):
+    """update_with_parity on rank 1 of 2 (its prompts 1 and 3 of the step, G = 3): packed
+    sequences 1 and 4 that the NaN check names are episodes 1 and 4, of the step's prompts 1
+    and 3, not the rank's own indices 0 and 1."""
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path, eval_size=0)
+    assert trainer.cfg.group_size == 3
+
+    def fails(*args, **kwargs):
+        raise rl.NonFiniteError("logprobs", [1, 4], 0, 1)
+
+    monkeypatch.setattr(rl, "update", fails)
+    rollout = rl.Rollout(prompts=[[1, 2]] * 6, completions=[[3]] * 6, generated=[[True]] * 6,
+                         logprobs=torch.zeros(6), completed=[True] * 6, routed=None,
+                         episodes=[])
+    with pytest.raises(rl.NonFiniteError) as e:
+        rl.update_with_parity(trainer, rollout, torch.zeros(6), mine=[1, 3])
+    trainer.writer.close()
+    assert (e.value.episodes, e.value.prompts) == ([1, 4], [1, 3])
 
 
 def test_nan_at_the_second_update_says_what_was_applied(ckpt, tmp_path, monkeypatch, capsys):

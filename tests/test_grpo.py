@@ -131,6 +131,17 @@ def test_adv_eps_is_added_to_the_groups_std():
     assert not a[2:].signbit().any()  # an equal group's 0 is +0: (0) / (0 + eps)
 
 
+def test_the_steps_advantages_follow_the_configs_std_normalize_and_adv_eps():
+    """finite_advantages (the step's) reads --std-normalize and --adv-eps: rewards (1, 0) give
+    A = +-0.5 mean-only, +-0.5 / (sqrt(1/2) + 0.5) normalised with eps 0.5."""
+    r = torch.tensor([1.0, 0.0, 2.0, 2.0])
+    plain = rl.finite_advantages(r, rl.Config(group_size=2, std_normalize=False), str)
+    torch.testing.assert_close(plain, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    d = 0.5 / (math.sqrt(0.5) + 0.5)  # unbiased std of (1, 0) is sqrt(1/2)
+    normed = rl.finite_advantages(r, rl.Config(group_size=2, adv_eps=0.5), str)
+    torch.testing.assert_close(normed, torch.tensor([d, -d, 0.0, 0.0]))
+
+
 def test_parity_over_two_ranks_sums_the_counts_and_takes_the_larger_delta(monkeypatch):
     two_ranks(monkeypatch, [6, 2, 5, 1], [0.25])
     p = rl.parity_over_ranks(rl.Parity(4, 1, 0.5, "t", True, 4, 0), torch.device("cpu"))

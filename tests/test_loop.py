@@ -79,6 +79,40 @@ def test_the_held_out_accuracy_has_the_binomial_interval(ckpt, tmp_path, monkeyp
     assert m["eval/accuracy_high_pct"] == pytest.approx(100 * (p + half))
 
 
+def test_a_partial_rewards_interval_is_its_spread_not_the_binomial_one(ckpt, tmp_path,
+                                                                        monkeypatch):
+    """Every held-out problem scores 0.5 (a partial reward): mean 0.5, mean(r^2) - mean(r)^2 =
+    0, so the 95% interval is 50 +- 0, not the binomial 50 +- 196 sqrt(0.25 / n)."""
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path)
+
+    def half_right(trainer, mine):
+        episodes = [rl.Episode(None, [rl.Turn([1], rl.Completion([2], [0.0], True))])
+                    for _ in mine]
+        for e in episodes:
+            e.reward = 0.5
+        return episodes
+
+    monkeypatch.setattr(rl, "greedy_episodes", half_right)
+    m = rl.evaluate(trainer, 0)
+    assert m["eval/accuracy_pct"] == pytest.approx(50.0)
+    assert m["eval/accuracy_low_pct"] == pytest.approx(50.0)
+    assert m["eval/accuracy_high_pct"] == pytest.approx(50.0)
+
+
+def test_the_held_out_length_counts_every_turns_generated_tokens(ckpt, tmp_path, monkeypatch):
+    """eval/completion_len_mean: an episode of turns of 2 and 1 generated tokens, a tool
+    message of 3 between them, generated 3 (not its last turn's 1, nor the tool's 3)."""
+    trainer = cpu_trainer_of_run(ckpt(), tmp_path)
+
+    def two_turns(trainer, mine):
+        return [rl.Episode(None, [rl.Turn([1], rl.Completion([2, 3], [0.0, 0.0], False)),
+                                  rl.Turn([7, 7, 7], rl.Completion([4], [0.0], True))])
+                for _ in mine]
+
+    monkeypatch.setattr(rl, "greedy_episodes", two_turns)
+    assert rl.evaluate(trainer, 0)["eval/completion_len_mean"] == 3.0
+
+
 def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, monkeypatch):
     """||W_new - W_old|| reconstructed from AdamW's state equals the measured one, summed over
     chunks of a parameter (1000 values here, a partial last one)."""
@@ -181,6 +215,32 @@ def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(
         assert events == ["empty_cache"] * emptied + [("wake", "weights", True), "load",
                                                      ("wake", "kv_cache", True), "reset"]
         assert not engine.asleep and gc.collect is plain
+
+
+def test_a_sleeping_lora_engine_always_gets_the_allocators_cache_back(monkeypatch):
+    """push_weights on a sleeping LoRA engine: the trainer's cached blocks are released even
+    with free memory to spare (kept, they would sit beside the whole KV cache through the
+    rollout); the adapter is checked in its slot, the KV cache mapped, the prefix cache reset;
+    the weights are never woken."""
+    events = []
+
+    class LLM:
+        def wake_up(self, tags):
+            events.append(("wake", *tags))
+
+        def reset_prefix_cache(self):
+            events.append("reset")
+
+    class Engine:
+        llm, wake_bytes, lora, adapter_ptrs = LLM(), 30 * 2**30, object(), set()
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40 * 2**30, 141 * 2**30))
+    monkeypatch.setattr(rl, "map_kv_cache", lambda awake: events.append(("map_kv", awake)))
+    engine = Engine()
+    engine.asleep = True
+    rl.push_weights(engine, [])
+    assert events == ["empty_cache", ("map_kv", True), "reset"] and not engine.asleep
 
 
 def three_seqs() -> rl.Packed:
