@@ -58,59 +58,40 @@ def test_two_steps_log_every_tag_and_push_weights(ckpt, tmp_path):
     assert acc.Scalars("weight_delta/layers.0/magnitude")[0].value > 0
 
 
-def test_the_held_out_accuracy_has_the_binomial_interval(ckpt, tmp_path, monkeypatch):
-    """One of the n held-out problems solved: accuracy p = 1/n, its 95% interval
-    100 (p +- 1.96 sqrt(p (1 - p) / n)) in percent."""
+def test_the_held_out_accuracy_interval_and_length_of_stubbed_episodes(ckpt, tmp_path,
+                                                                        monkeypatch):
+    """evaluate over stubbed greedy episodes. One of the n held-out problems solved: accuracy
+    p = 1/n, its 95% interval 100 (p +- 1.96 sqrt(p (1 - p) / n)) in percent. Every problem
+    scoring 0.5 (a partial reward): mean(r^2) - mean(r)^2 = 0, so 50 +- 0, not the binomial
+    50 +- 196 sqrt(0.25 / n); those episodes' turns generate 2 and 1 tokens with a tool
+    message of 3 between them: eval/completion_len_mean 3 (not the last turn's 1, nor 3 + 3)."""
     trainer = cpu_trainer_of_run(ckpt(), tmp_path)
     n = len(trainer.task.eval_problems)
 
-    def one_solved(trainer, mine):
-        episodes = [rl.Episode(None, [rl.Turn([1], rl.Completion([2], [0.0], True))])
-                    for _ in mine]
-        episodes[0].reward = 1.0
-        return episodes
+    def evaluate(turns, rewards):
+        def greedy(trainer, mine):
+            episodes = [rl.Episode(None, turns()) for _ in mine]
+            for e, r in zip(episodes, rewards(len(mine))):
+                e.reward = r
+            return episodes
 
-    monkeypatch.setattr(rl, "greedy_episodes", one_solved)
-    m = rl.evaluate(trainer, 0)
+        monkeypatch.setattr(rl, "greedy_episodes", greedy)
+        return rl.evaluate(trainer, 0)
+
+    m = evaluate(lambda: [rl.Turn([1], rl.Completion([2], [0.0], True))],
+                 lambda k: [1.0] + [0.0] * (k - 1))
     p = 1 / n
     half = 1.96 * math.sqrt(p * (1 - p) / n)
     assert m["eval/accuracy"] == pytest.approx(p)
     assert m["eval/accuracy_low_pct"] == pytest.approx(100 * (p - half))
     assert m["eval/accuracy_high_pct"] == pytest.approx(100 * (p + half))
-
-
-def test_a_partial_rewards_interval_is_its_spread_not_the_binomial_one(ckpt, tmp_path,
-                                                                        monkeypatch):
-    """Every held-out problem scores 0.5 (a partial reward): mean 0.5, mean(r^2) - mean(r)^2 =
-    0, so the 95% interval is 50 +- 0, not the binomial 50 +- 196 sqrt(0.25 / n)."""
-    trainer = cpu_trainer_of_run(ckpt(), tmp_path)
-
-    def half_right(trainer, mine):
-        episodes = [rl.Episode(None, [rl.Turn([1], rl.Completion([2], [0.0], True))])
-                    for _ in mine]
-        for e in episodes:
-            e.reward = 0.5
-        return episodes
-
-    monkeypatch.setattr(rl, "greedy_episodes", half_right)
-    m = rl.evaluate(trainer, 0)
+    m = evaluate(lambda: [rl.Turn([1], rl.Completion([2, 3], [0.0, 0.0], False)),
+                          rl.Turn([7, 7, 7], rl.Completion([4], [0.0], True))],
+                 lambda k: [0.5] * k)
     assert m["eval/accuracy_pct"] == pytest.approx(50.0)
     assert m["eval/accuracy_low_pct"] == pytest.approx(50.0)
     assert m["eval/accuracy_high_pct"] == pytest.approx(50.0)
-
-
-def test_the_held_out_length_counts_every_turns_generated_tokens(ckpt, tmp_path, monkeypatch):
-    """eval/completion_len_mean: an episode of turns of 2 and 1 generated tokens, a tool
-    message of 3 between them, generated 3 (not its last turn's 1, nor the tool's 3)."""
-    trainer = cpu_trainer_of_run(ckpt(), tmp_path)
-
-    def two_turns(trainer, mine):
-        return [rl.Episode(None, [rl.Turn([1], rl.Completion([2, 3], [0.0, 0.0], False)),
-                                  rl.Turn([7, 7, 7], rl.Completion([4], [0.0], True))])
-                for _ in mine]
-
-    monkeypatch.setattr(rl, "greedy_episodes", two_turns)
-    assert rl.evaluate(trainer, 0)["eval/completion_len_mean"] == 3.0
+    assert m["eval/completion_len_mean"] == 3.0
 
 
 def test_weight_deltas_from_the_optimizer_equal_the_true_change(ckpt, tmp_path, monkeypatch):
@@ -187,7 +168,9 @@ def test_parity_report_flags_nan():
 def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(monkeypatch):
     """push_weights on a sleeping engine: the trainer's cached blocks are released before the
     wake-up exactly when the free memory is less than what the engine maps again; each wake-up
-    (vLLM 0.34's runs gc.collect()) sees young collections only, and gc.collect is restored."""
+    (vLLM 0.34's runs gc.collect()) sees young collections only, and gc.collect is restored.
+    Under LoRA always (kept, they would sit beside the whole KV cache through the rollout), and
+    the weights are never woken: the adapter is checked in its slot, the KV cache mapped."""
     import gc
 
     events, plain = [], gc.collect
@@ -203,44 +186,20 @@ def test_a_sleeping_engine_gets_the_allocators_cache_back_only_when_it_needs_it(
             events.append("reset")
 
     class Engine:
-        llm, wake_bytes, lora = LLM(), 30 * 2**30, None
+        llm, wake_bytes, adapter_ptrs = LLM(), 30 * 2**30, set()
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    for free_gib, emptied in ((10, True), (40, False)):
+    monkeypatch.setattr(rl, "map_kv_cache", lambda awake: events.append(("map_kv", awake)))
+    full = [("wake", "weights", True), "load", ("wake", "kv_cache", True), "reset"]
+    for lora, free_gib, want in ((None, 10, ["empty_cache", *full]), (None, 40, full),
+                                 (object(), 40, ["empty_cache", ("map_kv", True), "reset"])):
         events.clear()
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free_gib * 2**30, 141 * 2**30))
         engine = Engine()
-        engine.asleep = True
+        engine.asleep, engine.lora = True, lora
         rl.push_weights(engine, iter([]))
-        assert events == ["empty_cache"] * emptied + [("wake", "weights", True), "load",
-                                                     ("wake", "kv_cache", True), "reset"]
+        assert events == want, lora
         assert not engine.asleep and gc.collect is plain
-
-
-def test_a_sleeping_lora_engine_always_gets_the_allocators_cache_back(monkeypatch):
-    """push_weights on a sleeping LoRA engine: the trainer's cached blocks are released even
-    with free memory to spare (kept, they would sit beside the whole KV cache through the
-    rollout); the adapter is checked in its slot, the KV cache mapped, the prefix cache reset;
-    the weights are never woken."""
-    events = []
-
-    class LLM:
-        def wake_up(self, tags):
-            events.append(("wake", *tags))
-
-        def reset_prefix_cache(self):
-            events.append("reset")
-
-    class Engine:
-        llm, wake_bytes, lora, adapter_ptrs = LLM(), 30 * 2**30, object(), set()
-
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (40 * 2**30, 141 * 2**30))
-    monkeypatch.setattr(rl, "map_kv_cache", lambda awake: events.append(("map_kv", awake)))
-    engine = Engine()
-    engine.asleep = True
-    rl.push_weights(engine, [])
-    assert events == ["empty_cache", ("map_kv", True), "reset"] and not engine.asleep
 
 
 def three_seqs() -> rl.Packed:

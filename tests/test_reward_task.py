@@ -247,41 +247,24 @@ def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
     assert text.startswith("<|im_start|>user\nWhat is ") and text.endswith("</think>\n\n")
 
 
-def test_a_failing_reward_names_the_problem_of_the_ranks_own_prompt(ckpt, tmp_path, capsys,
-                                                                     monkeypatch):
-    """Rank r plays the step's prompts r, r + world, ...: a reward that fails on its first
-    sample names that prompt's problem, not the step's first prompt's (a user would look at
-    the wrong problem). One process plays rank 1 of 2's prompts here (my_prompts)."""
+@pytest.mark.parametrize("sample", [0, 1])
+def test_a_failing_reward_names_its_sample_of_the_ranks_own_prompt(ckpt, tmp_path, capsys,
+                                                                  monkeypatch, sample):
+    """Rank r plays the step's prompts r, r + world, ...: a reward that fails on sample 0 or 1
+    of its first prompt (G = 3) names that sample of that prompt's problem, not sample 0 nor
+    the step's first prompt's (a user would look at the wrong one). One process plays rank 1
+    of 2's prompts here (my_prompts)."""
     monkeypatch.setattr(rl, "my_prompts", lambda n, ranks: list(range(1, n, 2)))
     fn = write(tmp_path / "late.py", "CALLS = [0]\n\ndef score(completion, answer):\n"
-               "    CALLS[0] += 1\n    if CALLS[0] > 1:\n        raise ValueError('boom')\n"
-               "    return 0.0\n")  # passes the probe on '', fails on the first sample
+               f"    CALLS[0] += 1\n    if CALLS[0] > {sample + 1}:\n"
+               "        raise ValueError('boom')\n    return 0.0\n")  # the probe on '' passes
     argv = cpu_argv(ckpt(), tmp_path / "runs", steps=1, eval_size=0, run_name="r",
                     reward=f"{fn}:score")
     cfg, _ = rl.parse_config(argv)
     pool, _ = rl.arithmetic_split(cfg)
     chosen = rl.step_problems(len(pool), cfg.num_prompts, 0, cfg.seed)
-    assert cfg.num_prompts == 2 and chosen[0] != chosen[1]
-    assert main_cpu(argv) == rl.EXIT_REWARD
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.findall(r"sample 0 of training problem (\d+)", err) == [str(chosen[1])], err
-
-
-def test_a_reward_failing_on_a_later_sample_names_that_sample_of_its_prompt(ckpt, tmp_path,
-                                                                          capsys, monkeypatch):
-    """A reward that fails on the second sample it scores (G = 3; rank 1 of 2's first prompt,
-    played here by one process) names sample 1 of that prompt's problem, not sample 0."""
-    monkeypatch.setattr(rl, "my_prompts", lambda n, ranks: list(range(1, n, 2)))
-    fn = write(tmp_path / "late.py", "CALLS = [0]\n\ndef score(completion, answer):\n"
-               "    CALLS[0] += 1\n    if CALLS[0] > 2:\n        raise ValueError('boom')\n"
-               "    return 0.0\n")  # passes the probe on '' and sample 0, fails on sample 1
-    argv = cpu_argv(ckpt(), tmp_path / "runs", steps=1, eval_size=0, run_name="r",
-                    reward=f"{fn}:score")
-    cfg, _ = rl.parse_config(argv)
-    pool, _ = rl.arithmetic_split(cfg)
-    chosen = rl.step_problems(len(pool), cfg.num_prompts, 0, cfg.seed)
-    assert cfg.group_size == 3 and chosen[0] != chosen[1]
+    assert cfg.num_prompts == 2 and cfg.group_size == 3 and chosen[0] != chosen[1]
     assert main_cpu(argv) == rl.EXIT_REWARD
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.findall(r"sample (\d+) of training problem (\d+)", err) == [
-        ("1", str(chosen[1]))], err
+        (str(sample), str(chosen[1]))], err
