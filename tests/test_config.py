@@ -56,6 +56,20 @@ def test_help_shows_defaults_once_choices_and_examples(help_text):
     assert len(examples) == 4 and any("torchrun" in e for e in examples)
 
 
+def test_help_shows_a_default_of_0_as_every_other_default(help_text):
+    """An option whose default is 0 (full fine-tuning's --lora-rank, the auto
+    --micro-batch-tokens, --seed) says so in --help as every other does: a default is left out
+    only where it is "", not wherever it is falsy."""
+    entries = {e.split()[0]: " ".join(e.split())
+               for e in re.split(r"\n  (?=--)|\n\n", help_text) if e.strip()}
+    zeros = [f for f in dataclasses.fields(rl.Config)
+             if f.type not in ("bool", bool) and f.default == 0]
+    assert {"lora_rank", "micro_batch_tokens", "seed"} <= {f.name for f in zeros}
+    for f in zeros:
+        entry = entries["--" + f.name.replace("_", "-")]
+        assert entry.endswith(f"(default: {f.default})"), entry
+
+
 def test_cli_parses_types_booleans_and_records_what_was_given():
     cfg, given = rl.parse_config(["--group-size", "4", "--temperature", "0.7",
                                   "--no-std-normalize", "--model", "x", "--strict-parity"])
@@ -151,6 +165,21 @@ def test_prompt_too_long_fails_before_the_run_directory(ckpt, tmp_path, capsys):
     err = error_of(argv, capsys)
     assert "the longest prompt has" in err and "exceeds --max-model-len 24" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_longest_prompt_that_leaves_exactly_max_new_tokens_is_taken(ckpt):
+    """load_task takes a task whose longest prompt plus --max-new-tokens is exactly
+    --max-model-len (the engine's limit counts the last token in), and refuses it one token
+    shorter, naming both numbers."""
+    path = ckpt()
+    tokenizer = rl.load_tokenizer(path, rl.model_args_from_hf(rl.read_qwen3_config(path)))
+    task = rl.load_task(rl.Config(max_new_tokens=8), tokenizer)
+    longest = max(len(p) for p in task.prompt_ids + task.eval_prompt_ids)
+    fits = rl.load_task(rl.Config(max_new_tokens=8, max_model_len=longest + 8), tokenizer)
+    assert fits.prompt_ids == task.prompt_ids and fits.eval_prompt_ids == task.eval_prompt_ids
+    with pytest.raises(rl.ConfigError, match=f"^the longest prompt has {longest} tokens; with "
+                       f"--max-new-tokens 8 it exceeds --max-model-len {longest + 7}\\.$"):
+        rl.load_task(rl.Config(max_new_tokens=8, max_model_len=longest + 7), tokenizer)
 
 
 def test_readme_documents_every_option_and_the_test_command():

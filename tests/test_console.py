@@ -218,3 +218,15 @@ def test_a_step_whose_tokens_differ_prints_its_table_between_parity_every_steps(
         out = capsys.readouterr().out
         assert ("<the table>" in out) == shown, (step, out)
         assert f"| {differ}/6 tokens differ |" in out
+
+
+def test_a_steps_metrics_row_holds_its_scalars_but_the_weight_deltas(tmp_path):
+    """report_step's row of metrics.jsonl: the step, then every scalar of the step but the
+    weight_delta/ ones, which only TensorBoard gets (two a layer, and two a tensor with
+    --log-param-deltas: they would swamp each row of the file)."""
+    trainer, m = ten_steps_on("reference", 1000), STEP_METRICS
+    parity = rl.Parity(n_tokens=6, n_mismatch=0, max_abs_diff=0.0, table="")
+    deltas = {"weight_delta/layers.0/magnitude": 0.25, "weight_delta/norm/relative_change": 0.5}
+    with (tmp_path / "metrics.jsonl").open("a") as log:
+        rl.report_step(trainer, 3, False, {**m, **deltas}, parity, log, 1.0)
+    assert metrics_rows(tmp_path) == [{"step": 3, **m}]

@@ -41,6 +41,41 @@ def test_round_trip_is_exact(ckpt, tied, shard):
         assert torch.equal(back[k], hf[k]), k
 
 
+def test_a_sharded_checkpoint_lists_each_file_once_and_passes_the_header_check(ckpt):
+    """weight_files reads the index's weight_map, a file per tensor: each shard is listed
+    once, so the header check (which refuses a weight held twice) takes a sharded checkpoint
+    as it does the one-file one."""
+    path = ckpt(tied=False, shard="600KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files = rl.weight_files(path)
+    assert files == sorted(set(index.values())) and len(files) > 1
+    rl.check_weight_headers(path, rl.model_args_from_hf(rl.read_qwen3_config(path)))
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, None), (torch.float16, None),
+                                        (torch.float64, "F64"), (torch.int8, "I8")])
+def test_bf16_fp16_and_fp32_weights_pass_the_header_check_and_others_do_not(ckpt, tmp_path,
+                                                                             dtype, name):
+    """check_weight_headers reads bf16, fp16 (a half-precision fine-tune) and fp32 weights (the
+    fixture's) and refuses any other dtype in one sentence naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m"
+    shutil.copytree(ckpt(), path)
+    state = load_file(path / "model.safetensors")
+    save_file({k: v.to(dtype) for k, v in state.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    if name is None:
+        rl.check_weight_headers(path, args)  # no ConfigError
+    else:
+        with pytest.raises(rl.ConfigError, match=f"is {name}; simple_rl reads bf16, fp16 or "
+                                                 "fp32 weights"):
+            rl.check_weight_headers(path, args)
+
+
 def test_trainer_layout_is_vllms_fused_layout(ckpt):
     args, hf = load(ckpt(tied=False))
     st = rl.hf_to_trainer(hf, args)

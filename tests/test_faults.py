@@ -594,3 +594,11 @@ def test_sigterm_asks_to_stop_and_only_a_second_ctrl_c_aborts():
         assert signal.getsignal(signal.SIGTERM) == stop.handle
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert rl.StopRequest.asked() == 0
+
+
+def test_a_fault_in_the_eval_after_the_last_step_is_named_so_not_a_step_past_the_last():
+    """step_label numbers a step as the console does (0-based step 3 of 4 is 'step 4/4'); a
+    fault in the held-out eval after the last step (step == --steps) is in 'the eval after
+    step 4', not in a 'step 5/4' that never ran."""
+    assert [rl.step_label(s, 4) for s in (0, 3, 4)] == ["step 1/4", "step 4/4",
+                                                         "the eval after step 4"]

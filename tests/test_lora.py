@@ -521,6 +521,24 @@ def test_a_lora_rank_equal_to_a_layers_width_is_accepted(ckpt):
     with pytest.raises(rl.ConfigError, match=r"--lora-rank 320 exceeds the width of "
                                              r"k_proj \(256\), v_proj \(256\)"):
         rl.check_lora(rl.Config(lora_rank=320, lora_targets="k_proj,v_proj"), args)
+    # a layer's width is the narrower of its input and output: q_proj maps 256 to 512 (4 heads
+    # x 128) and o_proj 512 to 256, so rank 320 exceeds both, though each has a side of 512
+    with pytest.raises(rl.ConfigError, match=r"--lora-rank 320 exceeds the width of "
+                                             r"q_proj \(256\), o_proj \(256\):"):
+        rl.check_lora(rl.Config(lora_rank=320, lora_targets="q_proj,o_proj"), args)
+
+
+@pytest.mark.parametrize("targets,layers", [
+    (("q_proj",), ["qkv_proj"]), (("v_proj", "up_proj"), ["gate_up_proj", "qkv_proj"]),
+    (("o_proj", "down_proj"), ["down_proj", "o_proj"]),
+    (rl.LORA_TARGETS[:7], ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"])])
+def test_the_engine_wraps_every_layer_that_holds_a_target(targets, layers):
+    """engine_lora_args: vLLM's lora_target_modules name each fused layer holding any target,
+    not only those whose every slice is one (q_proj alone is vLLM's qkv_proj: without it the
+    engine gets no LoRA layer there and bind_lora finds no slot for the adapter)."""
+    got = rl.engine_lora_args(rl.LoRASpec(8, 16.0, targets))
+    assert got == dict(enable_lora=True, max_lora_rank=8, max_loras=1,
+                       lora_target_modules=layers)
 
 
 def test_lora_alpha_may_be_exactly_the_largest_scale_times_r():

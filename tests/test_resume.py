@@ -4,6 +4,7 @@ named, and the files the run read (model, reward, data) taken again only while u
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -198,6 +199,23 @@ def test_a_resume_takes_eval_every_from_the_command_line(saved, tmp_path, capsys
     assert "ignores" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag,value", [("keep-last", 1), ("save-every", 3), ("parity-rows", 2),
+                                        ("parity-every", 5), ("log-param-deltas", None)])
+def test_a_resume_takes_where_and_how_often_it_looks_and_saves_from_the_command_line(
+        saved, tmp_path, capsys, flag, value):
+    """The RESUMABLE flags say how often the run saves, keeps, checks and logs, not what it
+    learns: a resume takes the command line's value of each (the checkpoint's is another) and
+    says nothing of ignoring it."""
+    ckpt = copy_checkpoint(saved, tmp_path)
+    name = flag.replace("-", "_")
+    was = json.loads((ckpt / "run_config.json").read_text())[name]
+    given = [f"--{flag}"] + ([str(value)] if value is not None else [])
+    cfg, passed = rl.parse_config(["--resume", str(ckpt), "--steps", "3", *given])
+    want = True if value is None else value
+    assert was != want and getattr(rl.resume_config(cfg, passed, ckpt), name) == want
+    assert "ignores" not in capsys.readouterr().out
+
+
 def test_a_resume_keeps_the_checkpoints_seed_and_says_it_ignores_the_flag(saved, tmp_path,
                                                                           capsys):
     """--seed decides the prompts and every sample's seed: a resume continues the checkpoint's
@@ -311,13 +329,37 @@ def test_1_a_checkpoint_naming_other_data_is_refused_before_it_is_read(saved, tm
     assert "pass --data-files to name the files to use" in err
 
 
-def test_a_reward_drawing_from_pythons_seeded_random_resumes_bit_exact(ckpt, tmp_path):
-    """restore_checkpoint sets Python's (and torch's) RNG to the saved state: a reward that draws
-    from `random` (seeded by the run) gives a resumed run the uninterrupted run's weights."""
+def test_an_input_the_checkpoint_records_no_sha256_for_may_read_no_file(tmp_path, capsys):
+    """check_unchanged: for an input its checkpoint records no sha256 of (an older checkpoint's,
+    or none read), a resume may read no file either: --data-files FILE is refused, on the
+    command line too, unless --allow-changed-files takes it with a warning."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q", "answer": "1"}\n')
+    flags = dict(resume=str(tmp_path / "step_000002"), task="jsonl", data_files=str(data))
+    cfg = rl.Config(**flags)
+    inputs = {"data_files": {"data": data}}
+    for recorded, given, words in ((None, set(), "pass --data-files to name the files"),
+                                   ({}, set(), "pass --data-files to name the files"),
+                                   ({}, {"data_files"}, "pass --allow-changed-files")):
+        with pytest.raises(rl.ConfigError, match=f"^{re.escape(str(data))} is not what the run "
+                           f"read when {re.escape(cfg.resume)} was saved .*; {words}"):
+            rl.check_unchanged(cfg, inputs, dict(recorded=recorded, given=given))
+    allowed = rl.Config(**flags, allow_changed_files=True)
+    got = rl.check_unchanged(allowed, inputs, dict(recorded={}, given={"data_files"}))
+    assert got == {"data_files": {"data": rl.sha256_file(data)}}
+    assert f"warning: {data} differs from what the run read" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module,draw", [("random", "random.random()"),
+                                         ("torch", "torch.rand(()).item()")])
+def test_a_reward_drawing_from_a_seeded_generator_resumes_bit_exact(ckpt, tmp_path, module, draw):
+    """restore_checkpoint sets Python's and torch's RNG to the saved state: a reward that draws
+    from `random` or from torch's default generator (both seeded by the run) gives a resumed
+    run the uninterrupted run's weights."""
     from helpers import cpu_argv, run_cpu
 
     mine = tmp_path / "noisy.py"
-    mine.write_text("import random\n\n\ndef f(completion, answer):\n    return random.random()\n")
+    mine.write_text(f"import {module}\n\n\ndef f(completion, answer):\n    return {draw}\n")
     flags = dict(reward=f"{mine}:f", eval_size=0)
     whole = run_cpu(cpu_argv(ckpt(), tmp_path / "a", steps=4, run_name="r", **flags))
     part = run_cpu(cpu_argv(ckpt(), tmp_path / "b", steps=2, run_name="r", **flags))

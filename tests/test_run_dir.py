@@ -89,6 +89,31 @@ def test_1_a_checkpoint_copied_out_of_its_run_resumes_into_a_new_run(saved, tmp_
     assert (run / "final" / "model.safetensors").is_file()
 
 
+def test_1_only_a_run_directory_simple_rl_made_is_continued_in_place(saved, tmp_path):
+    """resume_location continues a run in place only where the checkpoint lies in
+    RUN/checkpoints/ of a directory simple_rl made (its lock file): a copy into X/checkpoints/
+    of any other X gets the defaults, a new run, so nothing is written into X."""
+    x = tmp_path / "X" / "checkpoints" / "step_000002"
+    shutil.copytree(saved, x)
+    cfg, given = rl.parse_config(["--resume", str(x)])
+    assert rl.resume_location(cfg, given, x) == (cfg.log_dir, "")
+    ckpt = copy_checkpoint(saved, tmp_path)  # the run's own directory, lock file and all
+    cfg, given = rl.parse_config(["--resume", str(ckpt)])
+    assert rl.resume_location(cfg, given, ckpt) == (str(tmp_path / "runs"), "r")
+
+
+def test_2_an_output_dir_inside_the_checkpoint_resumed_is_refused(saved, tmp_path):
+    """check_run_paths: the export never goes into the checkpoint being resumed (a copy outside
+    any run, resumed as a new run), even where that place is new and so empty."""
+    x = tmp_path / "X" / "step_000002"
+    shutil.copytree(saved, x)
+    flags = dict(log_dir=str(tmp_path / "runs"), run_name="new", resume=str(x))
+    with pytest.raises(rl.ConfigError, match="^--output-dir .*/export overlaps the checkpoint "):
+        rl.check_run_paths(rl.Config(**flags, output_dir=str(x / "export")), x)
+    run_dir = rl.check_run_paths(rl.Config(**flags, output_dir=str(tmp_path / "out")), x)
+    assert run_dir == tmp_path / "runs" / "new"
+
+
 def test_7_a_reward_that_changes_directory_does_not_move_the_run(ckpt, tmp_path, monkeypatch,
                                                                  capsys):
     away = tmp_path / "away"

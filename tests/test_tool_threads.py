@@ -5,6 +5,7 @@ signal.alarm is the env's failure, said in one sentence."""
 
 import os
 import queue
+import signal
 import threading
 import time
 
@@ -373,3 +374,44 @@ def test_a_call_is_abandoned_as_soon_as_it_has_run_the_timeout(monkeypatch):
         for thread in threads:
             thread.join()
     assert ended == [0]  # the call on time ended by its own release
+
+
+def test_a_call_that_swallows_its_abandonment_keeps_its_timeout_and_its_thread_ends(monkeypatch):
+    """--tool-workers 1, --tool-timeout 0.5: call 0 catches every exception (a tool's bare
+    `except:`), so the ToolAbandoned sent at 0.5 s lands in it and it returns at 1.2 s anyway.
+    Its result stays the ToolTimeout, the late value is counted no second time (calls 1-5, run
+    by the thread that took its place, each get their own), and its thread takes no further
+    call: it ends."""
+    monkeypatch.setattr(rl, "ABANDONED", [])
+    ran: dict[int, threading.Thread] = {}
+
+    def call(i: int, seconds: float):
+        ran[i] = threading.current_thread()
+        try:
+            time.sleep(seconds)
+        except BaseException:  # noqa: B036 - the tool's own catch-all
+            pass
+        return f"value {i}"
+
+    calls = [lambda: call(0, 1.2)] + [lambda i=i: call(i, 0.3) for i in range(1, 6)]
+    got = rl.call_tools(calls, rl.Config(env="calc", tool_workers=1, tool_timeout=0.5))
+    assert isinstance(got[0].error, rl.ToolTimeout) and got[0].value is None
+    assert [(c.value, c.error) for c in got[1:]] == [(f"value {i}", None) for i in range(1, 6)]
+    assert [i for i, thread in ran.items() if thread is ran[0]] == [0]
+    ran[0].join(5.0)
+    assert not ran[0].is_alive()
+
+
+def test_a_second_ctrl_c_in_a_reward_call_aborts_and_the_rewards_own_is_its_failure(monkeypatch):
+    """user_errors: after a first Ctrl-C (StopRequest's signal SIGINT) a KeyboardInterrupt in the
+    main thread is the second Ctrl-C, which aborts: it passes as itself. With no Ctrl-C asked,
+    one raised by the reward is the reward's failure (RewardError naming the sample); a SIGTERM
+    asked makes it no Ctrl-C either."""
+    stop = rl.StopRequest()
+    monkeypatch.setattr(rl.StopRequest, "active", stop)
+    for asked, aborts in ((signal.SIGINT, True), (0, False), (signal.SIGTERM, False)):
+        stop.signal = asked
+        with pytest.raises(KeyboardInterrupt if aborts else rl.RewardError) as e:
+            with rl.user_errors(3, "the completion"):
+                raise KeyboardInterrupt
+        assert aborts or (e.value.sample == 3 and str(e.value) == "raised KeyboardInterrupt")
