@@ -20,19 +20,14 @@ def load(path):
     "tied,shard", [(True, None), (False, None), (True, "600KB"), (False, "600KB")]
 )
 def test_round_trip_is_exact(ckpt, tied, shard):
+    """HF -> trainer -> HF gives every tensor back bit for bit. A sharded checkpoint's files are
+    each listed once (the header check refuses a weight held twice) and pass that check."""
     path = ckpt(tied=tied, shard=shard)
     if shard:
-        assert (path / "model.safetensors.index.json").is_file()
-        assert (
-            len(
-                set(
-                    json.loads((path / "model.safetensors.index.json").read_text())[
-                        "weight_map"
-                    ].values()
-                )
-            )
-            > 1
-        )
+        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        files = rl.weight_files(path)
+        assert files == sorted(set(index.values())) and len(files) > 1
+    rl.check_weight_headers(path, rl.model_args_from_hf(rl.read_qwen3_config(path)))
     args, hf = load(path)
     assert args.enable_weight_tying == tied and ("lm_head.weight" in hf) != tied
     back = rl.trainer_to_hf(rl.hf_to_trainer(hf, args), args)
@@ -41,23 +36,13 @@ def test_round_trip_is_exact(ckpt, tied, shard):
         assert torch.equal(back[k], hf[k]), k
 
 
-def test_a_sharded_checkpoint_lists_each_file_once_and_passes_the_header_check(ckpt):
-    """weight_files reads the index's weight_map, a file per tensor: each shard is listed
-    once, so the header check (which refuses a weight held twice) takes a sharded checkpoint
-    as it does the one-file one."""
-    path = ckpt(tied=False, shard="600KB")
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    files = rl.weight_files(path)
-    assert files == sorted(set(index.values())) and len(files) > 1
-    rl.check_weight_headers(path, rl.model_args_from_hf(rl.read_qwen3_config(path)))
-
-
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, None), (torch.float16, None),
-                                        (torch.float64, "F64"), (torch.int8, "I8")])
+                                        (torch.float32, None), (torch.float64, "F64"),
+                                        (torch.int8, "I8")])
 def test_bf16_fp16_and_fp32_weights_pass_the_header_check_and_others_do_not(ckpt, tmp_path,
                                                                              dtype, name):
-    """check_weight_headers reads bf16, fp16 (a half-precision fine-tune) and fp32 weights (the
-    fixture's) and refuses any other dtype in one sentence naming it."""
+    """check_weight_headers reads bf16, fp16 (a half-precision fine-tune) and fp32 weights and
+    refuses any other dtype in one sentence naming it."""
     import shutil
 
     from safetensors.torch import load_file, save_file

@@ -581,15 +581,29 @@ def test_sigterm_asks_to_stop_and_only_a_second_ctrl_c_aborts():
     asking too; the first Ctrl-C asks and arms the next one to abort at once
     (KeyboardInterrupt); leaving the block restores the handlers it found. A SIGTERM that armed
     the abort would turn the Ctrl-C that follows into a kill without a checkpoint, and a Ctrl-C
-    that did not leave a user no way to end a hung step from the keyboard."""
+    that did not leave a user no way to end a hung step from the keyboard. So a
+    KeyboardInterrupt a --reward call raises in the main thread (user_errors) is the reward's
+    failure until a first Ctrl-C, SIGTERM or not; after one, it is the second, and aborts."""
+
+    def a_rewards_keyboard_interrupt():
+        with pytest.raises((KeyboardInterrupt, rl.RewardError)) as e:
+            with rl.user_errors(3, "the completion"):
+                raise KeyboardInterrupt
+        return e.value
+
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with rl.StopRequest() as stop:
         assert rl.StopRequest.asked() == 0
+        failed = a_rewards_keyboard_interrupt()
+        assert isinstance(failed, rl.RewardError) and failed.sample == 3
+        assert str(failed) == "raised KeyboardInterrupt"
         stop.handle(signal.SIGTERM, None)
         assert rl.StopRequest.asked() == signal.SIGTERM
         assert signal.getsignal(signal.SIGINT) == stop.handle  # still asks, does not abort
+        assert isinstance(a_rewards_keyboard_interrupt(), rl.RewardError)
         stop.handle(signal.SIGINT, None)
         assert rl.StopRequest.asked() == signal.SIGINT
+        assert type(a_rewards_keyboard_interrupt()) is KeyboardInterrupt
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) == stop.handle
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -514,8 +514,9 @@ def test_lora_init_draws_a_within_one_over_sqrt_of_the_input_width(ckpt):
 
 
 def test_a_lora_rank_equal_to_a_layers_width_is_accepted(ckpt):
-    """check_lora refuses a rank above a layer's width, not one equal to it: k_proj is 256 wide
-    (2 kv heads x 128, from dim 256), so rank 256 passes and 320 names it."""
+    """check_lora refuses a rank above a layer's width (the narrower of its input and output),
+    not one equal to it: k_proj is 256 wide (2 kv heads x 128, from dim 256), so rank 256
+    passes and 320 names it; q_proj and o_proj (256 <-> 512) are 256 wide too."""
     args = rl.model_args_from_hf(rl.read_qwen3_config(ckpt()))
     rl.check_lora(rl.Config(lora_rank=256, lora_targets="k_proj,v_proj"), args)
     with pytest.raises(rl.ConfigError, match=r"--lora-rank 320 exceeds the width of "
@@ -531,7 +532,8 @@ def test_a_lora_rank_equal_to_a_layers_width_is_accepted(ckpt):
 @pytest.mark.parametrize("targets,layers", [
     (("q_proj",), ["qkv_proj"]), (("v_proj", "up_proj"), ["gate_up_proj", "qkv_proj"]),
     (("o_proj", "down_proj"), ["down_proj", "o_proj"]),
-    (rl.LORA_TARGETS[:7], ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"])])
+    (rl.LORA_TARGETS[:7], ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]),
+    (("in_proj_z",), ["in_proj_qkvz"]), (("in_proj_b",), ["in_proj_ba"])])
 def test_the_engine_wraps_every_layer_that_holds_a_target(targets, layers):
     """engine_lora_args: vLLM's lora_target_modules name each fused layer holding any target,
     not only those whose every slice is one (q_proj alone is vLLM's qkv_proj: without it the

@@ -190,22 +190,14 @@ def test_5_a_kill_while_a_resume_re_saves_step_n_leaves_latest_restorable(four, 
 # ---------------------------------------------------------------- the flags and files it takes
 
 
-def test_a_resume_takes_eval_every_from_the_command_line(saved, tmp_path, capsys):
-    """--eval-every is one of the flags a resume takes (how often to look, not what is
-    learned): the command line's value, and nothing said about ignoring it."""
-    ckpt = copy_checkpoint(saved, tmp_path)
-    cfg, given = rl.parse_config(["--resume", str(ckpt), "--steps", "3", "--eval-every", "7"])
-    assert rl.resume_config(cfg, given, ckpt).eval_every == 7
-    assert "ignores" not in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("flag,value", [("keep-last", 1), ("save-every", 3), ("parity-rows", 2),
-                                        ("parity-every", 5), ("log-param-deltas", None)])
+@pytest.mark.parametrize("flag,value", [
+    ("eval-every", 7), ("keep-last", 1), ("save-every", 3), ("parity-rows", 2),
+    ("parity-every", 5), ("log-param-deltas", None), ("strict-parity", None), ("verbose", None)])
 def test_a_resume_takes_where_and_how_often_it_looks_and_saves_from_the_command_line(
         saved, tmp_path, capsys, flag, value):
-    """The RESUMABLE flags say how often the run saves, keeps, checks and logs, not what it
-    learns: a resume takes the command line's value of each (the checkpoint's is another) and
-    says nothing of ignoring it."""
+    """The RESUMABLE flags say how often the run looks, saves, keeps, checks and logs, not
+    what it learns: a resume takes the command line's value of each (the checkpoint's is
+    another) and says nothing of ignoring it."""
     ckpt = copy_checkpoint(saved, tmp_path)
     name = flag.replace("-", "_")
     was = json.loads((ckpt / "run_config.json").read_text())[name]

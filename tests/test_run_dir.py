@@ -92,7 +92,7 @@ def test_1_a_checkpoint_copied_out_of_its_run_resumes_into_a_new_run(saved, tmp_
 def test_1_only_a_run_directory_simple_rl_made_is_continued_in_place(saved, tmp_path):
     """resume_location continues a run in place only where the checkpoint lies in
     RUN/checkpoints/ of a directory simple_rl made (its lock file): a copy into X/checkpoints/
-    of any other X gets the defaults, a new run, so nothing is written into X."""
+    of any other X gets the defaults (--log-dir, a new run's name), not X."""
     x = tmp_path / "X" / "checkpoints" / "step_000002"
     shutil.copytree(saved, x)
     cfg, given = rl.parse_config(["--resume", str(x)])

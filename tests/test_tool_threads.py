@@ -378,40 +378,37 @@ def test_a_call_is_abandoned_as_soon_as_it_has_run_the_timeout(monkeypatch):
 
 def test_a_call_that_swallows_its_abandonment_keeps_its_timeout_and_its_thread_ends(monkeypatch):
     """--tool-workers 1, --tool-timeout 0.5: call 0 catches every exception (a tool's bare
-    `except:`), so the ToolAbandoned sent at 0.5 s lands in it and it returns at 1.2 s anyway.
-    Its result stays the ToolTimeout, the late value is counted no second time (calls 1-5, run
-    by the thread that took its place, each get their own), and its thread takes no further
-    call: it ends."""
+    `except:`), so the ToolAbandoned sent at 0.5 s lands in it, and it returns anyway. Its
+    result stays the ToolTimeout (the late value is not counted), and its thread takes no
+    further call: it ends, while calls 1-5 (call 1 waits until call 0 has returned) run on
+    the one thread that took its place, each with its own value."""
     monkeypatch.setattr(rl, "ABANDONED", [])
     ran: dict[int, threading.Thread] = {}
+    swallowed, zero_returned = [], threading.Event()
 
-    def call(i: int, seconds: float):
-        ran[i] = threading.current_thread()
+    def zero():
+        ran[0] = threading.current_thread()
         try:
-            time.sleep(seconds)
-        except BaseException:  # noqa: B036 - the tool's own catch-all
-            pass
+            while True:  # Python code between sleeps: the ToolAbandoned lands in here
+                time.sleep(0.005)
+        except BaseException as e:  # the tool's own catch-all
+            swallowed.append(type(e))
+        zero_returned.set()
+        return "value 0"
+
+    def call(i: int):
+        ran[i] = threading.current_thread()
+        if i == 1:  # the calls after it wait in the queue while call 0's thread goes on
+            assert zero_returned.wait(5.0)
+        time.sleep(0.1 if i == 1 else 0.02)
         return f"value {i}"
 
-    calls = [lambda: call(0, 1.2)] + [lambda i=i: call(i, 0.3) for i in range(1, 6)]
+    calls = [zero] + [lambda i=i: call(i) for i in range(1, 6)]
     got = rl.call_tools(calls, rl.Config(env="calc", tool_workers=1, tool_timeout=0.5))
+    assert swallowed == [rl.ToolAbandoned]
     assert isinstance(got[0].error, rl.ToolTimeout) and got[0].value is None
     assert [(c.value, c.error) for c in got[1:]] == [(f"value {i}", None) for i in range(1, 6)]
     assert [i for i, thread in ran.items() if thread is ran[0]] == [0]
+    assert {ran[i] for i in range(1, 6)} == {ran[1]}
     ran[0].join(5.0)
     assert not ran[0].is_alive()
-
-
-def test_a_second_ctrl_c_in_a_reward_call_aborts_and_the_rewards_own_is_its_failure(monkeypatch):
-    """user_errors: after a first Ctrl-C (StopRequest's signal SIGINT) a KeyboardInterrupt in the
-    main thread is the second Ctrl-C, which aborts: it passes as itself. With no Ctrl-C asked,
-    one raised by the reward is the reward's failure (RewardError naming the sample); a SIGTERM
-    asked makes it no Ctrl-C either."""
-    stop = rl.StopRequest()
-    monkeypatch.setattr(rl.StopRequest, "active", stop)
-    for asked, aborts in ((signal.SIGINT, True), (0, False), (signal.SIGTERM, False)):
-        stop.signal = asked
-        with pytest.raises(KeyboardInterrupt if aborts else rl.RewardError) as e:
-            with rl.user_errors(3, "the completion"):
-                raise KeyboardInterrupt
-        assert aborts or (e.value.sample == 3 and str(e.value) == "raised KeyboardInterrupt")
