@@ -189,6 +189,7 @@ def test_lora_memory_estimate_counts_the_base_once_and_trains_the_adapters():
     n = rl.count_params(args)
     assert e["trainer state"] == 16 * a and f["trainer state"] == 16 * n
     assert e["base weights (the engine's)"] == 2 * n and "reference model" not in e
+    assert e["engine"] == rl.kv_cache_bytes(lora, args, 1)  # its weights: the base, above
     # no slack under LoRA: the update's holders (the KV cache asleep) plus the fixed margin
     train = sum(v for k, v in e.items() if k not in ("engine", "peak"))
     assert e["peak"] == pytest.approx(train + rl.LORA_FIXED)
@@ -548,3 +549,73 @@ def test_lora_alpha_may_be_exactly_the_largest_scale_times_r():
     rl.validate_lora(rl.Config(lora_rank=8, lora_alpha=8 * rl.MAX_LORA_SCALE))
     with pytest.raises(rl.ConfigError, match="alpha / r may be at most 1024"):
         rl.validate_lora(rl.Config(lora_rank=8, lora_alpha=8 * rl.MAX_LORA_SCALE + 1))
+
+
+def test_the_lora_reference_rounds_u_to_the_compute_dtype_before_b():
+    """ref_lora is vLLM's shrink and expand: u_s = x A_s^T summed in fp32, rounded to bf16,
+    times B'_s summed in fp32, rounded and added to y_s in bf16. Against that computed in
+    float64 all but a few double-rounding ties agree (u left in fp32 puts about 30% of them
+    an ulp off); the u returned is the fp32 sum, and each slice adds only to its own columns."""
+    g = torch.Generator().manual_seed(7)
+    T, K, r, sizes = 64, 96, 8, (48, 16)
+    x = torch.randn(T, K, generator=g).bfloat16()
+    y = torch.randn(T, sum(sizes), generator=g).bfloat16()
+    a = [(torch.randn(r, K, generator=g) / K**0.5).bfloat16() for _ in sizes]
+    b = [torch.randn(n, r, generator=g).bfloat16() for n in sizes]
+    got = y.clone()
+    u = bib.ref_lora(x, got, [t[None, None] for t in a], [t[None, None] for t in b])
+    u64 = [x.double() @ a_s.double().t() for a_s in a]
+    torch.testing.assert_close(u.double(), torch.stack(u64), rtol=1e-5, atol=1e-5)
+    want = torch.cat([y_s + (u_s.bfloat16().double() @ b_s.double().t()).bfloat16()
+                      for y_s, u_s, b_s in zip(y.split(sizes, -1), u64, b)], -1)
+    agree = (got == want).double().mean()
+    assert got.dtype == torch.bfloat16 and agree > 0.99, agree
+
+
+def test_the_merged_export_adds_the_update_in_fp32_and_rounds_once(ckpt):
+    """merged_weights of a bf16 LoRA model: W + (alpha / r) B_s A_s summed in fp32 and rounded
+    once to bf16, each slice's rows its own (q_proj and v_proj targeted, k_proj as the base).
+    Against that in float64 all but a few double-rounding ties agree; rounding the update to
+    bf16 before adding it leaves about 30% of them an ulp off."""
+    path = ckpt()
+    args = rl.model_args_from_hf(rl.read_qwen3_config(path))
+    spec = rl.LoRASpec(8, 32.0, ("q_proj", "v_proj"))
+    hf = rl.load_hf_state_dict(path)
+    state = {**rl.hf_to_trainer(hf, args), **rl.lora_init(args, spec, 0)}
+    model = rl.build_model(args, state, bib.reference_kernels(), torch.bfloat16, "cpu",
+                           lora=spec)
+    lora = model.layers[0].attention.wqkv.lora
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in lora.b:
+            b.copy_(torch.randn(b.shape, generator=g) / 8)  # as after some training
+    merged = dict(rl.merged_weights(model))
+    for s, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        key = f"model.layers.0.self_attn.{name}.weight"
+        w = hf[key].bfloat16().double()  # the base as the run holds it
+        want = (w + 4.0 * lora.b[s].double() @ lora.a[s].double()).bfloat16()
+        assert merged[key].dtype == torch.bfloat16, name
+        if name == "k_proj":
+            assert torch.equal(merged[key], w.bfloat16())  # untargeted: the base, bit for bit
+        else:
+            agree = (merged[key] == want).double().mean()
+            assert agree > 0.99, (name, agree)
+
+
+def test_the_adapters_start_from_the_runs_seed(ckpt):
+    """--seed seeds everything, the adapters' initial A (PEFT's, lora_init) too: the adapters
+    of a run of seed 1 and one of seed 2 are each what lora_init draws from that seed (B = 0),
+    and their A's differ."""
+    files = rl.load_model_files(rl.Config(model=str(ckpt()), dtype="float32"))
+    hf = rl.load_hf_state_dict(files.path)
+    ranks = rl.Ranks(0, 1, torch.device("cpu"))
+    first = {}
+    for seed in (1, 2):
+        cfg = rl.Config(model=str(ckpt()), dtype="float32", lora_rank=8, seed=seed)
+        model, _ = rl.build_models(cfg, files.args, hf, bib.reference_kernels(), ranks)
+        init = rl.lora_init(files.args, rl.lora_spec(cfg, files.args), seed)
+        adapters = {k: v for k, v in model.state_dict().items() if ".lora." in k}
+        assert adapters.keys() == init.keys()
+        assert all(torch.equal(adapters[k], init[k]) for k in init), seed
+        first[seed] = adapters["layers.0.attention.wqkv.lora.a.0"]
+    assert not torch.equal(first[1], first[2])

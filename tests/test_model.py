@@ -135,3 +135,15 @@ def test_sub_pack_is_the_packing_of_its_sequences_alone():
     assert owned == slice(2, 3) and part.max_seqlen == alone.max_seqlen == 2
     for name in ("tokens", "positions", "cu_seqlens", "gen_index", "targets", "seq", "prefill"):
         assert getattr(part, name).tolist() == getattr(alone, name).tolist(), name
+
+
+def test_the_rotary_cache_holds_every_position_the_config_allows(ckpt):
+    """--max-model-len may equal max_position_embeddings (2048 here), so a sample may reach
+    position 2047: the rotary cache has a row for each of positions 0-2047, the last cos and
+    sin of 2047 theta^(-2i/D) (one row short, that position would read past its end)."""
+    model = trainer(ckpt())
+    P, D = model.args.max_seq_len, model.args.head_dim
+    assert P == 2048 and model.rope.shape == (P, D)
+    angle = (P - 1) * model.args.rope_theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    want = torch.cat([angle.cos(), angle.sin()])
+    torch.testing.assert_close(model.rope[-1].double(), want, atol=1e-3, rtol=0)
