@@ -41,14 +41,22 @@ def test_args_and_hub_format(moe_ckpt):
     rl.check_weight_headers(moe_ckpt, args)  # names and shapes as config.json implies
 
 
-def test_forward_matches_transformers(moe_ckpt):
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_forward_matches_transformers(moe_ckpt, tmp_path, norm_topk):
+    """The logits are transformers' for the same config, norm_topk_prob true or false (false:
+    each chosen expert weighted by its softmax probability over all 8 experts, not
+    renormalised over the 2 chosen, so the weights sum to well below 1)."""
     from transformers import Qwen3MoeForCausalLM
 
-    args, hf = load(moe_ckpt)
+    path = moe_ckpt if norm_topk else make_moe_checkpoint(tmp_path, **{**TINY_MOE,
+                                                                       "norm_topk": False})
+    args, hf = load(path)
+    assert args.moe_args.route_norm == norm_topk
     model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(),
                            torch.float32, "cpu")
     assert isinstance(model.layers[0].moe, rl.MoE) and not model.layers[1].sparse
-    ref = Qwen3MoeForCausalLM.from_pretrained(moe_ckpt, dtype=torch.float32).eval()
+    ref = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert ref.config.norm_topk_prob == norm_topk
     prompts = [[5, 9, 33, 7, 100, 2], [17, 4, 250]]
     batch = rl.pack(prompts, [[] for _ in prompts])
     with torch.no_grad():
@@ -402,24 +410,3 @@ def test_the_experts_are_cast_once_and_change_no_bit(moe_ckpt):
         experts[1].compute_weights[1].zero_()
         assert not torch.equal(model(parts[0], 0.9)[0], before)
     assert all(m.compute_weights is None for m in experts)
-
-
-def test_top_k_weights_not_renormalised_match_transformers(tmp_path):
-    """A Qwen3-MoE whose config.json says norm_topk_prob false weights each chosen expert by
-    its softmax probability over all the experts, not renormalised over the k chosen (top 2 of
-    8 here: weights summing to well below 1): the logits are transformers' for that config."""
-    from transformers import Qwen3MoeForCausalLM
-
-    path = make_moe_checkpoint(tmp_path, **{**TINY_MOE, "norm_topk": False})
-    args, hf = load(path)
-    assert not args.moe_args.route_norm
-    model = rl.build_model(args, rl.hf_to_trainer(hf, args), bib.reference_kernels(),
-                           torch.float32, "cpu")
-    ref = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert not ref.config.norm_topk_prob
-    prompts = [[5, 9, 33, 7, 100, 2], [17, 4, 250]]
-    batch = rl.pack(prompts, [[] for _ in prompts])
-    with torch.no_grad():
-        ours = model.logits(model.hidden(batch))  # (T, V)
-        theirs = torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])
-    assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
