@@ -554,8 +554,9 @@ def test_lora_alpha_may_be_exactly_the_largest_scale_times_r():
 def test_the_lora_reference_rounds_u_to_the_compute_dtype_before_b():
     """ref_lora is vLLM's shrink and expand: u_s = x A_s^T summed in fp32, rounded to bf16,
     times B'_s summed in fp32, rounded and added to y_s in bf16. Against that computed in
-    float64 all but a few double-rounding ties agree (u left in fp32 puts about 30% of them
-    an ulp off); the u returned is the fp32 sum, and each slice adds only to its own columns."""
+    float64 from the rounded u, all agree but the few whose fp32 sum rounds across a bf16
+    boundary from the float64 one (u left in fp32 puts about 30% of them an ulp off); the u
+    returned is the fp32 sum, and each slice adds only to its own columns."""
     g = torch.Generator().manual_seed(7)
     T, K, r, sizes = 64, 96, 8, (48, 16)
     x = torch.randn(T, K, generator=g).bfloat16()
@@ -567,16 +568,17 @@ def test_the_lora_reference_rounds_u_to_the_compute_dtype_before_b():
     u64 = [x.double() @ a_s.double().t() for a_s in a]
     torch.testing.assert_close(u.double(), torch.stack(u64), rtol=1e-5, atol=1e-5)
     want = torch.cat([y_s + (u_s.bfloat16().double() @ b_s.double().t()).bfloat16()
-                      for y_s, u_s, b_s in zip(y.split(sizes, -1), u64, b)], -1)
+                      for y_s, u_s, b_s in zip(y.split(sizes, -1), u, b)], -1)
     agree = (got == want).double().mean()
-    assert got.dtype == torch.bfloat16 and agree > 0.99, agree
+    assert u.dtype == torch.float32 and got.dtype == torch.bfloat16 and agree > 0.99, agree
 
 
 def test_the_merged_export_adds_the_update_in_fp32_and_rounds_once(ckpt):
     """merged_weights of a bf16 LoRA model: W + (alpha / r) B_s A_s summed in fp32 and rounded
     once to bf16, each slice's rows its own (q_proj and v_proj targeted, k_proj as the base).
-    Against that in float64 all but a few double-rounding ties agree; rounding the update to
-    bf16 before adding it leaves about 30% of them an ulp off."""
+    Against that in float64 all agree but the few whose fp32 sum rounds across a bf16 boundary
+    from the float64 one; rounding the update to bf16 before adding it leaves about 30% of
+    them an ulp off."""
     path = ckpt()
     args = rl.model_args_from_hf(rl.read_qwen3_config(path))
     spec = rl.LoRASpec(8, 32.0, ("q_proj", "v_proj"))
@@ -588,7 +590,7 @@ def test_the_merged_export_adds_the_update_in_fp32_and_rounds_once(ckpt):
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for b in lora.b:
-            b.copy_(torch.randn(b.shape, generator=g) / 8)  # as after some training
+            b.copy_(torch.randn(b.shape, generator=g) / 8)  # trained; k's A = 0 keeps it 0
     merged = dict(rl.merged_weights(model))
     for s, name in enumerate(("q_proj", "k_proj", "v_proj")):
         key = f"model.layers.0.self_attn.{name}.weight"
@@ -603,9 +605,9 @@ def test_the_merged_export_adds_the_update_in_fp32_and_rounds_once(ckpt):
 
 
 def test_the_adapters_start_from_the_runs_seed(ckpt):
-    """--seed seeds everything, the adapters' initial A (PEFT's, lora_init) too: the adapters
-    of a run of seed 1 and one of seed 2 are each what lora_init draws from that seed (B = 0),
-    and their A's differ."""
+    """--seed reaches the adapters' initial A (PEFT's, lora_init): the adapters of a run of
+    seed 1 and one of seed 2 are each what lora_init draws from that seed (B = 0), and the two
+    runs' first A differ."""
     files = rl.load_model_files(rl.Config(model=str(ckpt()), dtype="float32"))
     hf = rl.load_hf_state_dict(files.path)
     ranks = rl.Ranks(0, 1, torch.device("cpu"))

@@ -45,7 +45,7 @@ def test_args_and_hub_format(moe_ckpt):
 def test_forward_matches_transformers(moe_ckpt, tmp_path, norm_topk):
     """The logits are transformers' for the same config, norm_topk_prob true or false (false:
     each chosen expert weighted by its softmax probability over all 8 experts, not
-    renormalised over the 2 chosen, so the weights sum to well below 1)."""
+    renormalised over the 2 chosen)."""
     from transformers import Qwen3MoeForCausalLM
 
     path = moe_ckpt if norm_topk else make_moe_checkpoint(tmp_path, **{**TINY_MOE,
