@@ -710,3 +710,28 @@ def test_gdn_bench_times_the_rules_forward_and_backward(tmp_path):
     assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["grad_rel"] is None
                for r in rows)
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_a_rows_rates_and_mfu_divide_the_right_counts_over_every_gpu():
+    """summarize's rates as the table reports them: generated tokens over the rollout's
+    seconds, trained tokens over the update's, samples over the step's; MFU the update's FLOPs
+    over its seconds and `world` GPUs' peak (two ranks at one FLOP/s are half one's MFU)."""
+    step = dict(warmup=False, rollout_s=2.0, fwd_bwd_s=4.0, optimizer_s=0.5, push_s=0.25,
+                step_s=8.0, sleep_s=0.1, generated_tokens=100, trained_tokens=300, samples=16,
+                flops=2e15, peak_gib=1.0, mismatched=0)
+    r = bench_rl.summarize([step], "a", 2, "x")
+    assert (r["rollout_tok_s"], r["trainer_tok_s"], r["samples_s"]) == (50, 75, 2)
+    assert r["mfu"] == 2e15 / 4.0 / (2 * bench_rl.PEAK_FLOPS)
+
+
+def test_gdn_bench_times_the_forward_and_the_backward_each_as_its_own(monkeypatch):
+    """bench_gdn.timed on a clock that makes each forward take 1 s and each backward 3 s: the
+    forward is 1000 ms and the backward 3000, not the other way round (the warm-up uncounted)."""
+    import bench_gdn
+
+    ticks = iter(range(0, 1000, 4))
+    times = iter(t + d for t in ticks for d in (0, 1, 4))  # t0, t1 = t0 + 1, t2 = t0 + 4
+    monkeypatch.setattr(bench_gdn, "clock", lambda device: next(times))
+    x = [torch.ones(3, requires_grad=True)]
+    r = bench_gdn.timed(lambda x: x[0] * 2, x, torch.ones(3), repeats=2, device="cpu")
+    assert (r["forward_ms"], r["backward_ms"]) == (1000.0, 3000.0)

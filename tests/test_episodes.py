@@ -756,3 +756,33 @@ def test_an_episode_with_a_turn_the_engine_gave_no_experts_for_is_not_routed():
     ro = rl.episodes_rollout([both, half], routes=True)
     assert ro.routed[1] is None
     assert torch.equal(ro.routed[0], torch.cat([r, r + 8]))
+
+
+def test_the_warm_starts_accuracy_is_the_share_of_problems_answered_right():
+    """examples/warm_start.py's held-out accuracy (the number its log and warm_start.json
+    report): right answers over problems, the problems decoded in groups of one prompt length.
+    A stand-in model answers every prompt with the first problem's answer: asked that problem
+    twice and two others, it scores 2 of 4, 0.5, however many groups the lengths make."""
+    import sys
+
+    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
+    import warm_start as ws
+
+    tok = ws.make_tokenizer(512, 0)
+    p = rl.arithmetic_problems(3, 1)
+    problems = [p[0], p[0], p[1], p[2]]
+    assert len({p[0].answer, p[1].answer, p[2].answer}) == 3
+    said = tok(f"Answer: {p[0].answer}", add_special_tokens=False)["input_ids"]
+
+    class Model:
+        def eval(self):
+            return self
+
+        def train(self):
+            return self
+
+        def generate(self, input_ids, **kw):
+            tail = torch.tensor([said + [tok.eos_token_id]]).expand(len(input_ids), -1)
+            return torch.cat([input_ids, tail], 1)
+
+    assert ws.greedy_accuracy(Model(), tok, problems, torch.device("cpu")) == 0.5

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from make_checkpoint import QWEN35_PRESETS
+from make_checkpoint import PRESETS, QWEN35_PRESETS
 from torch.profiler import ProfilerActivity, profile
-from transformers import Qwen3_5TextConfig
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 import batch_invariant_backward as bib
 import simple_rl as rl
@@ -489,3 +489,100 @@ def test_vllm_groups_by_the_smaller_count_at_exactly_one_and_a_half():
     assert 2 * args.n_kv_heads * args.head_dim * 2 == A
     per_sequence = 1 * -(-1024 // b) + 2  # ceil(1024 / b) attention blocks + 2 GDN groups
     assert rl.hybrid_kv_cache_bytes(args, 10, 1024) == (10 * per_sequence + 1) * 2 * b * A
+
+
+# --- the presets of tests/make_checkpoint.py against the published configs --------------
+# The GPU tests call a run on a preset "the exact shape" of a model on these numbers alone.
+
+# Qwen/Qwen3-*'s config.json on the hub (layers and heads as the model cards list them too):
+# layers, hidden_size, attention heads, kv heads, intermediate_size, tie_word_embeddings
+QWEN3_PUBLISHED = {
+    "qwen3-0.6b": (28, 1024, 16, 8, 3072, True),
+    "qwen3-1.7b": (28, 2048, 16, 8, 6144, True),
+    "qwen3-4b": (36, 2560, 32, 8, 9728, True),
+    "qwen3-8b": (36, 4096, 32, 8, 12288, False),
+    "qwen3-14b": (40, 5120, 40, 8, 17408, False),
+    "qwen3-32b": (64, 5120, 64, 8, 25600, False),
+}
+FIELDS = ("layers", "hidden", "heads", "kv_heads", "inter", "tied")
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_PUBLISHED))
+def test_qwen3_presets_are_the_published_configs(name):
+    """Each Qwen3 preset is its hub config.json: the shape above, and the family's vocab 151936,
+    head_dim 128 and 40960 positions (the comment above PRESETS says the same)."""
+    p = PRESETS[name]
+    assert tuple(p[k] for k in FIELDS) == QWEN3_PUBLISHED[name]
+    assert (p["vocab"], p["head_dim"], p["max_pos"]) == (151936, 128, 40960)
+
+
+def test_qwen35_9b_is_transformers_qwen3_5_text_config():
+    """make_checkpoint.py names transformers' Qwen3_5TextConfig defaults as Qwen3.5-9B's shape:
+    the preset must be those defaults, field by field (positions aside: the preset's 262144 are
+    the hub's, the class's default 32768)."""
+    p, c = QWEN35_PRESETS["qwen3.5-9b"], Qwen3_5TextConfig()
+    assert (p["vocab"], p["hidden"], p["layers"], p["heads"], p["kv_heads"], p["inter"],
+            p["head_dim"], p["k_heads"], p["v_heads"], p["k_dim"], p["v_dim"], p["tied"]) == (
+        c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+        c.num_key_value_heads, c.intermediate_size, c.head_dim, c.linear_num_key_heads,
+        c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+        c.tie_word_embeddings)
+    assert (p["hidden"], p["layers"], p["inter"]) == (4096, 32, 12288)  # the class's, pinned
+
+
+def test_qwen35_35b_a3b_is_transformers_qwen3_5_moe_text_config():
+    """Likewise Qwen3_5MoeTextConfig's defaults for Qwen3.5-35B-A3B: 40 layers of hidden 2048,
+    256 experts of 512 rows, 8 a token, a shared expert of 512 rows (the preset's comment)."""
+    p, c = QWEN35_PRESETS["qwen3.5-35b-a3b"], Qwen3_5MoeTextConfig()
+    assert (p["vocab"], p["hidden"], p["layers"], p["heads"], p["kv_heads"], p["head_dim"],
+            p["k_heads"], p["v_heads"], p["experts"], p["top_k"], p["moe_inter"],
+            p["shared_inter"], p["tied"]) == (
+        c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+        c.num_key_value_heads, c.head_dim, c.linear_num_key_heads, c.linear_num_value_heads,
+        c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+        c.shared_expert_intermediate_size, c.tie_word_embeddings)
+    assert (p["experts"], p["top_k"], p["moe_inter"], p["shared_inter"]) == (256, 8, 512, 512)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b",
+                                  "qwen3.5-35b-a3b"])
+def test_every_qwen35_preset_has_the_familys_shared_shape(name):
+    """What the comment above QWEN35 says of every Qwen3.5 text model: head_dim 256, 16 linear
+    key heads of 128 and value heads of 128, vocab 248320, 262144 positions, rope theta 1e7."""
+    p = QWEN35_PRESETS[name]
+    assert (p["head_dim"], p["k_heads"], p["k_dim"], p["v_dim"], p["vocab"], p["max_pos"],
+            p["rope_theta"]) == (256, 16, 128, 128, 248320, 262144, 1e7)
+
+
+def test_qwen35_27b_cut_to_8_layers_is_the_model_its_gpu_run_counted():
+    """results/h100_q35_t07_27b_fla/README.md: this preset cut to 8 of 64 layers (6 Gated
+    DeltaNet, 2 gated attention) was a model of 5.59B parameters, its 248320-row embedding and
+    untied head included. Built from the preset on the meta device it must still be that
+    model: 48 value heads or 24 query heads changed would move it by 0.1B or more."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    p = {**QWEN35_PRESETS["qwen3.5-27b"], "layers": 8}
+    hf = Qwen3_5TextConfig(
+        vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
+        head_dim=p["head_dim"], intermediate_size=p["inter"], tie_word_embeddings=p["tied"],
+        linear_num_key_heads=p["k_heads"], linear_num_value_heads=p["v_heads"],
+        linear_key_head_dim=p["k_dim"], linear_value_head_dim=p["v_dim"])
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(hf)
+    assert round(sum(t.numel() for t in model.parameters()) / 1e9, 2) == 5.59
+
+
+def test_the_qwen35_builder_rotates_a_quarter_of_each_head_as_the_published_models(tmp_path):
+    """helpers.make_qwen35_checkpoint (every preset's builder) writes what its docstring and
+    make_checkpoint.py's comment say of the published Qwen3.5s: a quarter of each full-attention
+    head rotated, rope theta 1e7, three linear-attention layers then a full one."""
+    import json
+
+    from helpers import make_qwen35_checkpoint
+
+    config = json.loads((make_qwen35_checkpoint(tmp_path / "q") / "config.json").read_text())
+    rope = config["rope_parameters"]
+    assert (rope["partial_rotary_factor"], rope["rope_theta"]) == (0.25, 1e7)
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
