@@ -6,6 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.append(str(ROOT / "examples"))  # warm_start, envs: imported by name
 
 import pytest  # noqa: E402
 

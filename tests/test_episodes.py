@@ -525,9 +525,6 @@ def test_the_tool_warm_start_calls_the_calculator_as_the_episode_loop_renders_it
     """examples/warm_start.py --tool: <calc> and </calc> are single tokens the env reads, and
     a tool answer's sequence is the prompt, the call, the tool's message as simple_rl appends
     it (not a target) and the answer: what an episode of `--env calc` holds."""
-    import sys
-
-    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
     import warm_start as ws
 
     tok = ws.make_tokenizer(512, 0, tool=True)
@@ -669,9 +666,6 @@ def test_the_debugger_follows_every_turn_of_an_episode_through_the_prefix_cache(
 def test_the_warm_starts_progress_is_one_format_with_an_eta_and_no_blank_lines(capfd):
     """examples/warm_start.py: training its tokenizer prints nothing (its progress bar printed
     three blank lines), and a line with an eval and one without share a format and an ETA."""
-    import sys
-
-    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
     import warm_start as ws
 
     capfd.readouterr()
@@ -763,9 +757,6 @@ def test_the_warm_starts_accuracy_is_the_share_of_problems_answered_right():
     report): right answers over problems, the problems decoded in groups of one prompt length.
     A stand-in model answers every prompt with the first problem's answer: asked that problem
     twice and two others, it scores 2 of 4, 0.5, however many groups the lengths make."""
-    import sys
-
-    sys.path.insert(0, str(rl.Path(rl.__file__).parent / "examples"))
     import warm_start as ws
 
     tok = ws.make_tokenizer(512, 0)

@@ -72,7 +72,6 @@ def test_the_lookup_warm_start_chains_the_calls_as_the_episode_renders_them():
     renders them; its labels are -100 over the prompt and each entry (the env writes those:
     training on them would teach the model to write the table's answers instead of calling the
     tool) and the token ids over each call, the answer and the eos."""
-    sys.path.insert(0, str(ROOT / "examples"))
     import warm_start
 
     tok = warm_start.make_tokenizer(512, 0, "lookup")
@@ -104,7 +103,6 @@ def test_the_lookup_warm_start_chains_the_calls_as_the_episode_renders_them():
 
 
 def test_the_lookup_warm_start_rarely_chains_as_far_as_the_question_needs():
-    sys.path.insert(0, str(ROOT / "examples"))
     import warm_start
 
     problems = rl.lookup_problems(rl.lookup_table())[:4000]

@@ -339,7 +339,6 @@ def test_warm_start_trains_a_qwen35_simple_rl_reads(tmp_path, capsys):
 
     from transformers import Qwen3_5ForCausalLM
 
-    sys.path.insert(0, str(ROOT / "examples"))
     import warm_start
 
     out = tmp_path / "warm"

@@ -234,7 +234,6 @@ def test_warm_start_saves_a_checkpoint_simple_rl_loads(tmp_path):
         list("3901")
     assert set(files.eos_ids) == {tok.convert_tokens_to_ids("<|im_end|>"),
                                   tok.convert_tokens_to_ids("<|endoftext|>")}
-    sys.path.insert(0, str(ROOT / "examples"))
     import warm_start
 
     report = json.loads((out / "warm_start.json").read_text())

@@ -5,7 +5,6 @@ signal.alarm is the env's failure, said in one sentence."""
 
 import os
 import queue
-import signal
 import threading
 import time
 
