@@ -777,3 +777,38 @@ def test_the_warm_starts_accuracy_is_the_share_of_problems_answered_right():
             return torch.cat([input_ids, tail], 1)
 
     assert ws.greedy_accuracy(Model(), tok, problems, torch.device("cpu")) == 0.5
+
+
+def test_the_calculator_computes_the_turns_last_call_not_one_it_wrote_before():
+    """A turn that writes a call, its result and then the call it stops at: the env computes
+    the last <calc> tag's expression (the one the stop id ended), as LookupEnv searches the
+    last <search> tag. Read from the first tag it would parse '1 + 1</calc> is 2 ... <calc>47
+    * 83 - 5' and end the episode as a tool error, on a well-made call."""
+    env = rl.CalcEnv()
+    env.reset(rl.Problem("What is 47 * 83 - 5?", "3896"))
+    assert env.step("First <calc>1 + 1</calc> is 2, then <calc>47 * 83 - 5</calc>") == (
+        "3896", None)
+
+
+def test_the_calculator_takes_integer_literals_only_not_true_or_false():
+    """`True + 1` parses to constants that are ints to isinstance (bool is a subclass of int):
+    the calculator, whose expressions are integers with + - * and parentheses, refuses it as
+    a tool error, as it refuses '2 / 3', rather than answering 2."""
+    env = rl.CalcEnv()
+    env.reset(rl.Problem("What is 1 + 1?", "2"))
+    for bad in ("<calc>True + 1</calc>", "<calc>False</calc>", "<calc>-True</calc>"):
+        with pytest.raises(rl.ToolError, match="is not an integer expression"):
+            env.step(bad)
+    assert env.step("<calc>1 + 1</calc>") == ("2", None)
+
+
+def test_every_way_an_episode_ends_has_its_fraction_and_they_sum_to_one():
+    """episode_metrics logs episode/<end>_frac for each of EPISODE_ENDS, completed included
+    (the dashboard's chart of episodes that end well): 6 episodes, one per ending, each 1/6,
+    and the fractions sum to 1."""
+    rows = [(1, 0, end, [3], 0, 0.0) for end in rl.EPISODE_ENDS]
+    m = rl.episode_metrics(rows)
+    fracs = {k: v for k, v in m.items() if k.endswith("_frac") and k != "episode/tool_call_frac"}
+    assert fracs == {f"episode/{end}_frac": pytest.approx(1 / 6) for end in rl.EPISODE_ENDS}
+    assert sum(fracs.values()) == pytest.approx(1.0)
+    assert m["episode/completed_frac"] == pytest.approx(1 / 6)
