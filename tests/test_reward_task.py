@@ -267,3 +267,26 @@ def test_a_failing_reward_names_its_sample_of_the_ranks_own_prompt(ckpt, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.findall(r"sample (\d+) of training problem (\d+)", err) == [
         (str(sample), str(chosen[1]))], err
+
+
+def test_an_overflowing_episode_is_named_with_its_last_turns_text():
+    """A group of 4 episodes whose rewards overflow fp32: the RewardError names episode 1 (the
+    largest |reward|) and quotes its last turn, the one the env scored, not its first (a tool
+    call): the sentence shows what the env rewarded."""
+    class Letters:  # a tokenizer of 26 ids: id i decodes to the i-th letter
+        def __len__(self):
+            return 26
+
+        def batch_decode(self, ids, skip_special_tokens):
+            return ["".join(chr(97 + t) for t in c) for c in ids]
+
+    def episode(reward, *turns):
+        return rl.Episode(None, [rl.Turn([0], rl.Completion(ids, [0.0] * len(ids), True))
+                                 for ids in turns], status="completed", reward=reward)
+
+    episodes = [episode(0.0, [1]), episode(3e38, [2, 2], [7, 14]), episode(3e38, [3]),
+                episode(-1.0, [4])]
+    trainer = rl.Trainer(rl.Config(group_size=4), None, Letters(), *[None] * 5)
+    with pytest.raises(rl.RewardError) as raised:
+        rl.rewards_and_advantages(trainer, rl.episodes_rollout(episodes, routes=False))
+    assert (raised.value.sample, raised.value.completion) == (1, "ho")
