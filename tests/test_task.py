@@ -194,3 +194,36 @@ def test_6_gsm8k_and_parquet_answers_are_kept_as_written(tmp_path):
     pq.write_table(table, tmp_path / "ints.parquet")
     got = [p.answer for p in rl.jsonl_problems(str(tmp_path / "ints.parquet"))]
     assert got == ["3", "12345678901234567"]
+
+
+@pytest.mark.parametrize("text,answer", [
+    (" Answer: -$5", "-5"),  # a negative amount of money: the sign is before the $
+    (" Answer: 1234", "1,234"),  # an expected answer written with a thousands separator
+    (" Answer: Paris", " Paris\n"),  # a text answer as a file wrote it, spaces around it
+])
+def test_the_default_reward_reads_money_separators_and_spaced_text_answers(text, answer):
+    """reward: '$' is dropped before the number is read (else '-$5' reads as 5); the expected
+    answer's thousands separators are dropped as the completion's are (1,234 == 1234 both
+    ways); a text answer is compared stripped on both sides."""
+    assert rl.reward(text, answer) == 1.0
+
+
+def test_two_seeds_never_walk_the_same_orders_an_epoch_apart():
+    """step_problems seeds epoch e of --seed s with s 1,000,003 + e: seed 0's second epoch is
+    not seed 1's first (with s + e it would be: two runs of neighbouring seeds would train on
+    the same sequence of problems, one epoch apart)."""
+    n = 50
+    assert rl.step_problems(n, n, 1, seed=0) != rl.step_problems(n, n, 0, seed=1)
+    assert rl.step_problems(n, n, 2, seed=0) != rl.step_problems(n, n, 0, seed=2)
+    assert sorted(rl.step_problems(n, n, 1, seed=0)) == list(range(n))
+
+
+def test_6_jsonl_answers_keep_the_spaces_written_around_them(tmp_path):
+    """A jsonl answer is the text written in the file, spaces and newlines included: a
+    --reward FILE.py:FUNCTION gets it as written (the default reward strips both sides
+    itself)."""
+    data = tmp_path / "spaced.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": " 42 "}) + "\n" +
+                    json.dumps({"question": "r", "answer": "Paris\n"}) + "\n")
+    assert [p.answer for p in rl.jsonl_problems(str(data))] == [" 42 ", "Paris\n"]
+
