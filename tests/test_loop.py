@@ -227,3 +227,27 @@ def test_every_rank_runs_the_most_micro_batches_and_divides_by_all_tokens(monkey
     assert rl.batch_over_ranks(p, cfg, "cpu") == (3, 13)
     two_ranks(monkeypatch, [1], [7])
     assert rl.batch_over_ranks(p, cfg, "cpu") == (2, 13)
+
+
+def test_a_padding_micro_batch_runs_the_kl_reference_too(ckpt):
+    """With --kl-coef > 0 every micro-batch, a padding one included, runs the reference's
+    forward: the reference is sharded as the policy is (build_models), so its forward is FSDP
+    collectives that every rank must reach as many times as the others (a rank that skipped it
+    on its padding micro-batches would hang the ranks that did not pad). 1 real micro-batch and
+    2 padding ones: 3 reference forwards, the first over the real batch's 6 targets."""
+    from helpers import cpu_trainer
+
+    model = cpu_trainer(ckpt())
+    calls = []
+
+    def reference(batch, temperature):
+        calls.append(len(batch.targets))
+        return model(batch, temperature)
+
+    p = three_seqs()
+    cfg = rl.Config(micro_batch_tokens=16, kl_coef=0.5)
+    parts = rl.micro_batch_parts(p, cfg, 3, "cpu")
+    old = torch.zeros(len(p.targets))
+    got = rl.accumulate_gradients(model, reference, parts, old, torch.ones(3), cfg, 1.0)
+    assert calls == [6, 2, 2]  # the real batch's 6 targets, then sequence 0's 2, twice
+    assert got.sums[1] == 0  # the reference is the policy here: k3 KL 0 at every token
