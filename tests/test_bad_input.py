@@ -362,3 +362,44 @@ def test_the_most_samples_a_step_holds_is_taken_and_one_prompt_more_is_not():
     rl.validate_numbers(rl.Config(num_prompts=most, group_size=8))
     with pytest.raises(rl.ConfigError, match=f"^--num-prompts x --group-size is {8 * most + 8:,} "):
         rl.validate_numbers(rl.Config(num_prompts=most + 1, group_size=8))
+
+
+@pytest.mark.parametrize("taken,refused,needle", [
+    (dict(tool_workers=0), dict(tool_workers=-1), "--tool-workers, --tool-timeout and "
+     "--max-tool-tokens must be >= 0"),
+    (dict(entropy_coef=0.0), dict(entropy_coef=-0.01), "--kl-coef and --entropy-coef must be "
+     ">= 0."),
+    (dict(updates_per_batch=1), dict(updates_per_batch=0), "--updates-per-batch must be at "
+     "least 1."),
+    (dict(num_prompts=1), dict(num_prompts=0), "--num-prompts must be at least 1 (got 0)."),
+    (dict(parity_rows=0), dict(parity_rows=-1), "--parity-rows must be >= 0"),
+    (dict(save_every=0), dict(save_every=-1), "--save-every must be >= 0"),
+    (dict(grad_clip=0.0), dict(grad_clip=-0.5), "--grad-clip must be >= 0 (got -0.5)."),
+    (dict(steps=0), dict(steps=-1), "--steps must be >= 0 (got -1)."),
+])
+def test_each_numbers_edge_is_taken_and_one_past_it_refused(taken, refused, needle):
+    """validate at each number's edge: the edge (0 meaning off, or 1 where one is the least a
+    run needs) is taken, one step past it refused in its sentence. --updates-per-batch 0 or
+    --num-prompts 0 would train on nothing without a word; a negative --entropy-coef or
+    --tool-workers would run a loss or a pool nobody asked for; --parity-rows 0 (the table's
+    header only), --save-every 0 (only on a stop) and --grad-clip 0 (no clip) are options the
+    help offers."""
+    rl.validate(rl.Config(**taken))
+    with pytest.raises(rl.ConfigError, match=re.escape(needle)):
+        rl.validate(rl.Config(**refused))
+
+
+def test_the_arithmetic_tasks_eval_size_bound_holds_for_it_only(tmp_path):
+    """--eval-size past EVAL_CANDIDATES // 2 is refused for the arithmetic task, whose held-out
+    stream it would exhaust, not for --task jsonl (a file of 10,000 problems may hold out
+    3,000); --enable-thinking goes with the default --chat-template auto (refused only with
+    off)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("")
+    rl.validate(rl.Config(task="jsonl", data_files=str(data), eval_size=3000))
+    with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
+        rl.validate(rl.Config(eval_size=3000))
+    rl.validate(rl.Config(enable_thinking=True))
+    rl.validate(rl.Config(enable_thinking=True, chat_template="on"))
+    with pytest.raises(rl.ConfigError, match="--enable-thinking needs a chat template"):
+        rl.validate(rl.Config(enable_thinking=True, chat_template="off"))

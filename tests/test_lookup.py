@@ -146,3 +146,11 @@ def test_a_search_reads_the_turns_last_call_whatever_the_spaces_around_the_name(
     assert env.step(f"Let me look.\n<search> {name}\n</search>") == (entry, None)
     assert env.step(f"I call <search>NAME</search> with a name: <search>{name}</search>") == (
         entry, None)
+
+
+def test_the_lookup_task_may_hold_out_exactly_half_its_people():
+    """--env lookup --eval-size LOOKUP_PEOPLE // 2 (2048) is taken, as its error says ("at most
+    2048"), and one more refused."""
+    rl.validate(rl.Config(env="lookup", max_turns=6, eval_size=rl.LOOKUP_PEOPLE // 2))
+    with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
+        rl.validate(rl.Config(env="lookup", max_turns=6, eval_size=rl.LOOKUP_PEOPLE // 2 + 1))
