@@ -209,7 +209,7 @@ def test_the_default_reward_reads_money_separators_and_spaced_text_answers(text,
 
 
 def test_two_seeds_never_walk_the_same_orders_an_epoch_apart():
-    """step_problems seeds epoch e of --seed s with s 1,000,003 + e: seed 0's second epoch is
+    """step_problems seeds epoch e of --seed s with 1,000,003 s + e: seed 0's second epoch is
     not seed 1's first (with s + e it would be: two runs of neighbouring seeds would train on
     the same sequence of problems, one epoch apart)."""
     n = 50
@@ -226,4 +226,3 @@ def test_6_jsonl_answers_keep_the_spaces_written_around_them(tmp_path):
     data.write_text(json.dumps({"question": "q", "answer": " 42 "}) + "\n" +
                     json.dumps({"question": "r", "answer": "Paris\n"}) + "\n")
     assert [p.answer for p in rl.jsonl_problems(str(data))] == [" 42 ", "Paris\n"]
-
