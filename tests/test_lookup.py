@@ -120,7 +120,7 @@ def test_the_lookup_warm_start_rarely_chains_as_far_as_the_question_needs():
 
 def test_a_lookup_run_needs_room_for_its_deepest_question():
     rl.validate(rl.Config(env="lookup", max_turns=rl.LOOKUP_HOPS + 2))  # 5 searches, the answer
-    with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
+    with pytest.raises(rl.ConfigError, match="the lookup task holds out at most 2048"):
         rl.validate(rl.Config(env="lookup", max_turns=6, eval_size=rl.LOOKUP_PEOPLE // 2 + 1))
     # the real command line, as a script: one sentence, exit 2, nothing started
     run = subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--env", "lookup",
@@ -150,7 +150,9 @@ def test_a_search_reads_the_turns_last_call_whatever_the_spaces_around_the_name(
 
 def test_the_lookup_task_may_hold_out_exactly_half_its_people():
     """--env lookup --eval-size LOOKUP_PEOPLE // 2 (2048) is taken, as its error says ("at most
-    2048"), and one more refused."""
-    rl.validate(rl.Config(env="lookup", max_turns=6, eval_size=rl.LOOKUP_PEOPLE // 2))
-    with pytest.raises(rl.ConfigError, match="holds out at most 2048"):
-        rl.validate(rl.Config(env="lookup", max_turns=6, eval_size=rl.LOOKUP_PEOPLE // 2 + 1))
+    2048"); more is refused in the lookup task's sentence, not the arithmetic task's (--task's
+    default, which a lookup run does not read), whatever --task says."""
+    for task in ("arithmetic", "gsm8k"):
+        rl.validate(rl.Config(env="lookup", task=task, max_turns=6, eval_size=2048))
+        with pytest.raises(rl.ConfigError, match="^--eval-size 3000: the lookup task holds"):
+            rl.validate(rl.Config(env="lookup", task=task, max_turns=6, eval_size=3000))
