@@ -94,6 +94,13 @@ def test_config_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
 
 
+@pytest.mark.parametrize("template", ["auto", "on"])
+def test_enable_thinking_is_taken_with_a_chat_template(template):
+    """--enable-thinking goes with the default --chat-template auto and with on (refused only
+    with off, above)."""
+    rl.validate(rl.Config(enable_thinking=True, chat_template=template))
+
+
 def test_non_qwen3_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
                                                       "architectures": ["LlamaForCausalLM"]}))

@@ -803,12 +803,9 @@ def test_the_calculator_takes_integer_literals_only_not_true_or_false():
 
 
 def test_every_way_an_episode_ends_has_its_fraction_and_they_sum_to_one():
-    """episode_metrics logs episode/<end>_frac for each of EPISODE_ENDS, completed included
-    (the dashboard's chart of episodes that end well): 6 episodes, one per ending, each 1/6,
-    and the fractions sum to 1."""
+    """episode_metrics logs episode/<end>_frac for each of EPISODE_ENDS, completed included:
+    6 episodes, one per ending, each 1/6."""
     rows = [(1, 0, end, [3], 0, 0.0) for end in rl.EPISODE_ENDS]
     m = rl.episode_metrics(rows)
     fracs = {k: v for k, v in m.items() if k.endswith("_frac") and k != "episode/tool_call_frac"}
     assert fracs == {f"episode/{end}_frac": pytest.approx(1 / 6) for end in rl.EPISODE_ENDS}
-    assert sum(fracs.values()) == pytest.approx(1.0)
-    assert m["episode/completed_frac"] == pytest.approx(1 / 6)

@@ -284,7 +284,7 @@ def test_an_overflowing_episode_is_named_with_its_last_turns_text():
         return rl.Episode(None, [rl.Turn([0], rl.Completion(ids, [0.0] * len(ids), True))
                                  for ids in turns], status="completed", reward=reward)
 
-    episodes = [episode(0.0, [1]), episode(3e38, [2, 2], [7, 14]), episode(3e38, [3]),
+    episodes = [episode(0.0, [1]), episode(3e38, [2, 2], [7, 14]), episode(2e38, [3]),
                 episode(-1.0, [4])]
     trainer = rl.Trainer(rl.Config(group_size=4), None, Letters(), *[None] * 5)
     with pytest.raises(rl.RewardError) as raised:

@@ -215,7 +215,6 @@ def test_two_seeds_never_walk_the_same_orders_an_epoch_apart():
     n = 50
     assert rl.step_problems(n, n, 1, seed=0) != rl.step_problems(n, n, 0, seed=1)
     assert rl.step_problems(n, n, 2, seed=0) != rl.step_problems(n, n, 0, seed=2)
-    assert sorted(rl.step_problems(n, n, 1, seed=0)) == list(range(n))
 
 
 def test_6_jsonl_answers_keep_the_spaces_written_around_them(tmp_path):

@@ -491,15 +491,17 @@ def test_a_tool_message_one_token_past_max_tool_tokens_is_cut_to_it(ckpt):
     assert n > 2
     assert rl.tool_message_ids(tok, [message], rl.Config(max_tool_tokens=n)) == [whole]
     cut = rl.tool_message_ids(tok, [message], rl.Config(max_tool_tokens=n - 1))[0]
-    assert len(cut) == around + n - 1
+    head = rl.tool_turn_parts(tok, rl.Config())[0]
+    j = len(tok(head, add_special_tokens=False)["input_ids"]) + n - 1  # the message's last id
+    assert cut == whole[:j] + whole[j + 1:]
 
 
 def test_a_late_group_before_one_that_reset_takes_its_own_problems_question(monkeypatch):
     """reset_all: problems q0 and q1 of 2 episodes each, both of q0's resets past
     --tool-timeout: q0's episodes take q0's question, not the message of q1's episodes that
     follow them (a group's message is looked for in its own episodes only)."""
-    ok, late = rl.Called("q1", None, 0.0), rl.Called(None, rl.ToolTimeout(), 1.0)
+    ok, late = rl.Called("q1 told", None, 0.0), rl.Called(None, rl.ToolTimeout(), 1.0)
     monkeypatch.setattr(rl, "call_tools", lambda calls, cfg: [late, late, ok, ok])
     problems = [rl.Problem("q0", "1"), rl.Problem("q1", "2")]
-    assert rl.reset_all([None] * 4, problems, 2, rl.Config()) == (["q0", "q0", "q1", "q1"],
-                                                                  {0, 1})
+    assert rl.reset_all([None] * 4, problems, 2, rl.Config()) == (
+        ["q0", "q0", "q1 told", "q1 told"], {0, 1})
