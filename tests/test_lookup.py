@@ -156,3 +156,9 @@ def test_the_lookup_task_may_hold_out_exactly_half_its_people():
         rl.validate(rl.Config(env="lookup", task=task, max_turns=6, eval_size=2048))
         with pytest.raises(rl.ConfigError, match="^--eval-size 3000: the lookup task holds"):
             rl.validate(rl.Config(env="lookup", task=task, max_turns=6, eval_size=3000))
+    run = subprocess.run([sys.executable, str(ROOT / "simple_rl.py"), "--env", "lookup",
+                          "--max-turns", "6", "--eval-size", "3000", "--check"],
+                         capture_output=True, text=True)  # the script: one sentence, exit 2
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "simple_rl: error: --eval-size 3000: the lookup task holds out at most 2048 questions.")

@@ -3,6 +3,7 @@ Gated DeltaNet state a sequence, in pages and blocks shared by both), what the b
 Gated DeltaNet layer and what its fp32 recomputation holds at its peak (measured on CPU), the
 micro-batch picked for Qwen3.5-4B, and Qwen3's estimates as they were."""
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 from make_checkpoint import PRESETS, QWEN35_PRESETS
 from torch.profiler import ProfilerActivity, profile
-from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 import batch_invariant_backward as bib
 import simple_rl as rl
-from helpers import random_step
+from helpers import make_qwen35_checkpoint, random_step
 
 GIB = 2**30
 
@@ -559,9 +560,6 @@ def test_qwen35_27b_cut_to_8_layers_is_the_model_its_gpu_run_counted():
     DeltaNet, 2 gated attention) was a model of 5.59B parameters, its 248320-row embedding and
     untied head included. Built from the preset on the meta device it must still be that
     model: 48 value heads or 24 query heads changed would move it by 0.1B or more."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM
-
     p = {**QWEN35_PRESETS["qwen3.5-27b"], "layers": 8}
     hf = Qwen3_5TextConfig(
         vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
@@ -578,10 +576,6 @@ def test_the_qwen35_builder_rotates_a_quarter_of_each_head_as_the_published_mode
     """helpers.make_qwen35_checkpoint (every preset's builder) writes what its docstring and
     make_checkpoint.py's comment say of the published Qwen3.5s: a quarter of each full-attention
     head rotated, rope theta 1e7, three linear-attention layers then a full one."""
-    import json
-
-    from helpers import make_qwen35_checkpoint
-
     config = json.loads((make_qwen35_checkpoint(tmp_path / "q") / "config.json").read_text())
     rope = config["rope_parameters"]
     assert (rope["partial_rotary_factor"], rope["rope_theta"]) == (0.25, 1e7)
